@@ -1,0 +1,95 @@
+"""Reference ragged paged attention: plain jnp, float32 softmax, nothing clever.
+
+This is the CPU attention path and the oracle for the Pallas kernels in `pallas_kernels/`.
+It follows the attention backend contract of DESIGN.md; any backend with the same signature can be
+passed to the model.
+
+The batch is a flat list of query tokens from many sequences ("ragged"). Worked example with
+page_size 4, two sequences:
+
+    query_start_loc = [0, 3, 4]      seq 0 owns tokens 0..2, seq 1 owns token 3
+    seq_lens        = [7, 10]        seq 0 had 4 cached tokens + 3 new; seq 1 had 9 cached + 1 new
+
+    token t:          0  1  2 | 3
+    sequence:         0  0  0 | 1
+    position:         4  5  6 | 9      position = seq_len - q_len + (t - query_start_loc[seq])
+    attends to keys:  0..4 0..5 0..6 | 0..9   (causal, its own sequence only)
+
+Every key position p of sequence s lives at page `block_tables[s, p // page_size]`, offset
+`p % page_size`. Tokens at or past `query_start_loc[-1]` are batch padding and get zeros.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# Legend: T=num_tokens S=num_seqs K=num_kv_heads G=query heads per KV head H=head_dim
+#         L=pages_per_seq*page_size (the longest context a block table can address)
+
+
+def reference_paged_attention(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """Causal attention of each query token over its own sequence's paged K/V.
+
+    Args:
+      q: queries, any float dtype.
+      k_pages, v_pages: the page pool of one layer, already holding this step's K/V.
+      block_tables: int32, page ids of each sequence; entries past a sequence's length are ignored.
+      seq_lens: int32, context length of each sequence after this step (0 for padding rows).
+      query_start_loc: int32, cumulative query lengths (sequence i owns tokens
+        `query_start_loc[i]:query_start_loc[i+1]`); padding rows repeat the total.
+      scale: softmax scale, usually `head_dim ** -0.5`.
+      soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)` before masking.
+
+    Returns:
+      Attention output in q's dtype; zeros for padding tokens.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must have shape ({num_seqs + 1},), got {query_start_loc.shape}")
+    group = num_heads // num_kv_heads
+    max_len = pages_per_seq * page_size
+
+    # Which sequence owns each token, and where in that sequence it sits.
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_idx = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")  # [T]
+    is_real = token_idx < query_start_loc[-1]
+    seq_idx = jnp.where(is_real, seq_idx, 0)
+    q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
+    position = seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx])  # [T]
+
+    # Contiguous K/V of each token's sequence: [K, T, pages_per_seq, page_size, H] -> [K, T, L, H].
+    pages = block_tables[seq_idx]  # [T, pages_per_seq]
+    k = k_pages[:, pages].reshape(num_kv_heads, num_tokens, max_len, head_dim)
+    v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, max_len, head_dim)
+
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
+    scores = jnp.einsum("tkgh,ktlh->tkgl", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)
+    visible = (key_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, L]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    # A row with no visible key (padding) would be softmax over all -inf = NaN; give it zeros.
+    has_key = jnp.any(visible, axis=-1)[:, None, None, None]
+    probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
+    # Masked probabilities are exactly 0, but 0 * NaN is NaN and pages a sequence does not own may
+    # hold anything: zero the values each token may not see.
+    v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("tkgl,ktlh->tkgh", probs, v)
+    out = jnp.where(has_key, out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
