@@ -1,0 +1,107 @@
+"""Small pieces both kernels share: backend choice, one online-softmax step, argument checks.
+
+Backend: the kernels are written for Pallas's Triton backend (`pl.pallas_call` with BlockSpecs and
+`jax.experimental.pallas.triton.CompilerParams`). Reasons:
+  * it is the backend of JAX's own `ops/gpu/paged_attention.py`, so the gather-a-block-of-pages
+    pattern (`k_pages_ref[page_ids]`) is known to lower; Mosaic GPU (the default from JAX 0.11,
+    Hopper only) wants warpgroup-level `plgpu.kernel` code and explicit TMA/barriers, a larger
+    rewrite that cannot be checked without a GPU;
+  * naming `CompilerParams` of the Triton backend explicitly makes `pallas_call` pick Triton even
+    where Mosaic GPU is the default;
+  * on CPU both kernels run in interpret mode, which is backend independent.
+The import is guarded so the package still imports (and interprets) on a JAX without the Triton
+backend; there `compiler_params` is left to the default.
+
+Only plain ref indexing is used inside the kernels (no `pl.load`/`pl.store`, which JAX removed), and
+every array a kernel materialises has power-of-two dimensions (a Triton requirement): the query
+heads of one KV head are padded up to a power of two by the wrappers.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:  # Triton backend; deprecated from JAX 0.11, possibly absent later.
+    from jax.experimental.pallas import triton as _pallas_triton
+except ImportError:  # pragma: no cover - depends on the installed JAX
+    _pallas_triton = None
+
+# Finite "minus infinity" for masked logits and the running max: exp(MASK - m) underflows to 0
+# without the inf - inf = NaN that a true -inf gives when a whole block is masked.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None means: compiled on a GPU, interpreted everywhere else (CPU, TPU)."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    if _pallas_triton is None:
+        return None
+    return _pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):
+    """One block of flash attention: fold keys `k`/values `v` into the running (out, max, sum).
+
+    q: [rows, head_dim]; k, v: [block_k, head_dim]; visible: bool [rows, block_k] (or broadcastable);
+    carry: out f32 [rows, head_dim], m f32 [rows], l f32 [rows].
+    Masked keys contribute exactly 0 even when their K/V hold NaN (pages a sequence does not own):
+    their logits are replaced before the max, their probabilities are zeroed, and the caller zeroes
+    their V rows (0 * NaN would still be NaN inside the matmul).
+    """
+    out_prev, m_prev, l_prev = carry
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    logits = logits * scale  # [rows, block_k]
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [rows]
+    probs = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)  # [rows, block_k]
+    correction = jnp.exp(m_prev - m_next)  # [rows]
+    l_next = correction * l_prev + probs.sum(axis=-1)
+    pv = lax.dot_general(
+        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )  # [rows, head_dim]
+    out_next = correction[:, None] * out_prev + pv
+    return out_next, m_next, l_next
+
+
+def check_common(q, k_pages, v_pages, block_tables, seq_lens, scale, soft_cap) -> None:
+    """Trace-time checks shared by both public functions; errors say what to change."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have the same shape")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, _, page_size, kv_head_dim = k_pages.shape
+    if head_dim != kv_head_dim:
+        raise ValueError(f"q's {head_dim=} differs from the pages' head_dim={kv_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if page_size & (page_size - 1) or head_dim & (head_dim - 1):
+        raise ValueError(f"{page_size=} and {head_dim=} must be powers of two for the GPU lowering")
+    if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(
+            f"block_tables must be an int [num_seqs, pages_per_seq] array, got {block_tables.dtype}{block_tables.shape}"
+        )
+    if seq_lens.shape != block_tables.shape[:1] or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise ValueError(
+            f"seq_lens must be int [{block_tables.shape[0]}] (one per block-table row), "
+            f"got {seq_lens.dtype}{seq_lens.shape}"
+        )
+    if not scale > 0:
+        raise ValueError(f"{scale=} must be positive (usually head_dim ** -0.5)")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{soft_cap=} must be positive or None")
