@@ -1,0 +1,123 @@
+"""One request's state on the host: its tokens, how many have K/V in the page pool, and its pages.
+
+Pure Python (no jax). The scheduler's hot loop reads these fields for every running sequence on
+every step, so the class is slotted and `token_ids` is one list appended in place.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from jaxpaged.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds pages; scheduled on every step it fits in the budget
+    PREEMPTED = "preempted"  # pages freed under memory pressure; queued again, recomputed from token 0
+    FINISHED = "finished"  # done; pages freed; finish_reason says why
+
+
+# Default ids for sequences created without one (tests, forks). The scheduler rejects duplicates.
+_next_seq_id = itertools.count()
+
+
+class Sequence:
+    """Per-request state.
+
+    Token layout (`num_computed_tokens` <= len(token_ids)):
+
+        token_ids:  [ prompt_token_ids ........ | output_token_ids ... ]
+                    [ K/V in pages: 0 .. num_computed_tokens-1 | not yet computed ]
+                    [ num_cached_tokens: found in the prefix cache at admission ]
+
+    While decoding, exactly the last token is not yet computed: num_computed_tokens == len(token_ids) - 1.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "prompt_token_ids",  # list[int], never changed
+        "output_token_ids",  # list[int], generated tokens, appended in place
+        "token_ids",  # list[int], prompt + output, appended in place (same tokens as the two above)
+        "status",  # SequenceStatus
+        "finish_reason",  # None | "stop" | "length" | "abort"
+        "num_computed_tokens",  # tokens whose K/V are in this sequence's pages
+        "num_cached_tokens",  # of those, tokens found in the prefix cache at the last admission
+        "block_table",  # list[int]: logical page i -> physical page id
+        "page_hashes",  # list[int]: chained hash of full page i of token_ids (a cache of the block manager)
+        "sampling_params",  # SamplingParams
+        "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
+        "cache_salt",  # None | str: separates tenants in the prefix cache
+        "eos_token_id",  # None | int: stops generation unless sampling_params.ignore_eos
+    )
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        seq_id: int | None = None,
+        cache_salt: str | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt has 0 tokens; give at least one token (e.g. the BOS token)")
+        self.seq_id = next(_next_seq_id) if seq_id is None else seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.page_hashes: list[int] = []
+        self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        self.arrival_idx = -1
+        self.cache_salt = cache_salt
+        self.eos_token_id = eos_token_id
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, block_table={self.block_table})"
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def copy_for_fork(self, seq_id: int | None = None) -> Sequence:
+        """A new sequence with this one's tokens and progress; pages are shared by the block manager."""
+        child = Sequence.__new__(Sequence)
+        child.seq_id = next(_next_seq_id) if seq_id is None else seq_id
+        child.prompt_token_ids = self.prompt_token_ids  # never mutated: safe to share
+        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.finish_reason = None
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_table = []  # filled by BlockManager.fork
+        child.page_hashes = list(self.page_hashes)
+        child.sampling_params = self.sampling_params
+        child.arrival_idx = self.arrival_idx
+        child.cache_salt = self.cache_salt
+        child.eos_token_id = self.eos_token_id
+        return child
