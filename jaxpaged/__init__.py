@@ -1,0 +1,25 @@
+"""jaxpaged: vLLM's PagedAttention serving design in JAX and Pallas.
+
+    from jaxpaged import LLM, SamplingParams
+
+The host side (sequence, block manager, scheduler, sampling params) never imports jax, so
+`LLM` and the engine are imported lazily: `import jaxpaged.scheduler` stays light.
+"""
+
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxpaged.llm import LLM
+
+        return LLM
+    if name == "EngineConfig":
+        from jaxpaged.engine_config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")

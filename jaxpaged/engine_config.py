@@ -1,0 +1,69 @@
+"""Engine arguments: one frozen dataclass that validates itself.
+
+Defaults depend on the platform: a GPU serves many long sequences, a 2-core CPU a few short ones
+(the CPU reference attention reads every slot a block table can address, so max_model_len is kept
+moderate there).
+"""
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pool size in pages (page 0 is the padding page); None: from memory
+    kv_memory_fraction: float = 0.8  # GPU: share of the memory left after weights given to KV pages
+    kv_memory_bytes: int | None = None  # explicit KV budget in bytes (wins over the fraction)
+    max_num_seqs: int | None = None  # sequences per step; None: 256 on GPU, 16 on CPU
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on GPU, 256 on CPU
+    max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
+    attention_backend: str = "auto"  # "auto": Pallas on GPU, the jnp reference on CPU
+    seed: int = 0  # draws the seeds of requests that give none
+    warmup: bool = True  # precompile every bucket at start-up
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a positive power of two (16 is usual)")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved for padding)")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for the platform default)")
+        if (self.max_num_seqs and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                f"{self.max_num_seqs}: every scheduled sequence computes at least one token")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+
+    def resolved(self, *, on_gpu: bool, model_max_len: int) -> "EngineConfig":
+        """The same config with every None default filled in for this platform and model."""
+        from dataclasses import replace
+
+        max_model_len = self.max_model_len or min(model_max_len, 4096 if on_gpu else 1024)
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens; "
+                f"lower max_model_len")
+        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
+        return replace(
+            self,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
+            attention_backend=(
+                ("pallas" if on_gpu else "reference") if self.attention_backend == "auto" else self.attention_backend
+            ),
+        )
