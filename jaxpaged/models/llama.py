@@ -1,0 +1,286 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over one paged KV buffer.
+
+The whole batch is a flat list of `num_tokens` tokens from many sequences (see `StepInput` in
+`jaxpaged/model_runner.py`). Per layer the model writes this step's K/V into the page pool by one
+scatter over `slot_mapping`, then calls the pluggable paged attention (DESIGN.md contract) on the
+layer's pages. The layers are one `nn.scan` over stacked parameters, and the KV buffer
+
+    kv_pages: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim]   (axis 1: K, V)
+
+rides in the scan carry, so XLA updates it in place when the caller donates it.
+"""
+
+from collections.abc import Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.attention import reference_paged_attention
+from jaxpaged.models.config import ModelConfig, RopeScaling
+
+# Einsum legend:
+#   T=num_tokens  S=num_seqs  D=hidden_size  F=intermediate_size  V=vocab_size
+#   N=num_heads   K=num_kv_heads  H=head_dim
+
+AttentionFn = Callable[..., Float[Array, "num_tokens num_heads head_dim"]]
+KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies of the `head_dim // 2` rotated pairs, with Llama-3 scaling if given."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    # Llama 3: long wavelengths (low frequencies) are slowed down by `factor`, short ones are
+    # kept, and the band between is interpolated smoothly.
+    wavelen = 2 * np.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    scaled = np.where((wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen), interpolated, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(
+    x: Float[Array, "num_tokens heads head_dim"],
+    cos: Float[Array, "num_tokens half"],
+    sin: Float[Array, "num_tokens half"],
+) -> Float[Array, "num_tokens heads head_dim"]:
+    """Rotate-half RoPE, as Hugging Face: dimension i pairs with i + head_dim/2."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, H/2], shared by every head
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def write_kv(
+    kv_pages: KVPages,
+    layer_idx: Int[Array, ""],
+    k: Float[Array, "num_tokens num_kv_heads head_dim"],
+    v: Float[Array, "num_tokens num_kv_heads head_dim"],
+    slot_mapping: Int[Array, "num_tokens"],
+) -> KVPages:
+    """Stores token t's K/V at slot `slot_mapping[t]` of layer `layer_idx`, by one scatter.
+
+        slot = page_id * page_size + offset      e.g. page_size 4: slot 13 -> page 3, offset 1
+
+    Padding tokens carry slot `num_pages * page_size`, i.e. page `num_pages`: out of range, and
+    `mode="drop"` discards them.
+    """
+    page_size = kv_pages.shape[4]
+    page_ids, offsets = slot_mapping // page_size, slot_mapping % page_size
+    new_kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)  # [T, 2, K, H]
+    # Indices on axes 0, 3, 4 are separated by slices, so the indexed (token) axis comes first:
+    # the update has shape [T, 2, K, H].
+    return kv_pages.at[layer_idx, :, :, page_ids, offsets].set(new_kv, mode="drop")
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float
+    dtype: jnp.dtype
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
+                 query_start_loc):
+        dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
+        q = jnp.einsum("TD,DNH->TNH", x, self.param("q_proj", _init, (dim, n, h), self.dtype))
+        key = jnp.einsum("TD,DKH->TKH", x, self.param("k_proj", _init, (dim, k, h), self.dtype))
+        value = jnp.einsum("TD,DKH->TKH", x, self.param("v_proj", _init, (dim, k, h), self.dtype))
+        if self.attention_bias:
+            q = q + self.param("q_bias", _init, (n, h), self.dtype)
+            key = key + self.param("k_bias", _init, (k, h), self.dtype)
+            value = value + self.param("v_bias", _init, (k, h), self.dtype)
+        if self.qk_norm:
+            q = RMSNorm(self.rms_norm_eps, self.dtype, name="q_norm")(q)
+            key = RMSNorm(self.rms_norm_eps, self.dtype, name="k_norm")(key)
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+
+        kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
+        out = self.attention_fn(
+            q, kv_pages[layer_idx, 0], kv_pages[layer_idx, 1], block_tables, seq_lens,
+            query_start_loc, scale=h**-0.5,
+        )  # [T, N, H]
+        y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
+        if self.o_proj_bias:
+            y = y + self.param("o_bias", _init, (dim,), self.dtype)
+        return y, kv_pages
+
+
+class MLP(nn.Module):
+    intermediate_size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "num_tokens dim"]) -> Float[Array, "num_tokens dim"]:
+        dim, f = x.shape[-1], self.intermediate_size
+        gate = jnp.einsum("TD,DF->TF", x, self.param("gate_proj", _init, (dim, f), self.dtype))
+        up = jnp.einsum("TD,DF->TF", x, self.param("up_proj", _init, (dim, f), self.dtype))
+        return jnp.einsum("TF,FD->TD", nn.silu(gate) * up, self.param("down_proj", _init, (f, dim), self.dtype))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; scanned over layers with the KV buffer in the carry."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, carry, layer_idx, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        x, kv_pages = carry
+        attn = Attention(
+            c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
+            c.rms_norm_eps, dtype, self.attention_fn, name="attn",
+        )
+        h, kv_pages = attn(
+            RMSNorm(c.rms_norm_eps, dtype, name="input_norm")(x), cos, sin, kv_pages, layer_idx,
+            slot_mapping, block_tables, seq_lens, query_start_loc,
+        )
+        x = x + h
+        x = x + MLP(c.intermediate_size, dtype, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attn_norm")(x))
+        return (x, kv_pages), None
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+    attention_fn: AttentionFn = reference_paged_attention
+
+    @nn.compact
+    def __call__(
+        self,
+        kv_pages: KVPages,
+        token_ids: Int[Array, "num_tokens"],
+        positions: Int[Array, "num_tokens"],
+        slot_mapping: Int[Array, "num_tokens"],
+        block_tables: Int[Array, "num_seqs pages_per_seq"],
+        seq_lens: Int[Array, "num_seqs"],
+        query_start_loc: Int[Array, "num_seqs_plus_1"],
+        logits_indices: Int[Array, "num_seqs"],
+    ) -> tuple[Float[Array, "num_seqs vocab_size"], KVPages]:
+        """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer."""
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        embedding = self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
+        x = embedding[token_ids]  # [T, D]
+
+        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
+            split_rngs={"params": True},
+            in_axes=(0,) + (nn.broadcast,) * 6,  # layer_idx is scanned, the step's arrays shared
+            length=c.num_layers,
+        )(c, self.attention_fn, name="layers")
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, kv_pages), _ = layers(
+            (x, kv_pages), layer_ids, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc
+        )
+
+        # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
+        # gathering first is exact and saves the vocab projection for every other token.
+        x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[logits_indices])  # [S, D]
+        if c.tie_word_embeddings:
+            lm_head = embedding.T
+        else:
+            lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
+        logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
+        return logits, kv_pages
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters (normal, std 0.02; norm scales 1) in `config.dtype`."""
+    num_pages, page_size, num_tokens = 2, 4, 4
+    kv_pages = jnp.zeros(
+        (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), config.dtype
+    )
+    zeros = jnp.zeros((num_tokens,), jnp.int32)
+    return CausalLM(config).init(
+        rng, kv_pages, zeros, zeros, zeros + num_pages * page_size, jnp.zeros((1, 1), jnp.int32),
+        jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32),
+    )
+
+
+def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> dict:
+    """Converts a Hugging Face state dict (names and (out, in) layout of `nn.Linear`) to params.
+
+    Layers are stacked along a leading `num_layers` axis, as `nn.scan` expects. Arrays are cast to
+    `config.dtype` and stay on the host (numpy); `jax.device_put` them, or hand them to
+    `ModelRunner`, which does. Raises KeyError naming any missing tensor.
+    """
+    c = config
+    dtype = jnp.dtype(c.dtype)
+
+    def tensor(name: str) -> np.ndarray:
+        if name not in state_dict:
+            raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
+        return np.asarray(state_dict[name], dtype=np.float32)
+
+    def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
+        return np.stack(layers).astype(dtype)
+
+    dim, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    attn = {
+        # (N*H, D) -> (D, N, H): rows of the HF weight are output features, head-major.
+        "q_proj": stacked("self_attn.q_proj.weight", lambda w: w.T.reshape(dim, n, h)),
+        "k_proj": stacked("self_attn.k_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        "v_proj": stacked("self_attn.v_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        "o_proj": stacked("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, dim)),  # (D, N*H)
+    }
+    if c.attention_bias:
+        attn["q_bias"] = stacked("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
+        attn["k_bias"] = stacked("self_attn.k_proj.bias", lambda b: b.reshape(k, h))
+        attn["v_bias"] = stacked("self_attn.v_proj.bias", lambda b: b.reshape(k, h))
+    if c.o_proj_bias:
+        attn["o_bias"] = stacked("self_attn.o_proj.bias", lambda b: b)
+    if c.qk_norm:
+        attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", lambda w: w)}
+        attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", lambda w: w)}
+    layers = {
+        "attn": attn,
+        "input_norm": {"scale": stacked("input_layernorm.weight", lambda w: w)},
+        "post_attn_norm": {"scale": stacked("post_attention_layernorm.weight", lambda w: w)},
+        "mlp": {
+            "gate_proj": stacked("mlp.gate_proj.weight", lambda w: w.T),  # (F, D) -> (D, F)
+            "up_proj": stacked("mlp.up_proj.weight", lambda w: w.T),
+            "down_proj": stacked("mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
+        },
+    }
+    params = {
+        "embedding": tensor("model.embed_tokens.weight").astype(dtype),  # (V, D)
+        "layers": layers,
+        "final_norm": {"scale": tensor("model.norm.weight").astype(dtype)},
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = tensor("lm_head.weight").T.astype(dtype)  # (V, D) -> (D, V)
+    return {"params": params}
