@@ -1,0 +1,208 @@
+"""Read a llama.cpp GGUF file into a Hugging Face config and a Hugging Face state dict.
+
+The output is the loader contract (see `loading.py`): a `transformers.LlamaConfig` and a
+`dict[str, np.ndarray]` in Hugging Face naming and layout, float32, so `llama.params_from_hf` does
+not know the weights came from a GGUF file. Three things differ from a Hugging Face checkpoint:
+
+1. Names: llama.cpp calls `model.layers.3.self_attn.q_proj.weight` `blk.3.attn_q.weight`.
+2. Quantization: most matrices are stored in blocks (Q4_1, Q8_0, ...); `gguf.quants.dequantize`
+   turns each into float32. What comes out is the quantized model's weights, not the original
+   bf16 ones: the oracle for tests is Hugging Face's own GGUF loader, never the original checkpoint.
+3. The rows of q_proj and k_proj are permuted (see `unpermute_qk_rows`).
+
+GGUF lists a tensor's dimensions fastest-first (`[in, out]` for a matrix); the reader's `data`
+is already a row-major numpy array of the reversed shape, `(out, in)`, which is Hugging Face's
+`nn.Linear` layout, so no transpose is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+# llama.cpp name (with `{i}` for the layer) -> Hugging Face name.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors llama.cpp writes that a Llama state dict has no place for (precomputed RoPE tables).
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` over `path` (memory-mapped, nothing is read until a tensor is used)."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {os.fspath(path)!r} does not exist; pass the path of a .gguf file")
+    return gguf.GGUFReader(os.fspath(path))
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every key/value field of the file as plain Python values (str, int, float, bool, lists)."""
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the header (version, counts), not metadata
+            continue
+        metadata[key] = field.contents()
+    return metadata
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for ignored tensors."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name in _IGNORED:
+        return None
+    parts = name.split(".")  # ["blk", "3", "attn_q", "weight"]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(
+        f"GGUF tensor {name!r} has no Hugging Face Llama name; this loader knows "
+        f"{sorted(_GLOBAL_NAMES)} and blk.N.{{{', '.join(_LAYER_NAMES)}}}.weight"
+    )
+
+
+def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of the rows of q_proj / k_proj (per head).
+
+    Hugging Face applies RoPE "rotate half": within a head of `head_dim` rows, row j pairs with row
+    j + head_dim/2. llama.cpp rotates adjacent pairs (2j, 2j+1), so its converter moved row j of the
+    first half to 2j and row j of the second half to 2j+1. For head_dim = 8, one head:
+
+        Hugging Face row:  0 1 2 3 | 4 5 6 7        (halves, pairs (0,4) (1,5) ...)
+        GGUF row:          0 4 1 5 2 6 3 7          (pairs adjacent)
+
+    Reading GGUF rows as `[head, pair_idx, half]` and swapping to `[head, half, pair_idx]` restores
+    the Hugging Face order. `num_heads` is the number of heads this matrix projects to (query heads
+    for q_proj, KV heads for k_proj). Works for a weight `(out, in)` or a bias `(out,)`.
+    """
+    num_rows = weight.shape[0]
+    if num_rows % (2 * num_heads):
+        raise ValueError(f"{num_rows=} rows cannot be split into {num_heads=} heads of an even head_dim")
+    half = num_rows // num_heads // 2
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # [head, pair_idx, half, ...]
+    return grouped.swapaxes(1, 2).reshape(weight.shape)  # [head, half, pair_idx, ...] flattened
+
+
+def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
+    """A `transformers.LlamaConfig` from the file's `llama.*` and `tokenizer.ggml.*` fields.
+
+    GGUF has no tying flag: the file ties the LM head to the embedding when it has no `output.weight`.
+    """
+    import transformers
+
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES}); "
+            "use a Hugging Face directory with config.json and *.safetensors instead"
+        )
+
+    def field(name: str, default: Any = None) -> Any:
+        key = f"{arch}.{name}"
+        if key not in metadata and default is None:
+            raise ValueError(f"GGUF metadata lacks {key!r}; the file is incomplete or not a {arch} model")
+        return metadata.get(key, default)
+
+    hidden_size = int(field("embedding_length"))
+    num_heads = int(field("attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", metadata.get(f"{arch}.rope.dimension_count", 0)))
+    head_dim = head_dim or hidden_size // num_heads
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = int(metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    if vocab_size == 0:
+        raise ValueError("GGUF metadata gives no vocabulary size (no llama.vocab_size, no tokenizer.ggml.tokens)")
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(field("feed_forward_length")),
+        num_hidden_layers=int(field("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(field("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(field("context_length")),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def load_gguf(path: str | os.PathLike):
+    """`(hf_config, state_dict)` of a GGUF Llama file: float32 numpy, Hugging Face names and layout.
+
+    A file without `output.weight` ties the LM head to the embedding: the config says
+    `tie_word_embeddings=True` and the state dict has no `lm_head.weight` (as Hugging Face's own).
+    """
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    metadata = read_metadata(reader)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = gguf_to_hf_config(metadata, tie_word_embeddings="output.weight" not in tensor_names)
+
+    state_dict: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        # `tensor.shape` is GGUF's fastest-first order; numpy's row-major shape is its reverse.
+        expected_shape = tuple(int(n) for n in reversed(tensor.shape))
+        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if weight.shape != expected_shape:
+            weight = weight.reshape(expected_shape)
+        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+            weight = unpermute_qk_rows(weight, config.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+            weight = unpermute_qk_rows(weight, config.num_key_value_heads)
+        state_dict[hf_name] = np.ascontiguousarray(weight)
+    check_llama_state_dict(config, state_dict)
+    return config, state_dict
+
+
+def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:
+    """Raise if a tensor is missing or has the wrong shape for `config` (catches a transposed read)."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
+    expected = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = (vocab, hidden)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        expected[prefix + "self_attn.q_proj.weight"] = (q_out, hidden)
+        expected[prefix + "self_attn.k_proj.weight"] = (kv_out, hidden)
+        expected[prefix + "self_attn.v_proj.weight"] = (kv_out, hidden)
+        expected[prefix + "self_attn.o_proj.weight"] = (hidden, q_out)
+        expected[prefix + "mlp.gate_proj.weight"] = (inter, hidden)
+        expected[prefix + "mlp.up_proj.weight"] = (inter, hidden)
+        expected[prefix + "mlp.down_proj.weight"] = (hidden, inter)
+        expected[prefix + "input_layernorm.weight"] = (hidden,)
+        expected[prefix + "post_attention_layernorm.weight"] = (hidden,)
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:3]}")
+    for name, shape in expected.items():
+        if state_dict[name].shape != shape:
+            raise ValueError(f"{name} has shape {state_dict[name].shape}, config implies {shape}")
