@@ -281,7 +281,11 @@ class Scheduler:
         while child.seq_id in self._unfinished:  # a caller-chosen id collided with a default one
             child.seq_id = Sequence([0]).seq_id
         child.status = RUNNING
-        self.running.insert(self.running.index(seq) + 1, child)
+        # After the parent and its earlier children (same arrival_idx): running stays in arrival order.
+        insert_idx = self.running.index(seq) + 1
+        while insert_idx < len(self.running) and self.running[insert_idx].arrival_idx == seq.arrival_idx:
+            insert_idx += 1
+        self.running.insert(insert_idx, child)
         self._unfinished[child.seq_id] = child
         return child
 
