@@ -1,0 +1,209 @@
+"""The decode kernel against the reference, in Pallas interpret mode on CPU.
+
+Every case pages K/V through a random permutation of page ids with NaN in every page a sequence
+does not own (and in the unused slots of its last page), so any read past a length fails; the
+oracle gets the same values in a plain, separately built layout (pallas_kernels.testing).
+Lengths 0 (batch padding), 1, page_size-1, page_size, page_size+1 and a long one share each batch.
+
+Tolerances: float32 1e-5 (same arithmetic, different summation order); bfloat16 2e-2 (the kernel
+rounds probabilities to bf16 before the PV matmul, as any bf16 GPU kernel does, and the output is
+bf16: ~3 significant digits).
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.attention import reference_paged_attention
+from pallas_kernels import decode_attention
+from pallas_kernels.testing import make_case
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def decode_lengths(page_size: int) -> list[int]:
+    return [1, page_size - 1, page_size, page_size + 1, 0, 5 * page_size + 3]
+
+
+def check_decode(
+    *,
+    page_size,
+    head_dim,
+    group,
+    dtype,
+    num_kv_heads=2,
+    soft_cap=None,
+    num_splits=3,
+    pages_per_compute_block=2,
+    seed=0,
+):
+    seq_lens = decode_lengths(page_size)
+    q_lens = [1 if n else 0 for n in seq_lens]
+    case = make_case(
+        np.random.default_rng(seed),
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    # Decode layout: one row per sequence, padding rows included (q_len 0 -> its query row is unused).
+    q = np.random.default_rng(seed + 1).standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
+    q = q.astype(dtype)
+    scale = head_dim**-0.5
+    got = decode_attention(
+        q,
+        case.k_pages,
+        case.v_pages,
+        case.block_tables,
+        case.seq_lens,
+        scale=scale,
+        soft_cap=soft_cap,
+        num_splits=num_splits,
+        pages_per_compute_block=pages_per_compute_block,
+        interpret=True,
+    )
+    # The oracle sees each sequence as one query token: query_start_loc = 0, 1, 2, ...
+    query_start_loc = np.arange(len(seq_lens) + 1, dtype=np.int32)
+    want = reference_paged_attention(
+        q,
+        case.oracle_k_pages,
+        case.oracle_v_pages,
+        case.oracle_block_tables,
+        case.seq_lens,
+        query_start_loc,
+        scale=scale,
+        soft_cap=soft_cap,
+    )
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.dtype == want.dtype and got.shape == q.shape
+    assert not np.isnan(got).any(), "a NaN page leaked into the output: the kernel read past a length"
+    padding = np.asarray(seq_lens) == 0
+    np.testing.assert_array_equal(got[padding], 0.0)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    # The outputs are not trivially small: a kernel returning zeros would fail above.
+    assert np.abs(want[~padding]).max() > 0.1
+
+
+# A covering set: every page size, head_dim, GQA ratio and dtype appears, mixed across cases.
+FAST_CASES = [
+    (16, 64, 1, jnp.float32),
+    (16, 128, 3, jnp.bfloat16),
+    (32, 64, 4, jnp.bfloat16),
+    (32, 128, 8, jnp.float32),
+    (16, 64, 8, jnp.bfloat16),
+    (32, 64, 3, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,group,dtype", FAST_CASES)
+def test_decode_matches_reference(page_size, head_dim, group, dtype):
+    check_decode(page_size=page_size, head_dim=head_dim, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_splits,pages_per_compute_block", [(1, 1), (8, 1), (2, 4)])
+def test_decode_split_and_block_sizes_agree(num_splits, pages_per_compute_block):
+    # 1 split = plain online softmax; 8 splits of 1 page = many combined partials, most splits empty
+    # for the short rows; 4-page blocks = the table is padded and whole blocks are masked.
+    check_decode(
+        page_size=16,
+        head_dim=64,
+        group=4,
+        dtype=jnp.float32,
+        num_splits=num_splits,
+        pages_per_compute_block=pages_per_compute_block,
+    )
+
+
+def test_decode_soft_cap():
+    check_decode(page_size=16, head_dim=64, group=3, dtype=jnp.float32, soft_cap=2.0, num_kv_heads=3)
+
+
+def test_decode_soft_cap_changes_the_result():
+    """Guards the soft-cap test above: with a cap this small the outputs really differ."""
+    case = make_case(
+        np.random.default_rng(3),
+        seq_lens=[40],
+        q_lens=[1],
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        page_size=16,
+        dtype=np.float32,
+    )
+    q = 4 * case.q  # large logits so that the cap bites
+    outs = [
+        np.asarray(
+            decode_attention(
+                q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, scale=0.125, soft_cap=cap, interpret=True
+            )
+        )
+        for cap in (None, 1.0)
+    ]
+    assert np.abs(outs[0] - outs[1]).max() > 1e-2
+
+
+def test_poison_is_live():
+    """Guards the NaN design of every test here: gathering the whole block table rows and masking
+    nothing gives NaN, so a kernel that reads past a length without masking fails the tests."""
+    case = make_case(
+        np.random.default_rng(0),
+        seq_lens=[17],
+        q_lens=[1],
+        num_kv_heads=1,
+        group=1,
+        head_dim=64,
+        page_size=16,
+        dtype=np.float32,
+    )
+    pages = case.v_pages[0, case.block_tables[0]]  # [pages_per_seq, page_size, H]
+    assert np.isnan(pages.reshape(-1, 64)[17:]).all()  # unused slots of the last page
+    assert not np.isnan(pages.reshape(-1, 64)[:17]).any()
+
+
+def _inputs(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, num_pages=8, pages_per_seq=3):
+    return dict(
+        q=jnp.zeros((num_seqs, num_heads, head_dim)),
+        k_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim)),
+        v_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim)),
+        block_tables=jnp.zeros((num_seqs, pages_per_seq), jnp.int32),
+        seq_lens=jnp.zeros((num_seqs,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(num_heads=6, num_kv_heads=4), "must be divisible by num_kv_heads"),
+        (dict(page_size=12), "powers of two"),
+        (dict(num_seqs=3), "block_tables has"),
+    ],
+)
+def test_decode_rejects_bad_shapes(change, message):
+    arguments = _inputs(**change)
+    if "num_seqs" in change:
+        arguments["block_tables"] = arguments["block_tables"][:2]
+        arguments["seq_lens"] = arguments["seq_lens"][:2]
+    with pytest.raises(ValueError, match=message):
+        decode_attention(**arguments, scale=0.125, interpret=True)
+
+
+def test_decode_rejects_bad_scale_and_block():
+    with pytest.raises(ValueError, match="scale"):
+        decode_attention(**_inputs(), scale=0.0, interpret=True)
+    with pytest.raises(ValueError, match="pages_per_compute_block"):
+        decode_attention(**_inputs(), scale=0.125, pages_per_compute_block=3, interpret=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page_size,head_dim,group,dtype",
+    list(itertools.product([16, 32], [64, 128], [1, 3, 4, 8], [jnp.float32, jnp.bfloat16])),
+)
+def test_decode_full_grid(page_size, head_dim, group, dtype):
+    check_decode(page_size=page_size, head_dim=head_dim, group=group, dtype=dtype, seed=7)
