@@ -148,18 +148,29 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
     )
 
 
-def load_gguf(path: str | os.PathLike):
-    """`(hf_config, state_dict)` of a GGUF Llama file: float32 numpy, Hugging Face names and layout.
+def load_gguf(path_or_reader, *, weights: bool = True):
+    """`(hf_config, state_dict, metadata)` of a GGUF Llama file.
 
+    The state dict is float32 numpy in Hugging Face names and layout (None when `weights=False`:
+    the config and tokenizer metadata come from the header alone, no tensor is dequantized).
     A file without `output.weight` ties the LM head to the embedding: the config says
     `tie_word_embeddings=True` and the state dict has no `lm_head.weight` (as Hugging Face's own).
+    Pass an open reader (`open_gguf`) to parse the file's header once for config and tokenizer.
     """
-    from gguf.quants import dequantize
-
-    reader = open_gguf(path)
+    reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_gguf(path_or_reader)
     metadata = read_metadata(reader)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = gguf_to_hf_config(metadata, tie_word_embeddings="output.weight" not in tensor_names)
+    if not weights:
+        return config, None, metadata
+    state_dict = dequantize_state_dict(reader, config)
+    check_llama_state_dict(config, state_dict)
+    return config, state_dict, metadata
+
+
+def dequantize_state_dict(reader, config) -> dict[str, np.ndarray]:
+    """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order."""
+    from gguf.quants import dequantize
 
     state_dict: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
@@ -169,15 +180,13 @@ def load_gguf(path: str | os.PathLike):
         # `tensor.shape` is GGUF's fastest-first order; numpy's row-major shape is its reverse.
         expected_shape = tuple(int(n) for n in reversed(tensor.shape))
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if weight.shape != expected_shape:
-            weight = weight.reshape(expected_shape)
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+        weight = weight.reshape(expected_shape)
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk_rows(weight, config.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_qk_rows(weight, config.num_key_value_heads)
         state_dict[hf_name] = np.ascontiguousarray(weight)
-    check_llama_state_dict(config, state_dict)
-    return config, state_dict
+    return state_dict
 
 
 def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,125 @@
+"""A disk cache of converted parameters (orbax), so the second start skips GGUF dequantization.
+
+Layout, one directory per cache entry:
+
+    $JAXPAGED_CACHE_DIR/params/<key>/          (default ~/.cache/jaxpaged/params/<key>/)
+        state/          orbax StandardCheckpointer output (any pytree of arrays)
+        COMPLETE        written last: its JSON records the key's inputs and every leaf's path,
+                        shape and dtype; no COMPLETE, no cache hit (a save cut short is ignored)
+
+`params_cache_key` hashes the source files' identity (absolute path, size, mtime) with the dtype and
+a caller-chosen format tag, so a changed file, another dtype, or a new conversion layout each get a
+new entry. An entry that fails to restore or does not match its record is deleted and reported as a
+miss (`restore_params` returns None): the caller converts again and saves, it never crashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Any, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "JAXPAGED_CACHE_DIR"
+_COMPLETE = "COMPLETE"
+
+
+def cache_root() -> str:
+    """`$JAXPAGED_CACHE_DIR/params`, default `~/.cache/jaxpaged/params`."""
+    base = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged")
+    return os.path.join(os.path.abspath(base), "params")
+
+
+def params_cache_key(source_files: Sequence[str], dtype: Any, format_tag: str = "v1") -> str:
+    """A short hex key naming the converted parameters of `source_files` in `dtype`.
+
+    Bump `format_tag` when the conversion changes (another parameter layout) to leave old entries.
+    """
+    if not source_files:
+        raise ValueError("params_cache_key needs at least one source file; pass the model's weight files")
+    parts = [f"format={format_tag}", f"dtype={np.dtype(dtype).name}"]
+    for path in sorted(os.path.abspath(p) for p in source_files):
+        stat = os.stat(path)
+        parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def entry_dir(key: str) -> str:
+    return os.path.join(cache_root(), key)
+
+
+def _leaf_record(params: Any) -> list[list]:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return [[jax.tree_util.keystr(path), list(np.shape(leaf)), np.dtype(leaf.dtype).name] for path, leaf in leaves]
+
+
+def save_params(params: Any, key: str) -> str:
+    """Write `params` (any pytree of jax or numpy arrays) under `key`; returns the entry directory.
+
+    Overwrites an existing entry. Written into a temporary sibling and renamed, then marked
+    COMPLETE, so a crash mid-save leaves no entry that `restore_params` would trust.
+    """
+    import orbax.checkpoint as ocp
+
+    final = entry_dir(key)
+    staging = f"{final}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(staging, "state"), params)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    with open(os.path.join(final, _COMPLETE), "w") as f:
+        json.dump({"key": key, "leaves": _leaf_record(params)}, f)
+    return final
+
+
+def restore_params(key: str, like: Any = None) -> Any | None:
+    """The parameters saved under `key`, or None on a miss (absent, partial, or corrupted entry).
+
+    `like`: a pytree of the expected structure (arrays or `jax.ShapeDtypeStruct`s); the result has its
+    tree type and each leaf its shape/dtype. Without it, the saved structure comes back (nested dicts).
+    A corrupted entry is deleted, so the caller's following `save_params` starts clean.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    final = entry_dir(key)
+    marker = os.path.join(final, _COMPLETE)
+    if not os.path.isfile(marker):
+        if os.path.exists(final):
+            logger.warning("params cache entry %s is incomplete; deleting it", final)
+            shutil.rmtree(final, ignore_errors=True)
+        return None
+    try:
+        with open(marker) as f:
+            record = json.load(f)
+        checkpointer = ocp.StandardCheckpointer()
+        if like is None:
+            params = checkpointer.restore(os.path.join(final, "state"))
+        else:
+            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), like)
+            params = checkpointer.restore(os.path.join(final, "state"), abstract)
+        checkpointer.close()
+        params = jax.block_until_ready(params)
+        saved, restored = record["leaves"], _leaf_record(params)
+        if like is not None:
+            # The restored tree takes `like`'s type, so compare structure-free: shapes and dtypes in order.
+            saved, restored = [leaf[1:] for leaf in saved], [leaf[1:] for leaf in restored]
+        if saved != restored:
+            raise ValueError(f"restored leaves do not match the saved record ({len(restored)} vs {len(saved)})")
+    except Exception as error:  # any unreadable entry is a miss, never a crash
+        logger.warning("params cache entry %s is unreadable (%s: %s); deleting it", final, type(error).__name__, error)
+        shutil.rmtree(final, ignore_errors=True)
+        return None
+    return params

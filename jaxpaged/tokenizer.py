@@ -1,0 +1,258 @@
+"""The tokenizer the engine uses: encode, decode, stream-decode, and the chat template.
+
+One class over a `tokenizers.Tokenizer` (the Rust fast tokenizer), built either from the metadata of
+a GGUF file (the bundled default model ships no tokenizer.json) or from a `transformers` tokenizer
+(a local Hugging Face directory). Host side: no jax, no torch.
+
+A GGUF byte-level BPE tokenizer ("gpt2" in llama.cpp's words) is rebuilt from:
+- `tokenizer.ggml.tokens`: the vocabulary, id = index, spelled in GPT-2's byte alphabet
+  (byte 0x20 ' ' is 'Ġ', ...);
+- `tokenizer.ggml.merges`: "a b" strings, best first;
+- `tokenizer.ggml.token_type`: 3 = control (special, matched whole, dropped by skip_special_tokens),
+  4 = user-defined (matched whole, kept in decoded text);
+- `tokenizer.ggml.pre`: the pre-split rule; `tokenizer.chat_template`: the jinja template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+_CONTROL = 3  # llama.cpp token types
+_USER_DEFINED = 4
+
+# llama.cpp pre-tokenizer names whose regex isolates every digit before the GPT-2 split
+# (SmolLM's tokenizer.json: Digits(individual_digits=True) then ByteLevel).
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template.
+
+    `encode(text, add_special_tokens=True)` adds what the model's tokenizer adds (a BOS where the
+    model wants one; SmolLM2 adds nothing). Special-token strings in the text (`<|im_start|>`) are
+    matched whole, as Hugging Face does, so a rendered chat template encodes correctly.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        extra_template_tokens: dict[str, str] | None = None,
+    ):
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token is not None else None
+        self.chat_template = chat_template
+        self._template_tokens = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        self._template_tokens.update(extra_template_tokens or {})
+        self._compiled_template = None
+
+    # ---- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path_or_metadata) -> "Tokenizer":
+        """From a GGUF file path, or from its metadata dict (`gguf.read_metadata`) to read it once."""
+        if isinstance(path_or_metadata, dict):
+            metadata = path_or_metadata
+        else:
+            from jaxpaged.models.gguf import open_gguf, read_metadata
+
+            metadata = read_metadata(open_gguf(path_or_metadata))
+        model_type = metadata.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {model_type!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "use the model's Hugging Face directory, whose tokenizer.json transformers can read"
+            )
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+
+        vocab = {token: token_id for token_id, token in enumerate(tokens)}
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if metadata.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+
+        # A control token spelled outside the byte alphabet would be a llama.cpp mislabel; adding
+        # it could not change the vocabulary size anyway since every token already has its id.
+        backend.add_special_tokens(
+            [
+                tokenizers.AddedToken(token, special=True, normalized=False)
+                for token, kind in zip(tokens, token_types)
+                if kind == _CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                tokenizers.AddedToken(token, special=False, normalized=False)
+                for token, kind in zip(tokens, token_types)
+                if kind == _USER_DEFINED
+            ]
+        )
+
+        def token_at(key: str) -> str | None:
+            token_id = metadata.get(f"tokenizer.ggml.{key}")
+            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+        bos_token = token_at("bos_token_id")
+        if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_token is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos_token} $A", pair=f"{bos_token} $A $B", special_tokens=[(bos_token, vocab[bos_token])]
+            )
+        extra = {name: tok for name, key in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+                 if (tok := token_at(key)) is not None}
+        return cls(
+            backend,
+            bos_token=bos_token,
+            eos_token=token_at("eos_token_id"),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            extra_template_tokens=extra,
+        )
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer) -> "Tokenizer":
+        """From a `transformers` fast tokenizer (e.g. `AutoTokenizer.from_pretrained(model_dir)`)."""
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                f"{type(hf_tokenizer).__name__} is a slow (Python) tokenizer; jaxpaged needs a fast one: "
+                "add tokenizer.json to the model directory or load it with use_fast=True"
+            )
+        template = hf_tokenizer.chat_template
+        if isinstance(template, dict):  # several named templates: the default one is the chat one
+            template = template.get("default")
+        extra = {name: str(getattr(hf_tokenizer, name)) for name in ("unk_token", "pad_token")
+                 if getattr(hf_tokenizer, name, None) is not None}
+        return cls(
+            backend,
+            bos_token=None if hf_tokenizer.bos_token is None else str(hf_tokenizer.bos_token),
+            eos_token=None if hf_tokenizer.eos_token is None else str(hf_tokenizer.eos_token),
+            chat_template=template,
+            extra_template_tokens=extra,
+        )
+
+    # ---- encode / decode ----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A streaming decoder for one sequence's output tokens (see `IncrementalDetokenizer`)."""
+        return IncrementalDetokenizer(self, list(prompt_token_ids), skip_special_tokens)
+
+    # ---- chat template ------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` ([{"role": "user", "content": "..."}, ...]) to the prompt text.
+
+        Same jinja environment as Hugging Face's `apply_chat_template` (trim_blocks, lstrip_blocks,
+        loop controls, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`), with the
+        special-token strings (`bos_token`, `eos_token`, ...) as variables. Encode the result with
+        `add_special_tokens=False` when the template writes the BOS itself.
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass a plain prompt instead of messages"
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        variables = dict(self._template_tokens)
+        variables.update(template_kwargs)
+        return self._compiled_template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+        )
+
+
+def _compile_template(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text pieces, emitting only complete characters.
+
+    One token can end in the middle of a UTF-8 character (an emoji is 4 bytes, often 2 tokens), and
+    byte-level BPE may decode a token differently once its neighbour is known. So each step decodes
+    a small window twice and emits the difference:
+
+        token_ids:  ... p p p r r r n      (p: prefix context, r: already emitted, n: new)
+                        ^prefix   ^read
+        before = decode(ids[prefix:read]);  after = decode(ids[prefix:])
+        emit after[len(before):] unless it ends in U+FFFD (an unfinished character: wait)
+
+    Invariant: the concatenation of everything emitted equals `decode(output ids)` once the
+    sequence ends (`flush()` emits a trailing unfinished character as U+FFFD, as `decode` does).
+    """
+
+    tokenizer: Tokenizer
+    token_ids: list[int]
+    skip_special_tokens: bool = True
+    prefix_idx: int = field(init=False)
+    read_idx: int = field(init=False)
+
+    def __post_init__(self):
+        # Start the window a few tokens back in the prompt so the first output token decodes with
+        # its left context (a leading space is spelled by the token, not added by the decoder).
+        self.read_idx = len(self.token_ids)
+        self.prefix_idx = max(0, self.read_idx - 5)
+
+    def step(self, token_id: int) -> str:
+        """Append one token; return the new complete text (may be empty)."""
+        self.token_ids.append(token_id)
+        before = self.tokenizer.decode(self.token_ids[self.prefix_idx : self.read_idx], self.skip_special_tokens)
+        after = self.tokenizer.decode(self.token_ids[self.prefix_idx :], self.skip_special_tokens)
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            return ""
+        self.prefix_idx = self.read_idx
+        self.read_idx = len(self.token_ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (an unfinished character decodes as U+FFFD)."""
+        before = self.tokenizer.decode(self.token_ids[self.prefix_idx : self.read_idx], self.skip_special_tokens)
+        after = self.tokenizer.decode(self.token_ids[self.prefix_idx :], self.skip_special_tokens)
+        self.prefix_idx = self.read_idx
+        self.read_idx = len(self.token_ids)
+        return after[len(before) :] if after.startswith(before) else ""
