@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random Hugging Face models (the float32 torch oracle) and stand-in
+scheduler outputs for the device side."""
+
+import types
+
+import numpy as np
+import pytest
+
+# Tiny configs, one per supported variant. Every one has GQA (4 query heads per 2 KV heads) and
+# 2 layers, so the layer scan really loops.
+_COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+)
+TINY_HF_CONFIGS = {
+    # Llama 3.x: llama3 RoPE scaling whose bands all fall inside head_dim 16 with a short
+    # original context, so scaled, interpolated and untouched frequencies are all exercised.
+    "llama3-untied": ("llama", dict(
+        tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", rope_theta=50000.0, factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=32),
+    )),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),  # SmolLM2-like
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, use_sliding_window=False)),  # q/k/v bias
+    # Qwen3: q/k RMSNorm, head_dim 32 != hidden_size / num_heads, and attention_bias, which in
+    # Qwen3 (as in Llama) puts a bias on the output projection too.
+    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, attention_bias=True)),
+}
+
+
+def tiny_hf_config(name: str):
+    from transformers import AutoConfig
+
+    model_type, overrides = TINY_HF_CONFIGS[name]
+    return AutoConfig.for_model(model_type, **_COMMON, **overrides)
+
+
+_HF_CACHE = {}
+
+
+@pytest.fixture
+def tiny_hf_model():
+    """`tiny_hf_model(name) -> (hf_config, torch model, numpy state dict)`, float32, eval mode.
+
+    HF initialises biases to 0 and norm weights to 1, which would hide a missing bias or norm:
+    every parameter is redrawn at random (norm weights around 1).
+    """
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    def build(name: str):
+        if name not in _HF_CACHE:
+            hf_config = tiny_hf_config(name)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(hf_config).float().eval()
+            with torch.no_grad():
+                for param_name, param in model.named_parameters():
+                    offset = 1.0 if "norm" in param_name else 0.0
+                    param.copy_(torch.randn_like(param) * 0.1 + offset)
+            state_dict = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+            _HF_CACHE[name] = (hf_config, model, state_dict)
+        return _HF_CACHE[name]
+
+    return build
+
+
+@pytest.fixture
+def hf_logits(tiny_hf_model):
+    """`hf_logits(name, token_ids) -> [len, vocab] float32 numpy`: one full causal forward."""
+    import torch
+
+    def run(name: str, token_ids):
+        _, model, _ = tiny_hf_model(name)
+        with torch.no_grad():
+            return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+    return run
+
+
+def make_seq(token_ids, num_computed_tokens=0, block_table=()):
+    """A stand-in for `jaxpaged.sequence.Sequence`, with only what `prepare_step_input` reads."""
+    return types.SimpleNamespace(
+        token_ids=list(token_ids), num_computed_tokens=num_computed_tokens, block_table=list(block_table)
+    )
+
+
+def make_scheduler_output(seqs, num_new_tokens, copies=()):
+    """A stand-in for `jaxpaged.scheduler.SchedulerOutput`."""
+    return types.SimpleNamespace(
+        seqs=list(seqs), num_new_tokens=list(num_new_tokens), copies=list(copies),
+        num_batched_tokens=int(np.sum(num_new_tokens)),
+    )
+
+
+@pytest.fixture
+def fake_step():
+    """`(make_seq, make_scheduler_output)`: stand-ins for Sequence and SchedulerOutput."""
+    return make_seq, make_scheduler_output
