@@ -1,0 +1,208 @@
+"""On-device batched sampling: one jitted call draws one token per output row.
+
+Each output row r reads logits row `row_idx[r]`, so the engine can draw n samples from one prompt's
+logits (fan-out) without copying logits on the host. Per row, in the order of vLLM / Hugging Face:
+
+    raw logits x ──► greedy? (temperature 0) ──────────────────────► argmax(x)   (ties: lowest id)
+         │
+         └─► x / temperature ─► top-k ─► top-p ─► min-p ─► argmax(kept + gumbel)   (= a draw from
+                                 (rank)   (nucleus   (>= min_p * max prob)             the renormalized
+                                          over the                                     distribution)
+                                          renormalized top-k)
+
+The returned log-probability is always that of the model's unmodified distribution,
+`log_softmax(x)[token]`, whatever filters chose the token.
+
+Reproducibility: row r's randomness is `gumbel(fold_in(key(seed[r]), step[r]), (vocab_size,))`,
+one noise value per token id, so a seeded request draws the same tokens alone or in any batch, at
+any row, in any bucket. The filters decide only which token ids are kept; whether a batch took the
+sorted path (some row needs top-k / top-p) or not changes nothing for a row that needs neither.
+
+Ranges assumed (SamplingParams validates them; nothing is checked here):
+  temperature: 0 (greedy) or > 0; values below 1e-5 are treated as greedy, since dividing logits by
+    them overflows float32.
+  top_k: <= 0 or >= vocab_size means off; otherwise keep the k highest (ties broken by lower id).
+  top_p: in (0, 1]; 1 means off. Keeps the smallest prefix of the sorted top-k distribution whose
+    mass reaches top_p (always at least the most likely token).
+  min_p: in [0, 1]; 0 means off. Keeps tokens whose probability is >= min_p * the largest one.
+  seed: any Python int, taken modulo 2**32. step: >= 0, the number of tokens the sequence has
+    generated so far.
+  row_idx: in [0, num_seqs) of the logits it is used with (JAX clamps out-of-range gathers).
+
+Cost: an all-greedy batch draws no noise and sorts nothing; a batch where no sampling row uses
+top-k or top-p draws noise but sorts nothing (`jax.lax.cond`); otherwise every row is sorted once.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, UInt
+
+# Legend: R=num_rows (output rows, a bucket size) S=num_seqs (logits rows) V=vocab_size
+
+GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM's _SAMPLING_EPS)
+PRNG_IMPL = "threefry2x32"  # fixed so that seeded outputs do not depend on jax_default_prng_impl
+
+
+class RowSpec(NamedTuple):
+    """What one output row samples: the host-side form of a `SamplingArrays` row."""
+
+    row_idx: int  # which logits row to sample from
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0  # tokens this sequence has generated so far; with seed, fixes the draw
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-output-row sampling parameters on device, padded to the bucket size `num_rows`.
+
+    Padding rows are greedy reads of logits row 0; the engine ignores their tokens.
+    """
+
+    row_idx: Int[Array, "num_rows"]  # int32, logits row each output row samples from
+    temperature: Float[Array, "num_rows"]  # float32, 0 = greedy argmax of the raw logits
+    top_k: Int[Array, "num_rows"]  # int32, <= 0 = off
+    top_p: Float[Array, "num_rows"]  # float32, 1 = off
+    min_p: Float[Array, "num_rows"]  # float32, 0 = off
+    seed: UInt[Array, "num_rows"]  # uint32, the request's seed
+    step: Int[Array, "num_rows"]  # int32, tokens generated so far (folded into the seed's key)
+
+
+def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> SamplingArrays:
+    """Packs per-row specs (RowSpec or tuples in RowSpec's field order) into padded device arrays."""
+    if len(rows) > num_rows:
+        raise ValueError(
+            f"{len(rows)} sampling rows do not fit in a bucket of {num_rows=}; "
+            "pick a bucket with at least as many rows as sampled sequences"
+        )
+    specs = [row if isinstance(row, RowSpec) else RowSpec(*row) for row in rows]
+    padding = [RowSpec(row_idx=0)] * (num_rows - len(specs))
+    specs += padding
+    arrays = SamplingArrays(
+        row_idx=np.array([s.row_idx for s in specs], np.int32),
+        temperature=np.array([s.temperature for s in specs], np.float32),
+        top_k=np.array([s.top_k for s in specs], np.int32),
+        top_p=np.array([s.top_p for s in specs], np.float32),
+        min_p=np.array([s.min_p for s in specs], np.float32),
+        seed=np.array([s.seed % 2**32 for s in specs], np.uint32),
+        step=np.array([s.step for s in specs], np.int32),
+    )
+    return jax.device_put(arrays)
+
+
+def _rank_keep_mask(
+    scaled: Float[Array, "num_rows vocab_size"], params: SamplingArrays
+) -> Bool[Array, "num_rows vocab_size"]:
+    """Top-k then top-p, decided on each row's logits sorted high to low, mapped back to token ids.
+
+    Sorted position j of a row holds token `order[j]`. With probabilities p (after top-k) sorted
+    descending, top-p keeps position j when the mass strictly before it is < top_p:
+
+        p sorted:          0.5   0.3   0.15  0.05        top_p = 0.8
+        mass before j:     0.0   0.5   0.8   0.95
+        kept:              yes   yes   no    no          (0.5 + 0.3 reaches 0.8: the smallest prefix)
+    """
+    num_rows, vocab_size = scaled.shape
+    token_ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    # A stable sort on the negated logits: descending, equal logits in increasing token id.
+    neg_sorted, order = jax.lax.sort((-scaled, token_ids), dimension=1, num_keys=1, is_stable=True)
+    sorted_logits = -neg_sorted  # [R, V]
+    rank = token_ids  # [R, V], sorted position j in every row
+
+    top_k = params.top_k[:, None]  # [R, 1]
+    keep_k = (top_k <= 0) | (rank < top_k)
+    masked = jnp.where(keep_k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=1)
+    mass_before = jnp.cumsum(probs, axis=1) - probs
+    top_p = params.top_p[:, None]
+    # top_p >= 1 keeps everything explicitly: float cumsums can reach 1.0 before the tail ends.
+    keep_p = (top_p >= 1.0) | (mass_before < top_p) | (rank == 0)
+    keep_sorted = keep_k & keep_p
+
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 0)
+    return jnp.zeros(scaled.shape, jnp.bool_).at[row_ids, order].set(keep_sorted, unique_indices=True)
+
+
+def _processed_logits(
+    raw: Float[Array, "num_rows vocab_size"], params: SamplingArrays
+) -> Float[Array, "num_rows vocab_size"]:
+    """Temperature, top-k, top-p and min-p applied: scaled logits, -inf outside the kept tokens."""
+    vocab_size = raw.shape[1]
+    is_random = params.temperature >= GREEDY_TEMPERATURE
+    temperature = jnp.where(is_random, params.temperature, 1.0)
+    scaled = raw / temperature[:, None]
+
+    top_k_on = (params.top_k > 0) & (params.top_k < vocab_size)
+    needs_sort = is_random & (top_k_on | (params.top_p < 1.0))
+    keep = jax.lax.cond(
+        jnp.any(needs_sort),
+        lambda: _rank_keep_mask(scaled, params),
+        lambda: jnp.ones(scaled.shape, jnp.bool_),
+    )
+    # min-p in log space: p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p). The most likely token
+    # survives top-k and top-p, so filtering before or after renormalizing is the same.
+    row_max = jnp.max(scaled, axis=1, keepdims=True)
+    keep &= scaled - row_max >= jnp.log(params.min_p)[:, None]
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _gumbel_noise(params: SamplingArrays, vocab_size: int) -> Float[Array, "num_rows vocab_size"]:
+    def row_noise(seed, step):
+        key = jax.random.fold_in(jax.random.key(seed, impl=PRNG_IMPL), step)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+    return jax.vmap(row_noise)(params.seed, params.step)
+
+
+@jax.jit
+def sampling_logits(
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+) -> Float[Array, "num_rows vocab_size"]:
+    """The logits each output row samples from: scaled by temperature, -inf outside the kept tokens.
+
+    Rows with temperature 0 are returned unscaled and unfiltered. For tests and inspection;
+    `sample` computes the same thing inline.
+    """
+    return _processed_logits(logits.astype(jnp.float32)[params.row_idx], params)
+
+
+@jax.jit
+def sample(
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+) -> tuple[Int[Array, "num_rows"], Float[Array, "num_rows"]]:
+    """Draws one token per output row.
+
+    Args:
+      logits: float logits (cast to float32), one row per scheduled sequence, padding rows allowed.
+      params: per-output-row parameters from `make_sampling_arrays`; row r samples from
+        `logits[params.row_idx[r]]`.
+
+    Returns:
+      token_ids: int32 [num_rows], the chosen token of each output row.
+      logprobs: float32 [num_rows], `log_softmax(logits[row_idx])` at the chosen token, i.e. under
+        the model's unmodified distribution.
+
+    Compiles once per (num_seqs, num_rows, vocab_size); parameter values never retrace.
+    """
+    raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
+    vocab_size = raw.shape[1]
+    greedy_ids = jnp.argmax(raw, axis=1).astype(jnp.int32)
+    is_random = params.temperature >= GREEDY_TEMPERATURE
+
+    def random_ids():
+        perturbed = _processed_logits(raw, params) + _gumbel_noise(params, vocab_size)
+        drawn = jnp.argmax(perturbed, axis=1).astype(jnp.int32)
+        return jnp.where(is_random, drawn, greedy_ids)
+
+    token_ids = jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
+    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0]
+    logprobs = chosen - jax.nn.logsumexp(raw, axis=1)
+    return token_ids, logprobs

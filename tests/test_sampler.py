@@ -1,0 +1,289 @@
+"""The batched sampler: greedy exactness, seeded reproducibility across batches, the filters'
+supports against a plain numpy oracle, empirical distributions, logprobs, and no retracing."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.sampler import RowSpec, make_sampling_arrays, sample, sampling_logits
+
+# A hand-made distribution over 6 tokens, stored at shuffled ids so that "most likely" is not "lowest id".
+HAND_PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+HAND_IDS = np.array([4, 0, 5, 2, 1, 3])  # HAND_PROBS[i] belongs to token HAND_IDS[i]
+
+
+def hand_logits() -> np.ndarray:
+    logits = np.empty(6, np.float32)
+    logits[HAND_IDS] = np.log(HAND_PROBS)
+    return logits[None, :]  # [1, 6]
+
+
+def draw_many(logits: np.ndarray, num_draws: int, **spec) -> np.ndarray:
+    """num_draws samples from logits row 0, one output row per draw, seeds 0..num_draws-1."""
+    rows = [RowSpec(row_idx=0, seed=seed, **spec) for seed in range(num_draws)]
+    token_ids, _ = sample(jnp.asarray(logits), make_sampling_arrays(rows, num_draws))
+    return np.asarray(token_ids)
+
+
+def chi_square(token_ids: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(token_ids, minlength=len(probs))
+    expected = probs * len(token_ids)
+    return float(np.sum((counts - expected) ** 2 / expected))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+# --- greedy ---------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_of_raw_logits_with_ties_to_lowest_id():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, 300)).astype(np.float32)
+    logits[1, [17, 200]] = 10.0  # a tie at the top: argmax takes 17
+    logits[3, 299] = 10.0  # the last id wins
+    # Greedy rows carry filters and seeds that must be ignored.
+    rows = [RowSpec(i, temperature=0.0, top_k=3, top_p=0.5, min_p=0.5, seed=i) for i in range(5)]
+    token_ids, _ = sample(jnp.asarray(logits), make_sampling_arrays(rows, 8))
+    token_ids = np.asarray(token_ids)
+    np.testing.assert_array_equal(token_ids[:5], np.argmax(logits, axis=1))
+    assert token_ids[1] == 17 and token_ids[3] == 299
+    np.testing.assert_array_equal(token_ids[5:], np.argmax(logits[0]))  # padding rows read row 0
+
+
+def test_top_k_1_is_greedy_for_any_seed_and_temperature():
+    logits = np.random.default_rng(1).normal(size=(1, 500)).astype(np.float32)
+    logits[0, [40, 41]] = logits.max() + 1.0  # a tie: the sort is stable, so 40 is the one kept
+    token_ids = draw_many(logits, 200, temperature=1.5, top_k=1)
+    assert set(token_ids.tolist()) == {40}
+
+
+# --- reproducibility ------------------------------------------------------------------------------
+
+
+def test_seeded_row_draws_the_same_tokens_in_any_batch_position_and_bucket():
+    vocab_size = 1000
+    rng = np.random.default_rng(2)
+    target_logits = rng.normal(size=vocab_size).astype(np.float32)  # high entropy: draws vary by step
+    target = dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.01, seed=1234)
+    filtered_target = dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.0, seed=99)
+
+    def run(target_spec, num_rows, position, neighbours, steps):
+        """Target sampled at `position` among `neighbours` (other rows' specs) in a bucket of num_rows."""
+        out = []
+        for step in steps:
+            logits = rng.normal(size=(num_rows, vocab_size)).astype(np.float32)  # fresh noise elsewhere
+            logits[position] = target_logits
+            rows = [RowSpec(i, *spec[1:]) for i, spec in enumerate(neighbours)]
+            rows.insert(position, RowSpec(position, step=step, **target_spec))
+            token_ids, _ = sample(jnp.asarray(logits), make_sampling_arrays(rows, num_rows))
+            out.append(int(token_ids[position]))
+        return out
+
+    steps = range(8)
+    sorting_neighbours = [RowSpec(0, 1.0, 5, 0.5, 0.0, seed) for seed in range(5)]  # forces the sort path
+    greedy_neighbours = [RowSpec(0)] * 2
+    for spec in (target, filtered_target):
+        alone = run(spec, 1, 0, [], steps)
+        assert len(set(alone)) > 3, "the target row should draw different tokens at different steps"
+        assert run(spec, 8, 5, sorting_neighbours, steps) == alone
+        assert run(spec, 4, 2, greedy_neighbours, steps) == alone
+
+
+def test_fan_out_rows_from_one_logits_row_draw_independently():
+    logits = np.zeros((2, 1000), np.float32)  # row 0 uniform: 8 draws almost surely differ
+    logits[1, 7] = 100.0
+    rows = [RowSpec(0, temperature=1.0, seed=s) for s in range(8)] + [RowSpec(1, temperature=1.0, seed=3)]
+    token_ids = np.asarray(sample(jnp.asarray(logits), make_sampling_arrays(rows, 16))[0])
+    assert len(set(token_ids[:8].tolist())) >= 6
+    assert token_ids[8] == 7  # row 8 reads logits row 1
+    # Same (seed, step) on the same logits row: the same token, wherever the row sits.
+    rows = [RowSpec(0, temperature=1.0, seed=5, step=2)] * 3
+    token_ids = np.asarray(sample(jnp.asarray(logits), make_sampling_arrays(rows, 16))[0])
+    assert len(set(token_ids[:3].tolist())) == 1
+
+
+# --- filters: supports ----------------------------------------------------------------------------
+
+
+def test_top_k_never_samples_outside_the_k_largest():
+    logits = np.random.default_rng(3).normal(size=(1, 50)).astype(np.float32)
+    top5 = set(np.argsort(-logits[0])[:5].tolist())
+    token_ids = draw_many(logits, 3000, temperature=2.0, top_k=5)
+    assert set(token_ids.tolist()) == top5  # never outside, and every one of the five appears
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, num_kept",
+    [
+        (0, 0.75, 3),  # 0.40 + 0.25 = 0.65 < 0.75, + 0.15 = 0.80: three tokens
+        (0, 0.30, 1),  # the most likely token alone already has 0.40
+        (0, 0.66, 3),  # 0.65 just misses
+        (3, 0.75, 2),  # top-p runs on the renormalized top 3: 0.50 + 0.3125 >= 0.75
+    ],
+)
+def test_top_p_keeps_exactly_the_smallest_prefix_reaching_p(top_k, top_p, num_kept):
+    token_ids = draw_many(hand_logits(), 3000, temperature=1.0, top_k=top_k, top_p=top_p)
+    assert set(token_ids.tolist()) == set(HAND_IDS[:num_kept].tolist())
+
+
+def test_min_p_excludes_tokens_below_min_p_times_max():
+    # min_p 0.3 -> threshold 0.3 * 0.40 = 0.12: keeps 0.40, 0.25, 0.15; drops 0.10, 0.06, 0.04.
+    token_ids = draw_many(hand_logits(), 3000, temperature=1.0, min_p=0.3)
+    assert set(token_ids.tolist()) == set(HAND_IDS[:3].tolist())
+
+
+def reference_kept_ids(logits: np.ndarray, spec: RowSpec) -> set[int]:
+    """Plain per-row float64 oracle of the HF/vLLM filter chain: which token ids stay samplable."""
+    x = logits.astype(np.float64) / spec.temperature
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if 0 < spec.top_k < len(x):
+        order = order[: spec.top_k]
+    probs = softmax(x[order])
+    kept, mass = [], 0.0
+    for token_id, p in zip(order, probs):
+        if mass >= spec.top_p and spec.top_p < 1.0:
+            break
+        kept.append(token_id)
+        mass += p
+    full_probs = softmax(x)
+    return {i for i in kept if full_probs[i] >= spec.min_p * full_probs.max()}
+
+
+def test_filter_supports_match_a_numpy_oracle_on_random_parameters():
+    rng = np.random.default_rng(4)
+    num_rows, vocab_size = 48, 64
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 2.0).astype(np.float32)
+    rows = [
+        RowSpec(
+            row_idx=r,
+            temperature=float(rng.choice([0.3, 1.0, 1.7])),
+            top_k=int(rng.choice([0, 1, 5, 20, vocab_size, 100])),
+            top_p=float(rng.choice([1.0, rng.uniform(0.05, 0.99)])),
+            min_p=float(rng.choice([0.0, rng.uniform(0.01, 0.5)])),
+        )
+        for r in range(num_rows)
+    ]
+    processed = np.asarray(sampling_logits(jnp.asarray(logits), make_sampling_arrays(rows, num_rows)))
+    for r, spec in enumerate(rows):
+        kept = set(np.flatnonzero(np.isfinite(processed[r])).tolist())
+        assert kept == reference_kept_ids(logits[r], spec), f"row {r}: {spec}"
+        np.testing.assert_allclose(processed[r][list(kept)], logits[r][list(kept)] / spec.temperature, rtol=1e-6)
+
+
+def test_top_p_1_keeps_the_whole_vocabulary_when_the_mass_rounds_to_1_early():
+    # Token 0 holds all but ~e^-60 of the mass, so a float32 cumsum is 1.0 from position 1 on; a
+    # top_p=1 row must still keep everything, like it does when no row in the batch sorts.
+    logits = np.zeros((1, 32), np.float32)
+    logits[0, 0] = 60.0
+    rows = [RowSpec(0, temperature=1.0, top_p=1.0), RowSpec(0, temperature=1.0, top_k=2)]  # row 1 sorts
+    processed = np.asarray(sampling_logits(jnp.asarray(logits), make_sampling_arrays(rows, 2)))
+    assert np.isfinite(processed[0]).all()
+    assert np.isfinite(processed[1]).sum() == 2
+
+
+def primitive_paths(jaxpr, path=()):
+    """(primitive name, names of the enclosing higher-order primitives) for every equation."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name, path
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from primitive_paths(sub, path + (eqn.primitive.name,))
+
+
+def test_sorting_and_noise_happen_only_inside_conditionals():
+    logits = jnp.zeros((4, 128), jnp.float32)
+    jaxpr = jax.make_jaxpr(sample)(logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
+    paths = list(primitive_paths(jaxpr))
+    sorts = [path for name, path in paths if name == "sort"]
+    noise = [path for name, path in paths if name in ("random_bits", "threefry2x32")]
+    assert sorts and noise
+    assert all(path.count("cond") == 2 for path in sorts)  # skipped unless a sampling row needs it
+    assert all(path.count("cond") == 1 for path in noise)  # skipped when every row is greedy
+
+
+# --- distributions --------------------------------------------------------------------------------
+
+# Chi-square 99.9% quantile with 7 degrees of freedom (8 tokens): a correct sampler passes with these
+# fixed seeds; a wrong temperature gives statistics in the hundreds or thousands.
+CHI2_7_DOF_999 = 24.32
+DIST_LOGITS = np.array([[1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.5]], np.float32)
+
+
+def test_temperature_1_matches_softmax():
+    token_ids = draw_many(DIST_LOGITS, 20000, temperature=1.0)
+    assert chi_square(token_ids, softmax(DIST_LOGITS[0])) < CHI2_7_DOF_999
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_rescales_the_distribution(temperature):
+    token_ids = draw_many(DIST_LOGITS, 20000, temperature=temperature)
+    assert chi_square(token_ids, softmax(DIST_LOGITS[0] / temperature)) < CHI2_7_DOF_999
+    assert chi_square(token_ids, softmax(DIST_LOGITS[0])) > 10 * CHI2_7_DOF_999  # not the T=1 one
+    top_share = np.mean(token_ids == 4)  # token 4 has the largest logit
+    assert (top_share > softmax(DIST_LOGITS[0])[4]) == (temperature < 1.0)  # sharper below 1
+
+
+# --- logprobs -------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_log_softmax_of_raw_logits_at_the_chosen_ids():
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(4, 200)) * 3.0).astype(np.float32)
+    rows = [
+        RowSpec(0),
+        RowSpec(1, temperature=0.5, top_k=10, seed=1),
+        RowSpec(2, temperature=2.0, top_p=0.5, min_p=0.1, seed=2),
+        RowSpec(2, temperature=1.0, seed=3),
+        RowSpec(3, temperature=0.7, seed=4, step=9),
+    ]
+    token_ids, logprobs = sample(jnp.asarray(logits), make_sampling_arrays(rows, 8))
+    token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
+    row_idx = np.array([r.row_idx for r in rows])
+    x = logits[row_idx].astype(np.float64)
+    log_softmax = x - x.max(1, keepdims=True) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
+    expected = log_softmax[np.arange(len(rows)), token_ids[: len(rows)]]
+    np.testing.assert_allclose(logprobs[: len(rows)], expected, atol=1e-5)
+    assert token_ids[0] == np.argmax(logits[0])
+
+
+# --- compilation ----------------------------------------------------------------------------------
+
+
+def test_parameter_values_never_recompile_only_new_buckets_do():
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(4, 128)).astype(np.float32))
+    batches = [
+        [RowSpec(0)],  # all greedy: neither noise nor sort
+        [RowSpec(1, temperature=0.8, seed=3, step=4)],  # sampling, no sort
+        [RowSpec(2, temperature=1.2, top_k=7, seed=1), RowSpec(0, min_p=0.2)],  # sort path
+        [RowSpec(3, temperature=0.4, top_p=0.3, min_p=0.1, seed=2**40 + 1, step=100)] * 3,
+    ]
+    sample(logits, make_sampling_arrays(batches[0], 4))[0].block_until_ready()  # warm-up
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        for rows in batches:
+            sample(logits, make_sampling_arrays(rows, 4))[0].block_until_ready()
+        assert compiles == []
+        sample(logits, make_sampling_arrays(batches[0], 8))[0].block_until_ready()  # a new bucket
+        assert len(compiles) >= 1  # the listener does see compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+
+
+def test_make_sampling_arrays_pads_and_rejects_overfull_buckets():
+    arrays = make_sampling_arrays([(2, 0.5, 3, 0.9, 0.1, 2**32 + 7, 11)], 3)
+    np.testing.assert_array_equal(np.asarray(arrays.row_idx), [2, 0, 0])
+    np.testing.assert_array_equal(np.asarray(arrays.temperature), np.float32([0.5, 0.0, 0.0]))
+    np.testing.assert_array_equal(np.asarray(arrays.seed), [7, 0, 0])  # seeds are taken modulo 2**32
+    np.testing.assert_array_equal(np.asarray(arrays.step), [11, 0, 0])
+    with pytest.raises(ValueError, match="do not fit in a bucket"):
+        make_sampling_arrays([RowSpec(0)] * 3, 2)
