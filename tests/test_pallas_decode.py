@@ -207,3 +207,41 @@ def test_decode_rejects_bad_scale_and_block():
 )
 def test_decode_full_grid(page_size, head_dim, group, dtype):
     check_decode(page_size=page_size, head_dim=head_dim, group=group, dtype=dtype, seed=7)
+
+
+# --- benchmarks/bench_kernels.py: the paths that can run without a GPU --------------------------
+
+
+def _load_bench():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_refuses_without_gpu(capsys):
+    bench = _load_bench()
+    if bench.jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present: the refusal path does not apply")
+    assert bench.main([]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeats", "0"])
+
+
+@pytest.mark.slow
+def test_bench_dry_run_writes_json(tmp_path):
+    import json
+
+    bench = _load_bench()
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("kernels-*-dry-run.json")
+    report = json.loads(path.read_text())
+    impls = {row["impl"] for row in report["rows"]}
+    assert {"ours decode_attention", "ours paged_attention (ragged)", "dense jax.nn.dot_product_attention"} <= impls
+    # bf16 inputs: every peer agrees with dense attention to bf16 precision.
+    assert all(row["max_abs_diff_vs_dense"] < 5e-2 for row in report["rows"])

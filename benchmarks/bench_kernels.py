@@ -1,0 +1,398 @@
+"""Kernel benchmarks K1 (decode) and K2 (ragged prefill) of BENCHMARKS.md, side by side.
+
+K1: one query token per sequence over a paged bf16 cache, head_dim 128, GQA 32/8 and 16/8, page
+    size 16 and 32. Peers: our `decode_attention`, our `paged_attention` (ragged kernel with q_len 1),
+    JAX's bundled `jax.experimental.pallas.ops.gpu.paged_attention` (where it exists) and dense
+    `jax.nn.dot_product_attention` over contiguous K/V. Reported as achieved bandwidth over the bytes
+    that must move (context x K and V x kv heads x head_dim x 2 bytes) and its fraction of the
+    measured copy bandwidth.
+K2: mixed batches of query chunks (1..2048 tokens) over cached prefixes. Peers: our `paged_attention`
+    and dense causal attention (explicit mask, contiguous K/V, padded batch). Reported as TFLOP/s of
+    useful attention work (4 x heads x head_dim per visible query-key pair) and its fraction of the
+    measured bf16 matmul rate.
+
+Needs a GPU: on anything else it exits with code 2. `--dry-run` runs every code path (workload
+construction, each peer in Pallas interpret mode, the limits, the table and the JSON) on tiny shapes,
+so the script is exercised on CPU; its figures mean nothing.
+
+    python benchmarks/bench_kernels.py                    # GPU: K1 and K2, JSON to benchmarks/results/
+    python benchmarks/bench_kernels.py --workloads K1 --repeats 50
+    python benchmarks/bench_kernels.py --dry-run          # CPU smoke run, JSON to a temp dir
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import decode_attention, paged_attention
+
+try:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged_attention_module
+except ImportError:  # removed or unavailable in this JAX
+    jax_paged_attention_module = None
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Sizes of one run: the real workloads or the tiny dry-run ones."""
+
+    k1_batches: tuple[int, ...]
+    k1_contexts: tuple[int, ...]
+    k1_heads: tuple[tuple[int, int], ...]  # (num_heads, num_kv_heads)
+    page_sizes: tuple[int, ...]
+    head_dim: int
+    max_k1_tokens: int  # skip K1 configs whose batch x context exceeds this (memory)
+    k2_batches: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]  # name, ((cached, q_len), ...)
+    k2_heads: tuple[int, int]
+    copy_bytes: int
+    matmul_size: int
+
+
+def _k2_random(seed: int, num_seqs: int, max_q: int, max_cached: int) -> tuple[tuple[int, int], ...]:
+    rng = np.random.default_rng(seed)
+    return tuple((int(rng.integers(0, max_cached + 1)), int(rng.integers(1, max_q + 1))) for _ in range(num_seqs))
+
+
+FULL = Scale(
+    k1_batches=(1, 8, 64, 256),
+    k1_contexts=(512, 4096, 32768),
+    k1_heads=((32, 8), (16, 8)),
+    page_sizes=(16, 32),
+    head_dim=128,
+    max_k1_tokens=256 * 8192,
+    k2_batches=(
+        ("prefill 1x2048", ((0, 2048),)),
+        ("prefill 8x512", ((0, 512),) * 8),
+        ("chunked 4x512 after 1536 cached", ((1536, 512),) * 4),
+        ("1x2048 prefill + 64 decode rows at 1024", ((0, 2048),) + ((1023, 1),) * 64),
+        ("random 16 seqs q 1..2048 cached 0..2048", _k2_random(0, 16, 2048, 2048)),
+    ),
+    k2_heads=(32, 8),
+    copy_bytes=1 << 30,
+    matmul_size=8192,
+)
+
+DRY = Scale(
+    k1_batches=(2,),
+    k1_contexts=(64,),
+    k1_heads=((4, 2),),
+    page_sizes=(16,),
+    head_dim=64,
+    max_k1_tokens=1 << 20,
+    k2_batches=(("tiny mix", ((0, 20), (5, 1), (16, 9))),),
+    k2_heads=(4, 2),
+    copy_bytes=1 << 20,
+    matmul_size=128,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and physical limits
+
+
+def time_call(fn, *args, repeats: int) -> float:
+    """Median wall seconds of fn(*args) after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes/s of `x + 1` over a large float32 array, counting bytes read plus bytes written."""
+    x = jnp.zeros((num_bytes // 4,), jnp.float32)
+    seconds = time_call(jax.jit(lambda a: a + 1.0), x, repeats=repeats)
+    return 2 * num_bytes / seconds
+
+
+def measure_matmul_rate(size: int, repeats: int) -> float:
+    """FLOP/s of a size^3 bf16 matmul with f32 accumulation."""
+    a = jnp.ones((size, size), jnp.bfloat16)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    seconds = time_call(matmul, a, a, repeats=repeats)
+    return 2 * size**3 / seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged inputs (built on the device; block tables are a random permutation of page ids)
+
+
+def build_paged(key, seq_lens: list[int], num_kv_heads: int, head_dim: int, page_size: int):
+    """Pages for `seq_lens`, plus the same K/V gathered contiguously for the dense peer."""
+    num_seqs = len(seq_lens)
+    pages_per_seq = max(1, -(-max(seq_lens) // page_size))
+    num_pages = 1 + num_seqs * pages_per_seq  # page 0 is the padding page
+    k_key, v_key, perm_key = jax.random.split(key, 3)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k_pages = jax.random.normal(k_key, shape, jnp.bfloat16)
+    v_pages = jax.random.normal(v_key, shape, jnp.bfloat16)
+    page_ids = 1 + jax.random.permutation(perm_key, num_seqs * pages_per_seq)
+    block_tables = page_ids.reshape(num_seqs, pages_per_seq).astype(jnp.int32)
+    # Dense contiguous copy: [K, S, pages_per_seq, page_size, H] -> [S, L, K, H].
+    max_len = pages_per_seq * page_size
+    k_dense = k_pages[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim).transpose(1, 2, 0, 3)
+    v_dense = v_pages[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim).transpose(1, 2, 0, 3)
+    return k_pages, v_pages, block_tables, k_dense, v_dense
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, pages: int, block: int, dry_run: bool) -> int:
+    """Enough context splits for ~2 programs per SM of an H100 (132 SMs), never empty of pages."""
+    if dry_run:
+        return 2
+    wanted = -(-264 // (num_seqs * num_kv_heads))
+    return max(1, min(wanted, pages // block))
+
+
+# ---------------------------------------------------------------------------------------------
+# K1: decode
+
+
+def run_k1(scale: Scale, args, limits: dict) -> list[dict]:
+    interpret = args.dry_run
+    rows = []
+    for page_size in scale.page_sizes:
+        for num_heads, num_kv_heads in scale.k1_heads:
+            for context in scale.k1_contexts:
+                for num_seqs in scale.k1_batches:
+                    if num_seqs * context > scale.max_k1_tokens:
+                        continue
+                    rows += k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, num_seqs, interpret)
+    return rows
+
+
+def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, num_seqs, interpret):
+    head_dim = scale.head_dim
+    key = jax.random.key(context * 1000 + num_seqs)
+    k_pages, v_pages, block_tables, k_dense, v_dense = build_paged(key, [context] * num_seqs, num_kv_heads, head_dim, page_size)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (num_seqs, num_heads, head_dim), jnp.bfloat16)
+    seq_lens = jnp.full((num_seqs,), context, jnp.int32)
+    query_start_loc = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    softmax_scale = head_dim**-0.5
+    pages_per_seq = block_tables.shape[1]
+    block = max(1, 64 // page_size)  # 64 keys per compute block
+    splits = decode_splits(num_seqs, num_kv_heads, pages_per_seq, block, args.dry_run)
+
+    peers = {
+        "ours decode_attention": lambda q, kp, vp, bt, sl: decode_attention(
+            q, kp, vp, bt, sl, scale=softmax_scale, pages_per_compute_block=block, num_splits=splits, interpret=interpret
+        ),
+        "ours paged_attention (ragged)": lambda q, kp, vp, bt, sl: paged_attention(
+            q, kp, vp, bt, sl, query_start_loc, scale=softmax_scale, pages_per_compute_block=block, interpret=interpret
+        ),
+    }
+    if jax_paged_attention_module is not None:
+        jax_splits = min(16, pages_per_seq)  # power of two dividing pages_per_seq (contexts are powers of two)
+        jax_block = min(8, pages_per_seq // jax_splits)
+        peers["jax ops.gpu.paged_attention"] = lambda q, kp, vp, bt, sl: jax_paged_attention_module.paged_attention(
+            q * softmax_scale, kp, vp, bt, sl, k_splits=jax_splits, pages_per_compute_block=jax_block, interpret=interpret
+        )
+    dense = jax.jit(
+        lambda q, k, v, sl: jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=sl, scale=softmax_scale)[:, 0]
+    )
+
+    dense_out = dense(q, k_dense, v_dense, seq_lens)
+    must_move = num_seqs * context * num_kv_heads * head_dim * 2 * 2  # K and V, bf16
+    rows = []
+    results = {name: (fn, (q, k_pages, v_pages, block_tables, seq_lens)) for name, fn in peers.items()}
+    results["dense jax.nn.dot_product_attention"] = (dense, (q, k_dense, v_dense, seq_lens))
+    for name, (fn, fn_args) in results.items():
+        fn = jax.jit(fn)
+        seconds = time_call(fn, *fn_args, repeats=args.repeats)
+        error = float(jnp.abs(fn(*fn_args).astype(jnp.float32) - dense_out.astype(jnp.float32)).max())
+        bandwidth = must_move / seconds
+        rows.append(
+            dict(
+                workload="K1",
+                impl=name,
+                batch=num_seqs,
+                context=context,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                page_size=page_size,
+                ms=seconds * 1e3,
+                bytes=must_move,
+                gb_per_s=bandwidth / 1e9,
+                fraction_of_copy_bw=bandwidth / limits["copy_bytes_per_s"],
+                max_abs_diff_vs_dense=error,
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# K2: ragged prefill
+
+
+def run_k2(scale: Scale, args, limits: dict) -> list[dict]:
+    rows = []
+    num_heads, num_kv_heads = scale.k2_heads
+    head_dim = scale.head_dim
+    for page_size in scale.page_sizes:
+        for name, batch in scale.k2_batches:
+            rows += k2_config(args, limits, name, batch, page_size, num_heads, num_kv_heads, head_dim)
+    return rows
+
+
+def k2_config(args, limits, name, batch, page_size, num_heads, num_kv_heads, head_dim):
+    cached = [c for c, _ in batch]
+    q_lens = [n for _, n in batch]
+    seq_lens_list = [c + n for c, n in batch]
+    num_seqs, num_tokens = len(batch), sum(q_lens)
+    key = jax.random.key(num_tokens)
+    k_pages, v_pages, block_tables, k_dense, v_dense = build_paged(key, seq_lens_list, num_kv_heads, head_dim, page_size)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (num_tokens, num_heads, head_dim), jnp.bfloat16)
+    seq_lens = jnp.asarray(seq_lens_list, jnp.int32)
+    query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    softmax_scale = head_dim**-0.5
+
+    # Dense peer: queries padded to [S, max_q, N, H]; query i of sequence s sits at cached[s] + i.
+    max_q = max(q_lens)
+    token_seq = np.repeat(np.arange(num_seqs), q_lens)
+    token_row = np.concatenate([np.arange(n) for n in q_lens])
+    q_dense = jnp.zeros((num_seqs, max_q, num_heads, head_dim), jnp.bfloat16).at[token_seq, token_row].set(q)
+    query_pos = np.asarray(cached)[:, None] + np.arange(max_q)[None, :]  # [S, max_q]
+    key_pos = np.arange(k_dense.shape[1])
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < np.asarray(seq_lens_list)[:, None, None])
+    mask = jnp.asarray(mask[:, None])  # [S, 1, max_q, L]
+    dense = jax.jit(
+        lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, scale=softmax_scale)[token_seq, token_row]
+    )
+    ours = jax.jit(
+        lambda q, kp, vp, bt, sl, qsl: paged_attention(q, kp, vp, bt, sl, qsl, scale=softmax_scale, block_q=args.block_q, interpret=args.dry_run)
+    )
+    useful_flops = sum(4 * num_heads * head_dim * (c + i + 1) for c, n in batch for i in range(n))
+    dense_out = dense(q_dense, k_dense, v_dense, mask)
+    rows = []
+    for impl, fn, fn_args in (
+        ("ours paged_attention (ragged)", ours, (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)),
+        ("dense jax.nn.dot_product_attention (masked)", dense, (q_dense, k_dense, v_dense, mask)),
+    ):
+        seconds = time_call(fn, *fn_args, repeats=args.repeats)
+        error = float(jnp.abs(fn(*fn_args).astype(jnp.float32) - dense_out.astype(jnp.float32)).max())
+        rate = useful_flops / seconds
+        rows.append(
+            dict(
+                workload="K2",
+                impl=impl,
+                batch_name=name,
+                num_seqs=num_seqs,
+                num_tokens=num_tokens,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                page_size=page_size,
+                ms=seconds * 1e3,
+                useful_flops=useful_flops,
+                tflop_per_s=rate / 1e12,
+                fraction_of_matmul_rate=rate / limits["matmul_flop_per_s"],
+                max_abs_diff_vs_dense=error,
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict]) -> None:
+    for row in rows:
+        if row["workload"] == "K1":
+            shape = f"B={row['batch']:<4} ctx={row['context']:<6} {row['num_heads']}/{row['num_kv_heads']} ps={row['page_size']}"
+            figure = f"{row['gb_per_s']:9.1f} GB/s  {row['fraction_of_copy_bw']:6.1%} of copy bw"
+        else:
+            shape = f"{row['batch_name'][:40]:<40} ps={row['page_size']}"
+            figure = f"{row['tflop_per_s']:9.2f} TFLOP/s {row['fraction_of_matmul_rate']:6.1%} of matmul"
+        print(f"{row['workload']}  {shape:<44} {row['impl']:<44} {row['ms']:9.3f} ms {figure}  diff {row['max_abs_diff_vs_dense']:.1e}")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(RESULTS_DIR)
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", choices=("K1", "K2"), default=["K1", "K2"])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median is reported)")
+    parser.add_argument("--block-q", type=int, default=64, help="query tokens per program of the ragged kernel in K2")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, any device: checks the script runs")
+    parser.add_argument("--out", default=None, help="JSON output directory (default benchmarks/results/, a temp dir for --dry-run)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = jax.default_backend()
+    if backend != "gpu" and not args.dry_run:
+        print(
+            f"bench_kernels needs a GPU (JAX backend is {backend!r}): kernel timings elsewhere mean nothing. "
+            "Run it on a CUDA machine, or pass --dry-run to smoke-test the script in interpret mode.",
+            file=sys.stderr,
+        )
+        return 2
+    scale = DRY if args.dry_run else FULL
+    if args.dry_run:
+        args.repeats = 1
+        args.block_q = 8
+    limits = {
+        "copy_bytes_per_s": measure_copy_bandwidth(scale.copy_bytes, args.repeats),
+        "matmul_flop_per_s": measure_matmul_rate(scale.matmul_size, args.repeats),
+    }
+    print(
+        f"device {jax.devices()[0].device_kind}: copy bandwidth {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s (read+write), "
+        f"bf16 matmul {limits['matmul_flop_per_s'] / 1e12:.2f} TFLOP/s"
+    )
+    rows = []
+    if "K1" in args.workloads:
+        rows += run_k1(scale, args, limits)
+    if "K2" in args.workloads:
+        rows += run_k2(scale, args, limits)
+    print_table(rows)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    report = dict(
+        device=jax.devices()[0].device_kind,
+        backend=backend,
+        jax_version=jax.__version__,
+        commit=git_commit(),
+        date=now.isoformat(timespec="seconds"),
+        dry_run=args.dry_run,
+        repeats=args.repeats,
+        limits=limits,
+        rows=rows,
+    )
+    out_dir = args.out or (tempfile.mkdtemp(prefix="bench_kernels_") if args.dry_run else RESULTS_DIR)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"kernels-{now:%Y%m%dT%H%M%S}{'-dry-run' if args.dry_run else ''}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
