@@ -1,0 +1,214 @@
+"""The dense-cache baseline of the benchmarks: correct first, so that the comparison is fair.
+
+Its attention is checked against jaxpaged's reference over the same K/V laid out as pages; its
+greedy tokens against jaxpaged's engine on the same random model and prompts (and, in a slow
+test, on the bundled SmolLM2); its schedule against the static-batch design it stands for.
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.dense_baseline import (  # noqa: E402
+    DenseBaseline,
+    batch_size_for_budget,
+    dense_attention,
+    pow2_buckets,
+)
+from jaxpaged.attention import reference_paged_attention  # noqa: E402
+from jaxpaged.engine import LLMEngine  # noqa: E402
+from jaxpaged.engine_config import EngineConfig  # noqa: E402
+from jaxpaged.models.config import ModelConfig  # noqa: E402
+from jaxpaged.models.llama import init_params  # noqa: E402
+from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+
+TINY = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=16, max_position_embeddings=256,
+)
+MAX_MODEL_LEN = 64
+PAGE_SIZE = 16
+
+
+class _SilentTokenizer:
+    """What the engine needs from a tokenizer when the test only looks at token ids."""
+
+    eos_token_id = None
+
+    class _Detokenizer:
+        def __getattr__(self, name):  # add / step / flush ...: no text
+            return lambda *args, **kwargs: ""
+
+    def detokenizer(self, *args, **kwargs):
+        return self._Detokenizer()
+
+    incremental_detokenizer = detokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    params = init_params(TINY, jax.random.key(0))
+    # std 0.02 weights give nearly flat logits (argmax ties hide nothing but prove little): sharpen.
+    return jax.tree.map(lambda x: np.asarray(x) * 5, params)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_params):
+    baseline = DenseBaseline(TINY, tiny_params, max_model_len=MAX_MODEL_LEN, batch_size=3, page_size=PAGE_SIZE,
+                             max_prefill_tokens=64)
+    baseline.warmup()
+    return baseline
+
+
+def _requests(seed=0, num=7):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size, int(rng.integers(1, 34))).tolist() for _ in range(num)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+# ------------------------------------------------------------------- attention
+
+
+def _pages_of(rows_kv, pages_per_row, page_size):
+    """[K, B, max_len, H] contiguous rows -> [K, B * pages_per_row, page_size, H] pages."""
+    k, b, _, h = rows_kv.shape
+    return rows_kv.reshape(k, b * pages_per_row, page_size, h)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_dense_attention_equals_paged_reference(kind):
+    """Same queries and K/V: the dense rectangle equals the paged reference over shuffled pages."""
+    num_kv_heads, group, head_dim, page_size, pages_per_row, batch = 2, 2, 16, 4, 4, 3
+    max_len = page_size * pages_per_row
+    rng = np.random.default_rng(1)
+    rows_k = rng.normal(size=(num_kv_heads, batch, max_len, head_dim)).astype(np.float32)
+    rows_v = rng.normal(size=(num_kv_heads, batch, max_len, head_dim)).astype(np.float32)
+    if kind == "prefill":  # rows 2 and 0, queries at positions 0..7 (a rectangle of 8); a padding row
+        rows, q_len, seq_lens = [2, 0, 0], 8, np.array([8, 8, 0], np.int32)
+    else:  # every row, one query each, contexts 1, 16 and 9
+        rows, q_len, seq_lens = [0, 1, 2], 1, np.array([1, 16, 9], np.int32)
+    num_rows = len(rows)
+    q = rng.normal(size=(num_rows * q_len, num_kv_heads * group, head_dim)).astype(np.float32)
+
+    got = dense_attention(
+        q, _pages_of(rows_k, pages_per_row, page_size), _pages_of(rows_v, pages_per_row, page_size),
+        np.array([[r * pages_per_row] for r in rows], np.int32), seq_lens,
+        np.arange(num_rows + 1, dtype=np.int32) * q_len, scale=0.25, pages_per_row=pages_per_row,
+        kv_len=max_len if kind == "decode" else q_len, gather_rows=kind == "prefill",
+    )
+
+    # The oracle: the same K/V scattered over a shuffled paged pool (page 0 is padding), ragged
+    # queries with the padding row's tokens left out.
+    perm = rng.permutation(np.arange(1, 1 + batch * pages_per_row))
+    k_pool = np.full((num_kv_heads, 1 + batch * pages_per_row, page_size, head_dim), np.nan, np.float32)
+    v_pool = k_pool.copy()
+    tables = perm.reshape(batch, pages_per_row)
+    for b in range(batch):
+        k_pool[:, tables[b]] = rows_k[:, b].reshape(num_kv_heads, pages_per_row, page_size, head_dim)
+        v_pool[:, tables[b]] = rows_v[:, b].reshape(num_kv_heads, pages_per_row, page_size, head_dim)
+    real = seq_lens > 0
+    q_lens = np.where(real, q_len, 0)
+    want = reference_paged_attention(
+        q[: q_lens.sum()], k_pool, v_pool, tables[rows][real], seq_lens[real],
+        np.concatenate([[0], np.cumsum(q_lens[real])]).astype(np.int32), scale=0.25,
+    )
+    np.testing.assert_allclose(np.asarray(got[: q_lens.sum()]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[q_lens.sum():]), 0.0)  # padding row: zeros, not NaN
+
+
+def test_buckets_and_budget():
+    assert pow2_buckets(16, 100) == (16, 32, 64, 100)
+    assert pow2_buckets(16, 64) == (16, 32, 64)
+    assert batch_size_for_budget(4096 * 3 + 4095, 4096) == 3
+    with pytest.raises(ValueError, match="raise the budget"):
+        batch_size_for_budget(100, 4096)
+
+
+# ------------------------------------------------------------------- end to end
+
+
+def _engine_greedy(params, prompts, sampling, num_pages):
+    config = EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=MAX_MODEL_LEN).resolved(on_gpu=False, model_max_len=256)
+    engine = LLMEngine(TINY, params, _SilentTokenizer(), config, num_pages=num_pages,
+                       attention_fn=reference_paged_attention)
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+def test_greedy_tokens_equal_jaxpaged_engine(tiny_params, dense):
+    prompts, sampling = _requests()
+    want = _engine_greedy(tiny_params, prompts, sampling, num_pages=40)
+    steps = []
+    got = dense.generate(prompts, sampling, on_step=steps.append)
+    for i, (g, w, s) in enumerate(zip(got, want, sampling)):
+        assert len(g.token_ids) == s.max_tokens, f"request {i}: {len(g.token_ids)} tokens, asked {s.max_tokens}"
+        assert g.token_ids == w, f"request {i}: dense {g.token_ids} != jaxpaged {w}"
+        assert g.finish_reason == "length" and g.first_token_time <= g.finish_time
+    # Warm-up compiled every bucket: serving compiled nothing.
+    compiles = dense.num_compiles
+    dense.generate(prompts, sampling)
+    assert dense.num_compiles == compiles
+
+
+def test_static_batches_wait_for_the_slowest(tiny_params, dense):
+    """7 requests, batch 3: batches {0,1,2}, {3,4,5}, {6}; each decodes until its longest is done."""
+    prompts = [[1, 2, 3]] * 7
+    max_tokens = [2, 9, 4, 5, 5, 1, 3]
+    sampling = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    steps = []
+    dense.generate(prompts, sampling, on_step=steps.append)
+    kinds = "".join("p" if s.kind == "prefill" else "d" for s in steps)
+    # One prefill call per batch (equal prompt lengths), then max(max_tokens) - 1 decode steps.
+    assert kinds == "p" + "d" * 8 + "p" + "d" * 4 + "p" + "d" * 2
+    decodes = [s for s in steps if s.kind == "decode"]
+    # Every decode step computes all 3 rows, whoever is still running (the design's idle compute).
+    assert {s.num_padded_tokens for s in decodes} == {3}
+    # Batch 1 after its first decode: request 0 (2 tokens) has finished, 1 and 2 still run.
+    assert decodes[0].num_tokens == 3 and decodes[0].num_running == 2
+    assert max(s.num_running for s in steps) <= 3
+    assert {s.num_reserved_tokens for s in steps} == {3 * MAX_MODEL_LEN}
+
+
+def test_eos_stops_and_min_tokens_holds(tiny_params, dense):
+    prompt = [5, 6, 7]
+    free = dense.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    eos = free[2]
+    first = free.index(eos)
+    stopping = DenseBaseline(TINY, tiny_params, max_model_len=MAX_MODEL_LEN, batch_size=1, page_size=PAGE_SIZE,
+                             eos_token_id=eos)
+    out = stopping.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+    held = stopping.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))[0]
+    assert held.token_ids == free and held.finish_reason == "length"
+
+
+def test_request_longer_than_a_row_is_rejected(dense):
+    with pytest.raises(ValueError, match="raise max_model_len"):
+        dense.generate([[1] * 60], SamplingParams(max_tokens=10))
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_jaxpaged_on_smollm2():
+    """The bundled SmolLM2-135M: the benchmark's two systems agree token for token."""
+    from jaxpaged import LLM
+
+    llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "def fibonacci(n):",
+                 "Why is the sky blue?", "List three prime numbers."]
+    prompts = [llm.tokenizer.encode(q) for q in questions]
+    sampling = [SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
+    engine = llm.engine
+    dense = DenseBaseline(engine.model_config, engine.runner.params, max_model_len=256, batch_size=2,
+                          max_prefill_tokens=256)
+    got = [o.token_ids for o in dense.generate(prompts, sampling)]
+    assert got == want
