@@ -79,7 +79,7 @@ def prepare_step_input(
     `scheduler_output` needs `.seqs` (each with `.token_ids`, `.num_computed_tokens`,
     `.block_table`) and `.num_new_tokens`. Worked example, page_size 4, two sequences:
 
-        seq A: 5 tokens cached, 3 new (a prefill chunk), block_table [7, 2]
+        seq A: 5 tokens cached, 3 new (a prefill chunk), block_table [2, 7]
         seq B: 9 cached, 1 new (a decode),              block_table [4, 9, 1]
 
         token:            0     1     2   |  3
@@ -226,9 +226,9 @@ class ModelRunner:
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
         self.max_num_copies = max_num_seqs
-        self.num_compiles = 0  # traces of the step function: each one is a compilation
+        self.num_compiles = 0  # traces of the step and copy functions: each one is a compilation
         self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",))
-        self._copy = jax.jit(_copy_pages, donate_argnames=("kv_pages",))
+        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",))
 
     def _to_device(self, params):
         dtype = jnp.dtype(self.config.dtype)
@@ -241,6 +241,10 @@ class ModelRunner:
             step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
             step_input.logits_indices,
         )
+
+    def _copy_fn(self, kv_pages, src, dst):
+        self.num_compiles += 1  # runs only while tracing
+        return apply_page_copies(kv_pages, src, dst)
 
     def prepare(self, scheduler_output) -> StepInput:
         """`prepare_step_input` with this runner's page pool and buckets."""
@@ -302,10 +306,11 @@ class ModelRunner:
         return self.kv_pages.nbytes
 
 
-def _copy_pages(
+def apply_page_copies(
     kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
     src: Int[Array, "num_copies"],
     dst: Int[Array, "num_copies"],
 ) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]:
-    # Padding pairs have dst = num_pages, out of range, so mode="drop" skips them.
+    """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
+    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped."""
     return kv_pages.at[:, :, :, dst].set(kv_pages[:, :, :, src], mode="drop")

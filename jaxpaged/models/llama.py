@@ -218,16 +218,29 @@ class CausalLM(nn.Module):
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
-    """Random parameters (normal, std 0.02; norm scales 1) in `config.dtype`."""
+    """Random parameters (normal, std 0.02; norm scales 1) in `config.dtype`.
+
+    Shapes come from `eval_shape` of the module's init and the arrays are drawn with numpy, so
+    nothing is compiled: running Flax's init would compile the whole forward pass.
+    """
     num_pages, page_size, num_tokens = 2, 4, 4
-    kv_pages = jnp.zeros(
+    kv_pages = jax.ShapeDtypeStruct(
         (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), config.dtype
     )
-    zeros = jnp.zeros((num_tokens,), jnp.int32)
-    return CausalLM(config).init(
-        rng, kv_pages, zeros, zeros, zeros + num_pages * page_size, jnp.zeros((1, 1), jnp.int32),
-        jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32),
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    shapes = jax.eval_shape(
+        CausalLM(config).init, rng, kv_pages, ints(num_tokens), ints(num_tokens), ints(num_tokens),
+        ints(1, 1), ints(1), ints(2), ints(1),
     )
+    # numpy draws: eager jax.random would compile one kernel per distinct shape.
+    np_rng = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel())
+
+    def draw(path, leaf):
+        if path[-1].key == "scale":
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(0.02 * np_rng.standard_normal(leaf.shape, np.float32), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> dict:

@@ -1,0 +1,205 @@
+"""ModelRunner and prepare_step_input: padding and slot arithmetic, no recompilation after warmup,
+donation of the KV buffer, copy-on-write page copies, weight swaps."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_scheduler_output, make_seq
+
+from jaxpaged.model_runner import (
+    ModelRunner,
+    StepInput,
+    default_buckets,
+    num_pages_for_budget,
+    prepare_step_input,
+)
+from jaxpaged.models import ModelConfig, init_params
+
+TINY = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return init_params(TINY, jax.random.key(0))
+
+
+def _runner(params, **overrides):
+    kwargs = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                  buckets=(8, 16, 32))
+    kwargs.update(overrides)
+    return ModelRunner(TINY, params, **kwargs)
+
+
+# --- prepare_step_input: the host half -----------------------------------------------------------
+
+
+def test_prepare_step_input_worked_example():
+    # The docstring's example: page_size 4; A has 5 tokens cached and prefills 3 more, B decodes.
+    seq_a = make_seq([10, 11, 12, 13, 14, 15, 16, 17], num_computed_tokens=5, block_table=[2, 7])
+    seq_b = make_seq(list(range(20, 30)), num_computed_tokens=9, block_table=[4, 9, 1])
+    step = prepare_step_input(
+        make_scheduler_output([seq_a, seq_b], [3, 1]),
+        page_size=4, num_pages=10, pages_per_seq=4, max_num_seqs=3, buckets=(2, 8, 16),
+    )
+    # 4 tokens -> bucket 8 -> 8 token rows and min(8, max_num_seqs=3) = 3 sequence rows.
+    np.testing.assert_array_equal(step.token_ids, [15, 16, 17, 29, 0, 0, 0, 0])
+    np.testing.assert_array_equal(step.positions, [5, 6, 7, 9, 0, 0, 0, 0])
+    # A: page 7 offsets 1..3 -> slots 29..31; B: position 9 -> page 1 offset 1 -> slot 5;
+    # padding -> num_pages * page_size = 40, out of range.
+    np.testing.assert_array_equal(step.slot_mapping, [29, 30, 31, 5, 40, 40, 40, 40])
+    np.testing.assert_array_equal(step.block_tables, [[2, 7, 0, 0], [4, 9, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(step.seq_lens, [8, 10, 0])
+    np.testing.assert_array_equal(step.query_start_loc, [0, 3, 4, 4])
+    np.testing.assert_array_equal(step.logits_indices, [2, 3, 0])
+    for array in jax.tree.leaves(step):
+        assert array.dtype == np.int32
+
+
+def test_prepare_step_input_says_what_is_wrong():
+    seq = make_seq(range(9), num_computed_tokens=0, block_table=[1, 2])  # 2 pages = 8 slots
+    kwargs = dict(page_size=4, num_pages=10, pages_per_seq=4, max_num_seqs=2, buckets=(8, 16))
+    with pytest.raises(ValueError, match="needs 9 slots but its block table has 2 pages"):
+        prepare_step_input(make_scheduler_output([seq], [9]), **kwargs)
+    seq.block_table = [1, 2, 3]
+    with pytest.raises(ValueError, match="9 tokens exceed the largest bucket 8"):
+        prepare_step_input(make_scheduler_output([seq], [9]), **{**kwargs, "buckets": (8,)})
+    with pytest.raises(ValueError, match="3 sequences exceed max_num_seqs=2"):
+        prepare_step_input(make_scheduler_output([seq] * 3, [1, 1, 1]), **kwargs)
+
+
+def test_default_buckets_are_powers_of_two_up_to_the_token_budget():
+    assert default_buckets(256) == (16, 32, 64, 128, 256)
+    assert default_buckets(100, smallest=8) == (8, 16, 32, 64, 100)
+
+
+# --- the device step -----------------------------------------------------------------------------
+
+
+class _Pages:
+    """Hands each sequence its own run of pages, growing its block table as it advances."""
+
+    def __init__(self):
+        self.next_page = 1
+
+    def grow(self, seq, num_new, page_size=4):
+        while len(seq.block_table) * page_size < seq.num_computed_tokens + num_new:
+            seq.block_table.append(self.next_page)
+            self.next_page += 1
+
+
+def _run(runner, pages, pairs, copies=()):
+    for seq, n in pairs:
+        pages.grow(seq, n)
+    logits = runner.run(make_scheduler_output([s for s, _ in pairs], [n for _, n in pairs], copies))
+    for seq, n in pairs:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.token_ids.append(int(jnp.argmax(logits[[s for s, _ in pairs].index(seq)])))
+    return np.asarray(logits)
+
+
+def test_no_recompilation_after_warmup(tiny_params):
+    runner = _runner(tiny_params)
+    runner.warmup()
+    assert runner.num_compiles == len(runner.buckets) + 1  # every bucket, and the page copy
+    compiled = runner.num_compiles
+
+    pages, rng = _Pages(), np.random.default_rng(0)
+    a, b, c = (make_seq(rng.integers(0, 64, size=n)) for n in (13, 20, 5))
+    _run(runner, pages, [(a, 13)])  # bucket 16, one sequence
+    _run(runner, pages, [(a, 1), (b, 20)])  # bucket 32, decode + long prefill
+    _run(runner, pages, [(a, 1), (b, 1), (c, 5)])  # bucket 8, three sequences
+    _run(runner, pages, [(c, 1), (a, 1), (b, 1)], copies=[(1, 60), (2, 61)])  # with page copies
+    for _ in range(5):
+        _run(runner, pages, [(a, 1), (b, 1), (c, 1)])  # context lengths grow across page boundaries
+    assert runner.num_compiles == compiled
+
+    # The counter is honest: a shape outside the buckets does compile, and is counted.
+    odd = runner.dummy_step_input(12)
+    runner.execute(odd)
+    assert runner.num_compiles == compiled + 1
+    assert jax.config.jax_compilation_cache_dir  # the persistent cache is on
+
+
+def test_kv_buffer_is_donated_and_never_duplicated(tiny_params):
+    # A pool much bigger than everything else in the step, so that a second copy would show.
+    runner = _runner(tiny_params, num_pages=4096, page_size=16, buckets=(16,), max_num_batched_tokens=16)
+    buffer_bytes = runner.kv_cache_bytes()
+    assert buffer_bytes == 2 * 2 * 2 * 4096 * 16 * 16 * 4  # layers, K/V, kv heads, pages, slots, head_dim, f32
+
+    step = runner.dummy_step_input(16)
+    memory = runner._step.lower(runner.params, runner.kv_pages, step).compile().memory_analysis()
+    assert memory.alias_size_in_bytes == buffer_bytes  # the output buffer is the input buffer
+    assert memory.temp_size_in_bytes < buffer_bytes / 10
+
+    old = runner.kv_pages
+    runner.execute(step)
+    assert old.is_deleted() and not runner.kv_pages.is_deleted()
+    old = runner.kv_pages
+    runner.copy_pages([(1, 2)])
+    assert old.is_deleted()
+
+
+def test_copy_pages_copies_whole_pages_and_nothing_else(tiny_params):
+    runner = _runner(tiny_params, num_pages=8)
+    before = np.arange(np.prod(runner.kv_pages.shape), dtype=np.float32).reshape(runner.kv_pages.shape)
+    runner.kv_pages = jnp.asarray(before)
+    copies = [(3, 5), (1, 2), (4, 6), (7, 1), (2, 7)]  # 5 copies > max_num_seqs = 4: two batches
+    runner.copy_pages(copies)
+    after = np.asarray(runner.kv_pages)
+    expected = before.copy()
+    for src, dst in copies[:4]:
+        expected[:, :, :, dst] = before[:, :, :, src]
+    expected[:, :, :, 7] = expected[:, :, :, 2]  # the second batch sees the first batch's result
+    np.testing.assert_array_equal(after, expected)
+
+
+def test_copy_on_write_before_the_step(tiny_params):
+    # A prefills 6 tokens into pages [1, 2]. B forks A: it shares page 1, and its copy of the
+    # half-full page 2 is page 3. B's decode must see A's K/V through the copy.
+    runner = _runner(tiny_params)
+    runner.kv_pages = jnp.full_like(runner.kv_pages, jnp.nan)
+    prompt = [5, 9, 2, 33, 17, 8]
+    a = make_seq(prompt + [40], num_computed_tokens=0, block_table=[1, 2])
+    runner.run(make_scheduler_output([a], [6]))
+    b = make_seq(prompt + [40], num_computed_tokens=6, block_table=[1, 3])
+    logits_b = np.asarray(runner.run(make_scheduler_output([b], [1], copies=[(2, 3)])))[0]
+    a.num_computed_tokens = 6
+    logits_a = np.asarray(runner.run(make_scheduler_output([a], [1])))[0]
+    assert np.isfinite(logits_b).all()
+    np.testing.assert_allclose(logits_b, logits_a, atol=1e-6)
+
+
+def test_update_params_changes_logits_without_recompiling(tiny_params):
+    runner = _runner(tiny_params, buckets=(8,), max_num_batched_tokens=8)
+    seq = make_seq([3, 1, 4, 1, 5], block_table=[1, 2])
+    logits_before = np.asarray(runner.run(make_scheduler_output([seq], [5])))
+    compiled = runner.num_compiles
+
+    runner.update_params(init_params(TINY, jax.random.key(1)))
+    logits_after = np.asarray(runner.run(make_scheduler_output([seq], [5])))
+    assert runner.num_compiles == compiled
+    assert np.abs(logits_after - logits_before).max() > 1e-3
+
+    wrong = init_params(dataclasses.replace(TINY, intermediate_size=32), jax.random.key(2))
+    with pytest.raises(ValueError, match="differ in structure, shape or dtype"):
+        runner.update_params(wrong)
+
+
+def test_num_pages_for_budget():
+    per_page = 2 * 2 * 2 * 4 * 16 * 4  # layers, K/V, kv heads, page_size 4, head_dim, float32 bytes
+    assert num_pages_for_budget(TINY, page_size=4, budget_bytes=10 * per_page + per_page - 1) == 10
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        num_pages_for_budget(TINY, page_size=4, budget_bytes=per_page)
+
+
+def test_step_input_is_a_pytree_of_its_seven_arrays():
+    step = StepInput(*(np.full(2, i, np.int32) for i in range(7)))
+    leaves, treedef = jax.tree.flatten(step)
+    assert [int(x[0]) for x in leaves] == list(range(7))
+    assert jax.tree.unflatten(treedef, leaves).logits_indices is leaves[6]
