@@ -223,15 +223,25 @@ class BlockManager:
         end_page_idx = seq.num_computed_tokens // self.page_size
         if first_page_idx == end_page_idx:
             return
-        self._hash_full_pages(seq, end_page_idx)
+        hashes = seq.page_hashes
+        if len(hashes) < first_page_idx:
+            self._hash_full_pages(seq, first_page_idx)  # earlier pages: normally hashed already
+        # Runs on every decode step that fills a page (1 in page_size steps per sequence): _page_key and
+        # _hash_full_pages inlined, each page's key built once for both its hash and its stored copy.
+        ps = self.page_size
+        token_ids = seq.token_ids
         for page_idx in range(first_page_idx, end_page_idx):
+            parent_hash = hashes[page_idx - 1] if page_idx else None
+            key = (parent_hash, seq.cache_salt, tuple(token_ids[page_idx * ps : (page_idx + 1) * ps]))
+            if page_idx == len(hashes):
+                hashes.append(self.hash_page(*key))
+            page_hash = hashes[page_idx]
             page_id = seq.block_table[page_idx]
-            page_hash = seq.page_hashes[page_idx]
             if self.page_hash[page_id] is not None or page_hash in self.hash_to_page:
                 continue  # already cached: this page was a hit, or another page holds the same tokens
             self.hash_to_page[page_hash] = page_id
             self.page_hash[page_id] = page_hash
-            self.page_key[page_id] = self._page_key(seq, page_idx)
+            self.page_key[page_id] = key
 
     def free(self, seq: Sequence) -> None:
         """Give back all of `seq`'s pages (finished, aborted or preempted). Its page hashes stay valid."""

@@ -94,6 +94,7 @@ class Scheduler:
                 f"pool holds only {num_usable_pages} pages; give the KV cache more pages, lower max_tokens "
                 "or shorten the prompt"
             )
+        seq.max_num_tokens = max_len
         seq.arrival_idx = self._next_arrival_idx
         self._next_arrival_idx += 1
         self.waiting.append(seq)
@@ -122,32 +123,46 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         max_num_seqs = self.max_num_seqs
         block_manager = self.block_manager
+        page_size = block_manager.page_size
+        ref_counts = block_manager.ref_counts
         running = self.running
-        seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
 
-        seq_idx = 0
-        while seq_idx < len(running) and budget > 0 and len(seqs) < max_num_seqs:
-            seq = running[seq_idx]
-            num_new = len(seq.token_ids) - seq.num_computed_tokens
+        # Running sequences are scheduled as a prefix of `running`: running[:num_scheduled]. Preemption
+        # pops from the tail, so `limit` shrinks with it.
+        num_scheduled = 0
+        limit = min(len(running), max_num_seqs)
+        while num_scheduled < limit and budget > 0:
+            seq = running[num_scheduled]
+            num_computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - num_computed
             if num_new > budget:
                 num_new = budget  # a chunk of a long prompt; the rest runs next step
-            while not block_manager.can_append(seq):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            # Fast path, the common decode: the slot for token `num_computed` lies inside a page this
+            # sequence already holds alone (offset > 0, so the page exists; ref count 1, so no copy).
+            if not (
+                num_new == 1
+                and num_computed % page_size
+                and ref_counts[seq.block_table[num_computed // page_size]] == 1
+            ):
+                while not block_manager.can_append(seq):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                limit = min(len(running), max_num_seqs)
+                if seq.status is not RUNNING:
+                    break  # `seq` preempted itself: it was the last running sequence
                 copy = block_manager.append_slot(seq)
                 if copy is not None:
                     copies.append(copy)
-                seqs.append(seq)
-                num_new_tokens.append(num_new)
-                budget -= num_new
-                seq_idx += 1
+            num_new_tokens.append(num_new)
+            budget -= num_new
+            num_scheduled += 1
+        seqs = running[:num_scheduled]
 
         waiting = self.waiting
         while waiting and not preempted and budget > 0 and len(running) < max_num_seqs:
@@ -197,7 +212,6 @@ class Scheduler:
         block_manager = self.block_manager
         page_size = block_manager.page_size
         caching = block_manager.enable_prefix_caching
-        max_model_len = self.max_model_len
         appended: list[tuple[Sequence, int]] = []
         finished: list[Sequence] = []
         forked: list[Sequence] = []
@@ -208,40 +222,54 @@ class Scheduler:
             num_computed_before = seq.num_computed_tokens
             num_computed = num_computed_before + num_new
             seq.num_computed_tokens = num_computed
-            if caching and num_computed // page_size != num_computed_before // page_size:
-                block_manager.cache_computed_pages(seq, num_computed_before)
+            if caching and (num_new > 1 or num_computed % page_size == 0):
+                block_manager.cache_computed_pages(seq, num_computed_before)  # a page may have filled up
             token_ids = seq.token_ids
             if num_computed < len(token_ids):
                 continue  # a chunk of a longer prompt: nothing sampled
 
-            if type(token_id) is list or type(token_id) is tuple:
+            children = None
+            if type(token_id) is not int and (type(token_id) is list or type(token_id) is tuple):
+                # Fork before the parent's token is appended (and before it may finish and free its pages).
                 children = [self.fork(seq) for _ in range(len(token_id) - 1)]
-                forked += children
-                pairs = zip([seq, *children], token_id)
-            else:
-                pairs = ((seq, token_id),)
-
-            for seq, token_id in pairs:
-                # Token-level stop rules (stop strings need text: the engine calls finish()).
-                seq.output_token_ids.append(token_id)
-                seq.token_ids.append(token_id)
-                appended.append((seq, token_id))
-                params = seq.sampling_params
-                num_output = len(seq.output_token_ids)
-                if num_output >= params.max_tokens or len(seq.token_ids) >= max_model_len:
-                    reason = "length"
-                elif num_output >= params.min_tokens and (
-                    token_id in params.stop_token_ids or (token_id == seq.eos_token_id and not params.ignore_eos)
-                ):
-                    reason = "stop"
-                else:
-                    continue
-                self._release(seq, reason)
+                children_token_ids = token_id[1:]
+                token_id = token_id[0]
+            # Inlined self._append(seq, token_id, appended): this loop runs for every sequence, every step.
+            output_token_ids = seq.output_token_ids
+            output_token_ids.append(token_id)
+            token_ids.append(token_id)
+            appended.append((seq, token_id))
+            if len(token_ids) >= seq.max_num_tokens:
+                self._release(seq, "length")
                 finished.append(seq)
+            elif token_id in seq.stop_token_set and len(output_token_ids) >= seq.sampling_params.min_tokens:
+                self._release(seq, "stop")
+                finished.append(seq)
+            if children:
+                forked += children
+                for child, child_token_id in zip(children, children_token_ids):
+                    if self._append(child, child_token_id, appended):
+                        finished.append(child)
 
         if finished:
             self.running = [seq for seq in self.running if seq.status is RUNNING]
         return UpdateOutput(appended=appended, finished=finished, forked=forked)
+
+    def _append(self, seq: Sequence, token_id: int, appended: list[tuple[Sequence, int]]) -> bool:
+        """Append one sampled token and apply the token-level stop rules; True if `seq` finished.
+
+        Stop strings need text: the engine checks them and calls finish().
+        """
+        seq.append_token(token_id)
+        appended.append((seq, token_id))
+        # max_num_tokens = min(prompt + max_tokens, max_model_len); stop_token_set holds eos unless ignore_eos.
+        if len(seq.token_ids) >= seq.max_num_tokens:
+            self._release(seq, "length")
+            return True
+        if token_id in seq.stop_token_set and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+            self._release(seq, "stop")
+            return True
+        return False
 
     # ------------------------------------------------------------------ finishing, aborting, forking
 

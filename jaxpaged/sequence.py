@@ -50,6 +50,9 @@ class Sequence:
         "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
         "cache_salt",  # None | str: separates tenants in the prefix cache
         "eos_token_id",  # None | int: stops generation unless sampling_params.ignore_eos
+        # Stop rules folded for the scheduler's hot loop (derived from the fields above):
+        "stop_token_set",  # frozenset: stop_token_ids, plus eos_token_id unless ignore_eos
+        "max_num_tokens",  # finish "length" at this many tokens: prompt + max_tokens, capped by Scheduler.add
     )
 
     def __init__(
@@ -77,6 +80,11 @@ class Sequence:
         self.arrival_idx = -1
         self.cache_salt = cache_salt
         self.eos_token_id = eos_token_id
+        stop_token_ids = set(self.sampling_params.stop_token_ids)
+        if eos_token_id is not None and not self.sampling_params.ignore_eos:
+            stop_token_ids.add(eos_token_id)
+        self.stop_token_set = frozenset(stop_token_ids)
+        self.max_num_tokens = len(self.prompt_token_ids) + self.sampling_params.max_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -120,4 +128,6 @@ class Sequence:
         child.arrival_idx = self.arrival_idx
         child.cache_salt = self.cache_salt
         child.eos_token_id = self.eos_token_id
+        child.stop_token_set = self.stop_token_set
+        child.max_num_tokens = self.max_num_tokens
         return child
