@@ -21,7 +21,7 @@ def make(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, **bm_kwarg
     return bm, Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
-def request(tokens, max_tokens=16, **kwargs):
+def request(tokens, max_tokens=16):
     return Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
