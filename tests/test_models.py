@@ -167,3 +167,25 @@ def test_params_from_hf_names_a_missing_tensor(tiny_hf_model):
     partial = {k: v for k, v in state_dict.items() if k != "model.layers.1.self_attn.k_proj.weight"}
     with pytest.raises(KeyError, match="model.layers.1.self_attn.k_proj.weight"):
         params_from_hf(config, partial)
+
+
+def test_bfloat16_model_stays_close_to_float32_hf(tiny_hf_model, hf_logits):
+    # The accelerator default: bf16 weights, activations and KV pages, float32 logits. Rounding
+    # to 8 mantissa bits costs about 1-2% of the logit range on this model; a wrong cast or a
+    # broken bf16 path is far outside 0.1.
+    hf_config, _, state_dict = tiny_hf_model("llama-tied")
+    config = ModelConfig.from_hf(hf_config, dtype="bfloat16")
+    runner = ModelRunner(
+        config, params_from_hf(config, state_dict), num_pages=16, page_size=PAGE_SIZE, max_num_seqs=2,
+        max_num_batched_tokens=16, max_model_len=32, buckets=(16,),
+    )
+    assert runner.kv_pages.dtype == jnp.bfloat16
+    token_ids = np.random.default_rng(2).integers(0, 256, size=14)
+    expected = hf_logits("llama-tied", token_ids)
+    seq = make_seq(token_ids, block_table=[3, 1, 7, 2])
+    prefill = np.asarray(runner.run(make_scheduler_output([seq], [13])))[0]
+    seq.num_computed_tokens = 13
+    decode = np.asarray(runner.run(make_scheduler_output([seq], [1])))[0]
+    assert prefill.dtype == np.float32
+    np.testing.assert_allclose(prefill, expected[12], atol=0.1, rtol=0)
+    np.testing.assert_allclose(decode, expected[13], atol=0.1, rtol=0)
