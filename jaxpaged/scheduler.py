@@ -11,7 +11,7 @@ import collections
 import dataclasses
 
 from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceStatus, new_seq_id
 
 RUNNING = SequenceStatus.RUNNING
 
@@ -307,7 +307,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}; fork only a running sequence")
         child = self.block_manager.fork(seq)
         while child.seq_id in self._unfinished:  # a caller-chosen id collided with a default one
-            child.seq_id = Sequence([0]).seq_id
+            child.seq_id = new_seq_id()
         child.status = RUNNING
         # After the parent and its earlier children (same arrival_idx): running stays in arrival order.
         insert_idx = self.running.index(seq) + 1

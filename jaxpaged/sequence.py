@@ -19,8 +19,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done; pages freed; finish_reason says why
 
 
-# Default ids for sequences created without one (tests, forks). The scheduler rejects duplicates.
-_next_seq_id = itertools.count()
+# Default ids for sequences created without one (the engine's requests, forks). The scheduler rejects
+# duplicates, so callers may also choose their own ids.
+_seq_id_counter = itertools.count()
+
+
+def new_seq_id() -> int:
+    return next(_seq_id_counter)
 
 
 class Sequence:
@@ -66,7 +71,7 @@ class Sequence:
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt has 0 tokens; give at least one token (e.g. the BOS token)")
-        self.seq_id = next(_next_seq_id) if seq_id is None else seq_id
+        self.seq_id = new_seq_id() if seq_id is None else seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)
@@ -114,7 +119,7 @@ class Sequence:
     def copy_for_fork(self, seq_id: int | None = None) -> Sequence:
         """A new sequence with this one's tokens and progress; pages are shared by the block manager."""
         child = Sequence.__new__(Sequence)
-        child.seq_id = next(_next_seq_id) if seq_id is None else seq_id
+        child.seq_id = new_seq_id() if seq_id is None else seq_id
         child.prompt_token_ids = self.prompt_token_ids  # never mutated: safe to share
         child.output_token_ids = list(self.output_token_ids)
         child.token_ids = list(self.token_ids)
