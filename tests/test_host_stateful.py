@@ -212,5 +212,5 @@ class HostMachine(RuleBasedStateMachine):
         assert sorted(self.bm.free_page_ids) == list(range(1, NUM_PAGES))
 
 
-HostMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+HostMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 test_host_state_machine = HostMachine.TestCase
