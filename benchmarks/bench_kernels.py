@@ -335,7 +335,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=("K1", "K2"), default=["K1", "K2"])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median is reported)")
-    parser.add_argument("--block-q", type=int, default=64, help="query tokens per program of the ragged kernel in K2")
+    parser.add_argument("--block-q", type=int, default=16, help="query tokens per program of the ragged kernel in K2")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, any device: checks the script runs")
     parser.add_argument("--out", default=None, help="JSON output directory (default benchmarks/results/, a temp dir for --dry-run)")
     args = parser.parse_args(argv)
