@@ -20,8 +20,8 @@ Invariants (checked after every random operation by tests/test_host_stateful.py)
 - The free list is ordered by eviction priority: pages that cache nothing at the front, then
   registered pages from least to most recently freed. Fresh pages come from the front.
 
-Pure Python (no jax): every operation is O(pages touched), never O(num_pages), except
-`reset_prefix_cache()` and `stats()["num_cached_pages"]`.
+Pure Python (no jax): every operation is O(pages touched), never O(num_pages); a page's tokens are
+hashed once, when it fills (or at admission, for a prompt's full pages).
 """
 
 from __future__ import annotations
