@@ -252,3 +252,14 @@ def test_sampling_params_errors_say_what_to_do():
     params = SamplingParams(stop="###", stop_token_ids=[2, 3], temperature=0)
     assert params.stop == ("###",) and params.stop_token_ids == (2, 3) and params.greedy
     assert hash(params) == hash(SamplingParams(stop=["###"], stop_token_ids=(2, 3), temperature=0))
+
+
+def test_reset_prefix_cache_while_pages_are_in_use():
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE)
+    a = admit(bm, PREFIX + [9])  # pages [1, 2, 3]; 1 and 2 registered once computed
+    compute(bm, a)
+    assert bm.reset_prefix_cache() == 2  # e.g. new weights: the old K/V must not be found again
+    assert admit(bm, PREFIX + [9]).block_table == [4, 5, 6]  # no hit
+    # a still holds its pages; they cache nothing now, so freeing sends them all to the front.
+    bm.free(a)
+    assert free_list(bm) == [1, 2, 3, 7, 8, 9, 10] and bm.num_evictions == 0
