@@ -226,7 +226,8 @@ class ModelRunner:
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
         self.max_num_copies = max_num_seqs
-        self.num_compiles = 0  # traces of the step and copy functions: each one is a compilation
+        self.num_compiles = 0  # traces of the step function: each one is a compilation
+        self.num_copy_compiles = 0  # the same for the page-copy function
         self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",))
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",))
 
@@ -243,7 +244,7 @@ class ModelRunner:
         )
 
     def _copy_fn(self, kv_pages, src, dst):
-        self.num_compiles += 1  # runs only while tracing
+        self.num_copy_compiles += 1  # runs only while tracing
         return apply_page_copies(kv_pages, src, dst)
 
     def prepare(self, scheduler_output) -> StepInput:
