@@ -182,7 +182,8 @@ def decode_attention(
 
     Args:
       q: [num_seqs, num_heads, head_dim], float32 or bfloat16: the newest token of each sequence,
-        sitting at position `seq_lens[s] - 1` (its own K/V already written to the pages).
+        sitting at position `seq_lens[s] - 1` (its own K/V already written to the pages); cast to
+        the pages' dtype for the matmuls.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never read.
@@ -225,7 +226,8 @@ def decode_attention(
     # (Triton's smallest dot): [S, N, H] -> [S, K, G, H] -> [S, K, Gp, H].
     group = num_heads // num_kv_heads
     num_rows = max(16, next_power_of_2(group))
-    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
+    q_grouped = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, num_rows - group), (0, 0)))
 
     out, m, l = _decode_pallas_call(

@@ -188,7 +188,8 @@ def ragged_paged_attention(
 
     Args:
       q: [num_tokens, num_heads, head_dim], float32 or bfloat16: the chunks of all sequences, in
-        batch order; tokens at or past `query_start_loc[-1]` are padding.
+        batch order; tokens at or past `query_start_loc[-1]` are padding. Cast to the pages' dtype
+        for the matmuls.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool,
         already holding this step's K/V.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
@@ -238,7 +239,8 @@ def ragged_paged_attention(
     # of block_q tokens starting at any token_start < T stays in bounds.
     group = num_heads // num_kv_heads
     group_rows = next_power_of_2(group)
-    q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
+    q_grouped = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_q), (0, group_rows - group), (0, 0)))
 
     out_blocks = _ragged_pallas_call(
@@ -268,7 +270,7 @@ def ragged_paged_attention(
     out = out_blocks[:, jnp.clip(token_block, 0, num_q_blocks - 1), token_row, :group]  # [K, T, G, H]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)  # [T, K, G, H] -> [T, N, H]
     is_real = (token_idx < query_start_loc[-1])[:, None, None]
-    return jnp.where(is_real, out, jnp.zeros_like(out))
+    return jnp.where(is_real, out, jnp.zeros_like(out)).astype(q.dtype)
 
 
 # The oracle is `jaxpaged.attention.reference_paged_attention` (plain jnp, per token); the tests in

@@ -234,3 +234,25 @@ def test_ragged_random_batches(seed):
         batch=(seq_lens, q_lens),
         seed=seed,
     )
+
+
+@pytest.mark.slow
+def test_ragged_float32_queries_over_bfloat16_pages():
+    """A drop-in for the reference also when q and the pages differ in dtype: q is cast to the
+    pages' dtype for the matmuls and the output keeps q's dtype."""
+    case = make_case(
+        np.random.default_rng(9),
+        seq_lens=[20, 5],
+        q_lens=[3, 5],
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        num_padding_tokens=1,
+    )
+    q = case.q.astype(np.float32)
+    got = paged_attention(q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, case.query_start_loc, scale=0.125, interpret=True)
+    want = oracle(q, case.oracle_k_pages, case.oracle_v_pages, case.oracle_block_tables, case.seq_lens, case.query_start_loc, scale=0.125)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE[jnp.bfloat16], rtol=TOLERANCE[jnp.bfloat16])
