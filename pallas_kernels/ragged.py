@@ -6,13 +6,14 @@ online softmax over the sequence's pages up to the block's causal limit.
 
 Query blocks never straddle two sequences. Sequence s gets the block ids starting at
 `query_start_loc[s] // block_q + s`; its chunk of q_len tokens needs cdiv(q_len, block_q) blocks and
-that range always has room for them (floor((a+q)/B) - floor(a/B) + 1 >= cdiv(q, B)), so the grid
-has at most `num_tokens // block_q + num_seqs` blocks, some of them empty:
+that range always has room for them (floor((a+q)/B) - floor(a/B) + 1 >= cdiv(q, B)), so a grid of
+`num_tokens // block_q + num_seqs` blocks fits any batch of that size; some blocks are empty:
 
-    block_q 4, query_start_loc [0, 6, 7, 9]           (chunks of 6, 1 and 2 tokens)
-    token:        0 1 2 3 | 4 5     | 6       | 7 8
-    block id:     0       | 1       | 3       | 4        (block 2 is empty: first id of seq 1 is 6//4+1=3)
-    row in block: 0 1 2 3 | 0 1     | 0       | 0 1
+    block_q 4, query_start_loc [0, 8, 9, 11]          (chunks of 8, 1 and 2 tokens)
+    token:        0 1 2 3 | 4 5 6 7 | 8 | 9 10
+    block id:     0       | 1       | 3 | 4            first ids: 0//4+0=0, 8//4+1=3, 9//4+2=4
+    row in block: 0 1 2 3 | 0 1 2 3 | 0 | 0 1
+    grid: 11//4 + 3 = 5 blocks; block 2 (sequence 0's third id) is empty and writes zeros.
 
 The wrapper computes this block -> (sequence, first token) map with two tiny jnp ops and passes it
 to the kernel as small int arrays (the Triton backend has no scalar prefetch; reading them is a
