@@ -10,14 +10,15 @@ not know the weights came from a GGUF file. Three things differ from a Hugging F
    bf16 ones: the oracle for tests is Hugging Face's own GGUF loader, never the original checkpoint.
 3. The rows of q_proj and k_proj are permuted (see `unpermute_qk_rows`).
 
-GGUF lists a tensor's dimensions fastest-first (`[in, out]` for a matrix); the reader's `data`
-is already a row-major numpy array of the reversed shape, `(out, in)`, which is Hugging Face's
-`nn.Linear` layout, so no transpose is needed.
+GGUF lists a tensor's dimensions fastest-first (`[in, out]` for a matrix), so read row-major the
+dequantized data has the reversed shape, `(out, in)`: Hugging Face's `nn.Linear` layout, no transpose.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,23 +46,114 @@ _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
-def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` over `path` (memory-mapped, nothing is read until a tensor is used)."""
-    import gguf
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy (row-major) order: GGUF's dims reversed, e.g. (out, in)
+    qtype: int  # a gguf.GGMLQuantizationType value
+    data: np.ndarray  # the raw bytes, uint8 [rows, bytes_per_row], memory-mapped
 
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF header: metadata as Python values, tensors as memory-mapped raw bytes."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUF metadata value types -> struct format of one scalar (8: string, 9: array, handled apart).
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF (v2/v3, little-endian) header; tensor data stays on disk, memory-mapped.
+
+    Our own parser rather than `gguf.GGUFReader`, which builds a numpy view per array element and
+    takes ~7 s on this file's 49152-token vocabulary (this takes well under one). Layout:
+
+        "GGUF" u32 version  u64 tensor_count  u64 kv_count
+        kv_count x   (string key, u32 value_type, value)         string = u64 length + utf-8 bytes
+        tensor_count x (string name, u32 n_dims, u64 dims[n_dims] fastest-first, u32 type, u64 offset)
+        padding to `general.alignment` (default 32), then the data; `offset` counts from there
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {os.fspath(path)!r} does not exist; pass the path of a .gguf file")
-    return gguf.GGUFReader(os.fspath(path))
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist; pass the path of a .gguf file")
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = memoryview(buf)
+    if bytes(raw[:4]) != b"GGUF":
+        raise ValueError(f"{path!r} is not a GGUF file (its first bytes are {bytes(raw[:4])!r}, not b'GGUF')")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", raw, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path!r} is GGUF version {version}; only versions 2 and 3 (little-endian) are supported")
+    pos = 24
+
+    def read_string() -> str:
+        nonlocal pos
+        (length,) = struct.unpack_from("<Q", raw, pos)
+        pos += 8 + length
+        return bytes(raw[pos - length : pos]).decode("utf-8", errors="replace")
+
+    def read_value(value_type: int) -> Any:
+        nonlocal pos
+        if value_type == _STRING:
+            return read_string()
+        if value_type == _ARRAY:
+            item_type, count = struct.unpack_from("<IQ", raw, pos)
+            pos += 12
+            if item_type in _SCALAR_FORMATS:  # one unpack for the whole array
+                fmt = f"<{count}{_SCALAR_FORMATS[item_type]}"
+                values = list(struct.unpack_from(fmt, raw, pos))
+                pos += struct.calcsize(fmt)
+                return values
+            return [read_value(item_type) for _ in range(count)]
+        if value_type not in _SCALAR_FORMATS:
+            raise ValueError(f"{path!r}: unknown GGUF metadata value type {value_type} at byte {pos}")
+        fmt = "<" + _SCALAR_FORMATS[value_type]
+        (value,) = struct.unpack_from(fmt, raw, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = read_string()
+        (value_type,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        metadata[key] = read_value(value_type)
+
+    infos = []
+    for _ in range(tensor_count):
+        name = read_string()
+        (n_dims,) = struct.unpack_from("<I", raw, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", raw, pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, tuple(int(d) for d in dims), qtype, offset))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, dims, qtype, offset in infos:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        row_len = dims[0]  # elements in one row (the fastest dimension)
+        if row_len % block_size:
+            raise ValueError(f"{path!r}: tensor {name} rows of {row_len} are not whole blocks of {block_size}")
+        num_rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        row_bytes = row_len // block_size * type_size
+        begin = data_start + offset
+        data = buf[begin : begin + num_rows * row_bytes].reshape(num_rows, row_bytes)
+        tensors.append(GGUFTensor(name, tuple(reversed(dims)), qtype, data))
+    return GGUFFile(path, metadata, tensors)
 
 
-def read_metadata(reader) -> dict[str, Any]:
+def read_metadata(gguf_file: GGUFFile) -> dict[str, Any]:
     """Every key/value field of the file as plain Python values (str, int, float, bool, lists)."""
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # the header (version, counts), not metadata
-            continue
-        metadata[key] = field.contents()
-    return metadata
+    return gguf_file.metadata
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -148,39 +240,37 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
     )
 
 
-def load_gguf(path_or_reader, *, weights: bool = True):
+def load_gguf(path_or_file, *, weights: bool = True):
     """`(hf_config, state_dict, metadata)` of a GGUF Llama file.
 
     The state dict is float32 numpy in Hugging Face names and layout (None when `weights=False`:
     the config and tokenizer metadata come from the header alone, no tensor is dequantized).
     A file without `output.weight` ties the LM head to the embedding: the config says
     `tie_word_embeddings=True` and the state dict has no `lm_head.weight` (as Hugging Face's own).
-    Pass an open reader (`open_gguf`) to parse the file's header once for config and tokenizer.
+    Pass an open file (`open_gguf`) to parse the file's header once for config and tokenizer.
     """
-    reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_gguf(path_or_reader)
-    metadata = read_metadata(reader)
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    gguf_file = path_or_file if isinstance(path_or_file, GGUFFile) else open_gguf(path_or_file)
+    metadata = read_metadata(gguf_file)
+    tensor_names = {tensor.name for tensor in gguf_file.tensors}
     config = gguf_to_hf_config(metadata, tie_word_embeddings="output.weight" not in tensor_names)
     if not weights:
         return config, None, metadata
-    state_dict = dequantize_state_dict(reader, config)
+    state_dict = dequantize_state_dict(gguf_file, config)
     check_llama_state_dict(config, state_dict)
     return config, state_dict, metadata
 
 
-def dequantize_state_dict(reader, config) -> dict[str, np.ndarray]:
+def dequantize_state_dict(gguf_file, config) -> dict[str, np.ndarray]:
     """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order."""
     from gguf.quants import dequantize
 
     state_dict: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        # `tensor.shape` is GGUF's fastest-first order; numpy's row-major shape is its reverse.
-        expected_shape = tuple(int(n) for n in reversed(tensor.shape))
-        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = weight.reshape(expected_shape)
+        # [rows, bytes_per_row] -> float32 [rows, row_len] -> (out, in): no transpose needed.
+        weight = np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk_rows(weight, config.num_attention_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -136,8 +136,8 @@ def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -
     if source.kind == "gguf":
         from jaxpaged.models import gguf
 
-        reader = gguf.open_gguf(source.path)  # parse the (large) header once for all three
-        hf_config, state_dict, metadata = gguf.load_gguf(reader, weights=weights)
+        gguf_file = gguf.open_gguf(source.path)  # parse the header once for config and tokenizer
+        hf_config, state_dict, metadata = gguf.load_gguf(gguf_file, weights=weights)
         return LoadedModel(hf_config, state_dict, Tokenizer.from_gguf(metadata), source)
 
     import transformers
