@@ -7,9 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sampler import RowSpec, make_sampling_arrays, sample, sampling_logits
+from jaxpaged.sampler import (
+    NUM_CANDIDATES,
+    RowSpec,
+    _rank_keep_mask,
+    make_sampling_arrays,
+    sample,
+    sampling_logits,
+)
 
-# A hand-made distribution over 6 tokens, stored at shuffled ids so that "most likely" is not "lowest id".
+# A hand-made distribution over 6 tokens, at shuffled ids so that "most likely" is not "lowest id".
 HAND_PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 HAND_IDS = np.array([4, 0, 5, 2, 1, 3])  # HAND_PROBS[i] belongs to token HAND_IDS[i]
 
@@ -66,17 +73,18 @@ def test_top_k_1_is_greedy_for_any_seed_and_temperature():
 
 
 def test_seeded_row_draws_the_same_tokens_in_any_batch_position_and_bucket():
-    vocab_size = 1000
+    vocab_size = 2 * NUM_CANDIDATES
     rng = np.random.default_rng(2)
-    target_logits = rng.normal(size=vocab_size).astype(np.float32)  # high entropy: draws vary by step
+    # High entropy, so that the target draws different tokens at different steps.
+    target_logits = rng.normal(size=vocab_size).astype(np.float32)
     target = dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.01, seed=1234)
     filtered_target = dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.0, seed=99)
 
     def run(target_spec, num_rows, position, neighbours, steps):
-        """Target sampled at `position` among `neighbours` (other rows' specs) in a bucket of num_rows."""
+        """The target's tokens at `position` among `neighbours`, in a bucket of num_rows."""
         out = []
         for step in steps:
-            logits = rng.normal(size=(num_rows, vocab_size)).astype(np.float32)  # fresh noise elsewhere
+            logits = rng.normal(size=(num_rows, vocab_size)).astype(np.float32)  # other rows vary
             logits[position] = target_logits
             rows = [RowSpec(i, *spec[1:]) for i, spec in enumerate(neighbours)]
             rows.insert(position, RowSpec(position, step=step, **target_spec))
@@ -85,19 +93,27 @@ def test_seeded_row_draws_the_same_tokens_in_any_batch_position_and_bucket():
         return out
 
     steps = range(8)
-    sorting_neighbours = [RowSpec(0, 1.0, 5, 0.5, 0.0, seed) for seed in range(5)]  # forces the sort path
+    candidate_neighbours = [
+        RowSpec(0, 1.0, 5, 0.5, 0.0, seed) for seed in range(5)
+    ]  # top-k candidates
+    full_sort_neighbours = [
+        RowSpec(0, 1.0, NUM_CANDIDATES + 1, 1.0, 0.0, 7)
+    ]  # k beyond the candidates
     greedy_neighbours = [RowSpec(0)] * 2
     for spec in (target, filtered_target):
         alone = run(spec, 1, 0, [], steps)
         assert len(set(alone)) > 3, "the target row should draw different tokens at different steps"
-        assert run(spec, 8, 5, sorting_neighbours, steps) == alone
+        assert run(spec, 8, 5, candidate_neighbours, steps) == alone
+        assert run(spec, 4, 1, full_sort_neighbours, steps) == alone
         assert run(spec, 4, 2, greedy_neighbours, steps) == alone
 
 
 def test_fan_out_rows_from_one_logits_row_draw_independently():
     logits = np.zeros((2, 1000), np.float32)  # row 0 uniform: 8 draws almost surely differ
     logits[1, 7] = 100.0
-    rows = [RowSpec(0, temperature=1.0, seed=s) for s in range(8)] + [RowSpec(1, temperature=1.0, seed=3)]
+    rows = [RowSpec(0, temperature=1.0, seed=s) for s in range(8)] + [
+        RowSpec(1, temperature=1.0, seed=3)
+    ]
     token_ids = np.asarray(sample(jnp.asarray(logits), make_sampling_arrays(rows, 16))[0])
     assert len(set(token_ids[:8].tolist())) >= 6
     assert token_ids[8] == 7  # row 8 reads logits row 1
@@ -154,25 +170,45 @@ def reference_kept_ids(logits: np.ndarray, spec: RowSpec) -> set[int]:
     return {i for i in kept if full_probs[i] >= spec.min_p * full_probs.max()}
 
 
-def test_filter_supports_match_a_numpy_oracle_on_random_parameters():
+@pytest.mark.parametrize(
+    "path", ["candidates", "top_k_beyond_candidates", "top_p_beyond_candidates"]
+)
+def test_filter_supports_match_a_numpy_oracle_on_random_parameters(path):
     rng = np.random.default_rng(4)
-    num_rows, vocab_size = 48, 64
-    logits = (rng.normal(size=(num_rows, vocab_size)) * 2.0).astype(np.float32)
+    num_rows, vocab_size = 24, NUM_CANDIDATES + 476
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 3.0).astype(np.float32)
     rows = [
         RowSpec(
             row_idx=r,
             temperature=float(rng.choice([0.3, 1.0, 1.7])),
-            top_k=int(rng.choice([0, 1, 5, 20, vocab_size, 100])),
+            top_k=int(rng.choice([0, 1, 5, 300, NUM_CANDIDATES, vocab_size, 5000])),
             top_p=float(rng.choice([1.0, rng.uniform(0.05, 0.99)])),
             min_p=float(rng.choice([0.0, rng.uniform(0.01, 0.5)])),
         )
         for r in range(num_rows)
     ]
-    processed = np.asarray(sampling_logits(jnp.asarray(logits), make_sampling_arrays(rows, num_rows)))
+    # One row the candidates cannot decide makes every row take the full ranking.
+    if path == "top_k_beyond_candidates":
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_k=NUM_CANDIDATES + 10, top_p=0.999)
+    if path == "top_p_beyond_candidates":  # a nearly flat row: the candidates hold ~70% of the mass
+        logits[-1] *= 0.01
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_k=0, top_p=0.9)
+    params = make_sampling_arrays(rows, num_rows)
+
+    # Which path the batch takes: decided on the candidates alone, or not.
+    scaled = jnp.asarray(logits) / params.temperature[:, None]
+    needs_rank = jnp.asarray([0 < r.top_k < vocab_size or r.top_p < 1.0 for r in rows])
+    _, decided = _rank_keep_mask(scaled, params, needs_rank, NUM_CANDIDATES)
+    assert bool(np.all(decided)) == (path == "candidates")
+
+    processed = np.asarray(sampling_logits(jnp.asarray(logits), params))
     for r, spec in enumerate(rows):
         kept = set(np.flatnonzero(np.isfinite(processed[r])).tolist())
         assert kept == reference_kept_ids(logits[r], spec), f"row {r}: {spec}"
-        np.testing.assert_allclose(processed[r][list(kept)], logits[r][list(kept)] / spec.temperature, rtol=1e-6)
+        kept = sorted(kept)
+        np.testing.assert_allclose(
+            processed[r][kept], logits[r][kept] / spec.temperature, rtol=1e-6
+        )
 
 
 def test_top_p_1_keeps_the_whole_vocabulary_when_the_mass_rounds_to_1_early():
@@ -180,35 +216,43 @@ def test_top_p_1_keeps_the_whole_vocabulary_when_the_mass_rounds_to_1_early():
     # top_p=1 row must still keep everything, like it does when no row in the batch sorts.
     logits = np.zeros((1, 32), np.float32)
     logits[0, 0] = 60.0
-    rows = [RowSpec(0, temperature=1.0, top_p=1.0), RowSpec(0, temperature=1.0, top_k=2)]  # row 1 sorts
+    rows = [
+        RowSpec(0, temperature=1.0, top_p=1.0),
+        RowSpec(0, temperature=1.0, top_k=2),
+    ]  # row 1 sorts
     processed = np.asarray(sampling_logits(jnp.asarray(logits), make_sampling_arrays(rows, 2)))
     assert np.isfinite(processed[0]).all()
     assert np.isfinite(processed[1]).sum() == 2
 
 
-def primitive_paths(jaxpr, path=()):
-    """(primitive name, names of the enclosing higher-order primitives) for every equation."""
+def equation_paths(jaxpr, path=()):
+    """(equation, names of the enclosing higher-order primitives) for every equation."""
     for eqn in jaxpr.eqns:
-        yield eqn.primitive.name, path
+        yield eqn, path
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from primitive_paths(sub, path + (eqn.primitive.name,))
+            yield from equation_paths(sub, path + (eqn.primitive.name,))
 
 
-def test_sorting_and_noise_happen_only_inside_conditionals():
-    logits = jnp.zeros((4, 128), jnp.float32)
+def test_ranking_and_noise_happen_only_inside_conditionals():
+    vocab_size = 2 * NUM_CANDIDATES
+    logits = jnp.zeros((4, vocab_size), jnp.float32)
     jaxpr = jax.make_jaxpr(sample)(logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
-    paths = list(primitive_paths(jaxpr))
-    sorts = [path for name, path in paths if name == "sort"]
-    noise = [path for name, path in paths if name in ("random_bits", "threefry2x32")]
-    assert sorts and noise
-    assert all(path.count("cond") == 2 for path in sorts)  # skipped unless a sampling row needs it
-    assert all(path.count("cond") == 1 for path in noise)  # skipped when every row is greedy
+    paths = list(equation_paths(jaxpr))
+    assert not any(eqn.primitive.name == "sort" for eqn, _ in paths)
+    top_ks = {
+        eqn.params["k"]: path.count("cond") for eqn, path in paths if eqn.primitive.name == "top_k"
+    }
+    noise = [path for eqn, path in paths if eqn.primitive.name in ("random_bits", "threefry2x32")]
+    # Noise is skipped when every row is greedy.
+    assert noise and all(path.count("cond") == 1 for path in noise)
+    # Candidates only when a sampling row uses top-k / top-p; full ranking only if they fall short.
+    assert top_ks == {NUM_CANDIDATES: 2, vocab_size: 3}
 
 
 # --- distributions --------------------------------------------------------------------------------
 
-# Chi-square 99.9% quantile with 7 degrees of freedom (8 tokens): a correct sampler passes with these
-# fixed seeds; a wrong temperature gives statistics in the hundreds or thousands.
+# Chi-square 99.9% quantile with 7 degrees of freedom (8 tokens): a correct sampler passes with
+# these fixed seeds; a wrong temperature gives statistics in the hundreds or thousands.
 CHI2_7_DOF_999 = 24.32
 DIST_LOGITS = np.array([[1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.5]], np.float32)
 
@@ -244,7 +288,11 @@ def test_logprobs_are_log_softmax_of_raw_logits_at_the_chosen_ids():
     token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
     row_idx = np.array([r.row_idx for r in rows])
     x = logits[row_idx].astype(np.float64)
-    log_softmax = x - x.max(1, keepdims=True) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
+    log_softmax = (
+        x
+        - x.max(1, keepdims=True)
+        - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
+    )
     expected = log_softmax[np.arange(len(rows)), token_ids[: len(rows)]]
     np.testing.assert_allclose(logprobs[: len(rows)], expected, atol=1e-5)
     assert token_ids[0] == np.argmax(logits[0])
@@ -283,7 +331,7 @@ def test_make_sampling_arrays_pads_and_rejects_overfull_buckets():
     arrays = make_sampling_arrays([(2, 0.5, 3, 0.9, 0.1, 2**32 + 7, 11)], 3)
     np.testing.assert_array_equal(np.asarray(arrays.row_idx), [2, 0, 0])
     np.testing.assert_array_equal(np.asarray(arrays.temperature), np.float32([0.5, 0.0, 0.0]))
-    np.testing.assert_array_equal(np.asarray(arrays.seed), [7, 0, 0])  # seeds are taken modulo 2**32
+    np.testing.assert_array_equal(np.asarray(arrays.seed), [7, 0, 0])  # modulo 2**32
     np.testing.assert_array_equal(np.asarray(arrays.step), [11, 0, 0])
     with pytest.raises(ValueError, match="do not fit in a bucket"):
         make_sampling_arrays([RowSpec(0)] * 3, 2)
