@@ -74,6 +74,124 @@ def test_missing_file_is_named(tmp_path):
         jgguf.open_gguf(tmp_path / "nope.gguf")
 
 
+# ---- a tiny GGUF written here the way llama.cpp's converter writes one -------------------------
+
+TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+_HF_TO_GGUF = {hf: gg for gg, hf in jgguf._LAYER_NAMES.items()}
+
+
+def write_tiny_gguf(path, state_dict, *, tie: bool, quantize_ffn: bool):
+    """A llama GGUF from a Hugging Face state dict: renamed, Q/K rows permuted, FFN optionally Q8_0.
+
+    Also carries metadata of every value type, to exercise the header parser.
+    """
+    import gguf
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", TINY["num_hidden_layers"])
+    writer.add_uint32("llama.context_length", 256)
+    writer.add_uint32("llama.embedding_length", TINY["hidden_size"])
+    writer.add_uint32("llama.feed_forward_length", TINY["intermediate_size"])
+    writer.add_uint32("llama.attention.head_count", TINY["num_attention_heads"])
+    writer.add_uint32("llama.attention.head_count_kv", TINY["num_key_value_heads"])
+    writer.add_uint32("llama.rope.dimension_count", TINY["head_dim"])
+    writer.add_float32("llama.rope.freq_base", 5000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(TINY["vocab_size"])])
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for kind, value in [("uint8", 7), ("int8", -7), ("uint16", 700), ("int16", -700), ("int32", -70000),
+                        ("uint64", 2**40), ("int64", -(2**40)), ("float64", 0.125), ("bool", True)]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.ints", [3, 1, 4])
+    writer.add_array("test.floats", [0.5, -1.5])
+    writer.add_string("test.unicode", "héllo 😀")
+
+    num_heads, num_kv_heads = TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    for name, value in state_dict.items():
+        if name == "lm_head.weight" and tie:
+            continue
+        if name in jgguf._GLOBAL_NAMES.values():
+            gguf_name = {hf: gg for gg, hf in jgguf._GLOBAL_NAMES.items()}[name]
+        else:
+            parts = name.split(".")  # model.layers.0.self_attn.q_proj.weight, model.layers.0.input_layernorm.weight
+            gguf_name = f"blk.{parts[2]}.{_HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if name.endswith("q_proj.weight"):
+            value = llamacpp_permute(value, num_heads)
+        elif name.endswith("k_proj.weight"):
+            value = llamacpp_permute(value, num_kv_heads)
+        if quantize_ffn and ".mlp." in name:
+            writer.add_tensor(gguf_name, quantize(value, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny_hf_state_dict(tie: bool):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config)
+    return {k: torch.randn_like(v).numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_tiny_gguf_gives_back_the_hf_state_dict(tmp_path, tie):
+    state_dict = tiny_hf_state_dict(tie)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, state_dict, tie=tie, quantize_ffn=False)
+    config, loaded, metadata = jgguf.load_gguf(path)
+    assert config.tie_word_embeddings is tie
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (2, 4, 2)
+    assert (config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size) == (64, 96, 16, 64)
+    assert (config.max_position_embeddings, config.bos_token_id, config.eos_token_id) == (256, 1, 2)
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    expected = {k: v for k, v in state_dict.items() if not (tie and k == "lm_head.weight")}
+    assert set(loaded) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_tiny_gguf_quantized_tensors_and_header(tmp_path):
+    """Q8_0 tensors dequantize as gguf's own round trip does; metadata equals gguf.GGUFReader's."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    state_dict = tiny_hf_state_dict(tie=True)
+    path = tmp_path / "tiny_q8.gguf"
+    write_tiny_gguf(path, state_dict, tie=True, quantize_ffn=True)
+    _, loaded, metadata = jgguf.load_gguf(path)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    name = "model.layers.1.mlp.down_proj.weight"
+    expected = dequantize(quantize(state_dict[name], q8), q8)
+    np.testing.assert_array_equal(loaded[name], expected)
+    assert not np.array_equal(loaded[name], state_dict[name])  # it really was quantized
+    np.testing.assert_allclose(loaded[name], state_dict[name], atol=0.05)
+
+    reference = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert metadata.keys() == fields.keys()
+    for key, value in fields.items():
+        assert metadata[key] == pytest.approx(value) if isinstance(value, float) else metadata[key] == value, key
+    assert metadata["test.unicode"] == "héllo 😀" and metadata["test.int64"] == -(2**40)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        jgguf.open_gguf(path)
+
+
 # ---- the real bundled model (slow: both loaders take ~15 s each on 2 cores, more under load) ------
 
 
