@@ -100,6 +100,24 @@ def test_damaged_entry_is_a_miss_then_rebuilt(damage):
     assert_same(checkpoint.restore_params("k"), params)
 
 
+def test_cached_params_converts_once(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"weights")
+    calls = []
+
+    def convert():
+        calls.append(1)
+        return sample_params()
+
+    first, hit = checkpoint.cached_params([str(weights)], np.float32, convert)
+    assert not hit and len(calls) == 1
+    second, hit = checkpoint.cached_params([str(weights)], np.float32, convert, like=first)
+    assert hit and len(calls) == 1  # the second start skips conversion
+    assert_same(second, first)
+    _, hit = checkpoint.cached_params([str(weights)], jnp.bfloat16, convert)
+    assert not hit and len(calls) == 2  # another dtype is another entry
+
+
 @pytest.mark.slow
 def test_real_model_restore_beats_conversion(capsys):
     """Convert the bundled GGUF (dequantize + params_from_hf), save, restore; exact, and faster."""

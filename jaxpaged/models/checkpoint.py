@@ -123,3 +123,22 @@ def restore_params(key: str, like: Any = None) -> Any | None:
         shutil.rmtree(final, ignore_errors=True)
         return None
     return params
+
+
+def cached_params(source_files: Sequence[str], dtype: Any, convert, *, format_tag: str = "v1", like: Any = None):
+    """`(params, hit)`: the cached conversion of `source_files` in `dtype`, or `convert()` saved for next time.
+
+    `convert` is a zero-argument callable returning the parameter pytree (e.g. dequantize the GGUF
+    and run `params_from_hf`). A failed save (read-only or full disk) is logged, not raised: the
+    cache only ever makes a start faster.
+    """
+    key = params_cache_key(source_files, dtype, format_tag)
+    params = restore_params(key, like=like)
+    if params is not None:
+        return params, True
+    params = convert()
+    try:
+        save_params(params, key)
+    except OSError as error:
+        logger.warning("could not write params cache entry %s (%s); continuing without it", entry_dir(key), error)
+    return params, False
