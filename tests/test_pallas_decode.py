@@ -258,5 +258,8 @@ def test_bench_dry_run_writes_json(tmp_path):
     report = json.loads(path.read_text())
     impls = {row["impl"] for row in report["rows"]}
     assert {"ours decode_attention", "ours paged_attention (ragged)", "dense jax.nn.dot_product_attention"} <= impls
-    # bf16 inputs: every peer agrees with dense attention to bf16 precision.
-    assert all(row["max_abs_diff_vs_dense"] < 5e-2 for row in report["rows"])
+    # bf16 inputs: every peer agrees with dense attention to bf16 precision, where dense ran.
+    compared = [row for row in report["rows"] if row.get("batch_name") != "tiny mix, dense skipped"]
+    assert all(row["max_abs_diff_vs_dense"] < 5e-2 for row in compared)
+    skipped = [row for row in report["rows"] if row.get("batch_name") == "tiny mix, dense skipped"]
+    assert [row["impl"] for row in skipped] == ["ours paged_attention (ragged)"]
