@@ -67,6 +67,9 @@ def _decode_kernel(
     def body(block_idx, carry):
         page_idx = first_page_idx + block_idx * pages_per_compute_block
         page_ids = block_tables_ref[pl.ds(page_idx, pages_per_compute_block)]  # [P]
+        # Entries past the length are masked but still gathered: keep them inside the pool (as XLA's
+        # clamping gather does) so a stale table entry can never fault.
+        page_ids = jnp.clip(page_ids, 0, k_pages_ref.shape[0] - 1)
         k = k_pages_ref[page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
         v = v_pages_ref[page_ids].reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
