@@ -1,8 +1,9 @@
 """The tokenizer the engine uses: encode, decode, stream-decode, and the chat template.
 
-One class over a `tokenizers.Tokenizer` (the Rust fast tokenizer), built either from the metadata of
-a GGUF file (the bundled default model ships no tokenizer.json) or from a `transformers` tokenizer
-(a local Hugging Face directory). Host side: no jax, no torch.
+One class over a `tokenizers.Tokenizer` (the Rust fast tokenizer), built from the metadata of a GGUF
+file (the bundled default model ships no tokenizer.json), from a Hugging Face directory's
+tokenizer.json, or from a `transformers` tokenizer object. Host side: no jax, no torch, and so no
+transformers either (importing its tokenizer classes imports torch when installed).
 
 A GGUF byte-level BPE tokenizer ("gpt2" in llama.cpp's words) is rebuilt from:
 - `tokenizer.ggml.tokens`: the vocabulary, id = index, spelled in GPT-2's byte alphabet
@@ -16,6 +17,7 @@ A GGUF byte-level BPE tokenizer ("gpt2" in llama.cpp's words) is rebuilt from:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Sequence
@@ -47,8 +49,10 @@ class Tokenizer:
         eos_token: str | None,
         chat_template: str | None,
         extra_template_tokens: dict[str, str] | None = None,
+        clean_up_tokenization_spaces: bool = False,
     ):
         self.backend = backend
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
@@ -125,6 +129,46 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_hf_dir(cls, directory: str) -> "Tokenizer":
+        """From a Hugging Face model directory's `tokenizer.json` and `tokenizer_config.json`.
+
+        Reads the files itself (no transformers, which would import torch). The chat template is
+        taken from `tokenizer_config.json`, else `chat_template.jinja`, else `chat_template.json`.
+        """
+        tokenizer_json = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tokenizer_json):
+            raise FileNotFoundError(
+                f"{directory!r} has no tokenizer.json; jaxpaged reads only fast tokenizers: save one with "
+                "transformers (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) or pass a tokenizer"
+            )
+        backend = tokenizers.Tokenizer.from_file(tokenizer_json)
+        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        special_map = _read_json(os.path.join(directory, "special_tokens_map.json"))
+
+        def token(name: str) -> str | None:
+            value = config.get(name) or special_map.get(name)
+            return value.get("content") if isinstance(value, dict) else value
+
+        template = config.get("chat_template")
+        jinja_path = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        if template is None:
+            template = _read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = {entry["name"]: entry["template"] for entry in template}.get("default")
+        extra = {name: tok for name in ("unk_token", "pad_token") if (tok := token(name)) is not None}
+        return cls(
+            backend,
+            bos_token=token("bos_token"),
+            eos_token=token("eos_token"),
+            chat_template=template,
+            extra_template_tokens=extra,
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    @classmethod
     def from_hf(cls, hf_tokenizer) -> "Tokenizer":
         """From a `transformers` fast tokenizer (e.g. `AutoTokenizer.from_pretrained(model_dir)`)."""
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
@@ -144,6 +188,7 @@ class Tokenizer:
             eos_token=None if hf_tokenizer.eos_token is None else str(hf_tokenizer.eos_token),
             chat_template=template,
             extra_template_tokens=extra,
+            clean_up_tokenization_spaces=bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)),
         )
 
     # ---- encode / decode ----------------------------------------------------------------------
@@ -157,7 +202,11 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:  # old BERT-era option some configs still set
+            for spaced, joined in _CLEAN_UP:
+                text = text.replace(spaced, joined)
+        return text
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A streaming decoder for one sequence's output tokens (see `IncrementalDetokenizer`)."""
@@ -189,6 +238,17 @@ class Tokenizer:
         return self._compiled_template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
         )
+
+
+# Hugging Face's `clean_up_tokenization_spaces`: drop the space a word-level tokenizer put before punctuation.
+_CLEAN_UP = [(" " + p, p) for p in (".", "?", "!", ",", "n't", "'m", "'s", "'ve", "'re")] + [(" ' ", "'")]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _compile_template(source: str):

@@ -257,7 +257,7 @@ def test_real_logits_through_hf_torch_model(ours, hf_gguf_model):
     import transformers
 
     config, state_dict = ours
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().eval()
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state_dict.items()}, strict=False)
     model.tie_weights()
     ids = torch.tensor([PROMPT_IDS])

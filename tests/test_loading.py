@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.models import loading
+from jaxpaged.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -109,6 +110,42 @@ def test_load_model_files_from_hf_dir(tmp_path):
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"
     assert loading.load_model_files(str(tmp_path), weights=False).state_dict is None
     assert loaded.source.weight_files() == [str(tmp_path / "model.safetensors")]
+
+
+def test_hf_dir_tokenizer_matches_transformers(tmp_path):
+    save_tokenizer(tmp_path)
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["héllo wörld", "  two  spaces", "日本 😀", "<eos> x"]:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False)
+    assert (ours.eos_token, ours.bos_token) == ("<eos>", "<bos>")
+    assert ours.eos_token_id == theirs.eos_token_id is not None
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        Tokenizer.from_hf_dir(str(tmp_path / "nowhere"))
+
+
+def test_runtime_path_never_imports_torch(tmp_path):
+    """Loading the default model and a safetensors directory imports neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    model = tiny_model(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tokenizer(tmp_path)
+    script = (
+        "import sys\n"
+        "from jaxpaged.models.loading import load_model_files\n"
+        "default = load_model_files(None, weights=False)\n"
+        f"local = load_model_files({str(tmp_path)!r})\n"
+        "assert default.tokenizer.encode('hi') and local.state_dict\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_default_model_resolves_to_bundled_gguf():

