@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt
 
-# Legend: R=num_rows (output rows, a bucket size) S=num_seqs (logits rows) V=vocab_size
+# Legend: R=num_rows (output rows, a bucket size) V=vocab_size C=candidates per row (top-k / top-p)
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM's _SAMPLING_EPS)
 PRNG_IMPL = "threefry2x32"  # fixed so that seeded outputs do not depend on jax_default_prng_impl
@@ -58,7 +58,7 @@ class RowSpec(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int = 0
+    seed: int = 0  # the request's seed; for an unseeded request the engine draws one at arrival
     step: int = 0  # tokens this sequence has generated so far; with seed, fixes the draw
 
 

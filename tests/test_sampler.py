@@ -92,7 +92,7 @@ def test_seeded_row_draws_the_same_tokens_in_any_batch_position_and_bucket():
             out.append(int(token_ids[position]))
         return out
 
-    steps = range(8)
+    steps = range(6)
     candidate_neighbours = [
         RowSpec(0, 1.0, 5, 0.5, 0.0, seed) for seed in range(5)
     ]  # top-k candidates
