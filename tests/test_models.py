@@ -141,7 +141,7 @@ def test_from_hf_rejects_what_it_cannot_run():
 
 def test_config_validates_itself():
     shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, head_dim=4)
-    with pytest.raises(ValueError, match="num_heads=6 must be divisible by self.num_kv_heads=4"):
+    with pytest.raises(ValueError, match="num_heads=6 must be divisible by num_kv_heads=4"):
         ModelConfig(**shape, num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="dtype='float64' is not supported"):
         ModelConfig(**shape, num_heads=2, num_kv_heads=2, dtype="float64")

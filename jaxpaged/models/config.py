@@ -26,13 +26,16 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.factor <= 0:
-            raise ValueError(f"rope scaling {self.factor=} must be positive")
+            raise ValueError(f"rope scaling factor={self.factor} must be positive")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
-                f"rope scaling needs 0 < {self.low_freq_factor=} < {self.high_freq_factor=}"
+                f"rope scaling needs 0 < low_freq_factor={self.low_freq_factor} "
+                f"< high_freq_factor={self.high_freq_factor}"
             )
         if self.original_max_position_embeddings <= 0:
-            raise ValueError(f"{self.original_max_position_embeddings=} must be positive")
+            raise ValueError(
+                f"original_max_position_embeddings={self.original_max_position_embeddings} must be positive"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +63,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads=} must be divisible by {self.num_kv_heads=}")
-        if self.head_dim % 2:
-            raise ValueError(f"{self.head_dim=} must be even: RoPE rotates pairs of dimensions")
+        num_heads, num_kv_heads, head_dim, dtype = self.num_heads, self.num_kv_heads, self.head_dim, self.dtype
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+        if head_dim % 2:
+            raise ValueError(f"{head_dim=} must be even: RoPE rotates pairs of dimensions")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"{self.rms_norm_eps=} and {self.rope_theta=} must be positive")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{dtype=} is not supported; use one of {_DTYPES}")
 
     @property
     def num_queries_per_kv(self) -> int:

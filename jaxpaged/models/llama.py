@@ -227,7 +227,7 @@ def init_params(config: ModelConfig, rng: jax.Array) -> dict:
     kv_pages = jax.ShapeDtypeStruct(
         (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), config.dtype
     )
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     shapes = jax.eval_shape(
         CausalLM(config).init, rng, kv_pages, ints(num_tokens), ints(num_tokens), ints(num_tokens),
         ints(1, 1), ints(1), ints(2), ints(1),
