@@ -233,7 +233,9 @@ def init_params(config: ModelConfig, rng: jax.Array) -> dict:
         ints(1, 1), ints(1), ints(2), ints(1),
     )
     # numpy draws: eager jax.random would compile one kernel per distinct shape.
-    np_rng = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel())
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a typed key (jax.random.key)
+        rng = jax.random.key_data(rng)
+    np_rng = np.random.default_rng(np.asarray(rng).ravel())
 
     def draw(path, leaf):
         if path[-1].key == "scale":
