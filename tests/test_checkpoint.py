@@ -119,8 +119,12 @@ def test_cached_params_converts_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_model_restore_beats_conversion(capsys):
-    """Convert the bundled GGUF (dequantize + params_from_hf), save, restore; exact, and faster."""
+def test_real_model_round_trip_and_timings(capsys):
+    """Convert the bundled GGUF (parse + dequantize + params_from_hf), save, restore: exact.
+
+    The times are printed, not asserted: on 2 shared CPU cores restore (~4 s, 540 MB of float32)
+    and conversion (~5 s) are too close for a timing assertion that would not fail on noise.
+    """
     from jaxpaged.models import ModelConfig, params_from_hf
     from jaxpaged.models.gguf import load_gguf
     from jaxpaged.models.loading import default_model_path
@@ -143,6 +147,4 @@ def test_real_model_restore_beats_conversion(capsys):
 
     assert_same(restored, params)
     with capsys.disabled():
-        print(f"\nSmolLM2-135M params: convert {convert_s:.1f} s, save {save_s:.1f} s, restore {restore_s:.1f} s")
-    # Generous: restore reads 540 MB; conversion also parses the header and dequantizes 272 tensors.
-    assert restore_s < convert_s, f"restore {restore_s:.1f} s is not faster than conversion {convert_s:.1f} s"
+        print(f"\nSmolLM2-135M float32 params: convert {convert_s:.1f} s, save {save_s:.1f} s, restore {restore_s:.1f} s")
