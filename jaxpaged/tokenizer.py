@@ -303,7 +303,7 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         before = self.tokenizer.decode(self.token_ids[self.prefix_idx : self.read_idx], self.skip_special_tokens)
         after = self.tokenizer.decode(self.token_ids[self.prefix_idx :], self.skip_special_tokens)
-        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+        if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         self.prefix_idx = self.read_idx
         self.read_idx = len(self.token_ids)
@@ -315,4 +315,4 @@ class IncrementalDetokenizer:
         after = self.tokenizer.decode(self.token_ids[self.prefix_idx :], self.skip_special_tokens)
         self.prefix_idx = self.read_idx
         self.read_idx = len(self.token_ids)
-        return after[len(before) :] if after.startswith(before) else ""
+        return after[len(before) :]
