@@ -32,12 +32,9 @@ def _attention_fn(backend: str):
         from jaxpaged.attention import reference_paged_attention
 
         return reference_paged_attention
-    import functools
-
     import pallas_kernels
 
-    # On the CPU the kernels run in Pallas's interpreter (slow; for tests), on a GPU compiled.
-    return functools.partial(pallas_kernels.paged_attention, interpret=not _on_gpu())
+    return pallas_kernels.paged_attention  # interpret=None: compiled on a GPU, interpreted elsewhere
 
 
 def _num_pages(config: EngineConfig, model_config) -> int:

@@ -68,12 +68,13 @@ def hf_greedy(prompts):
     outputs = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(ids):].tolist())
+            # Plain greedy decoding with HF's own KV cache, never stopping at eos (as ignore_eos).
+            out = model(torch.tensor([ids]), use_cache=True)
+            tokens = []
+            for _ in range(NUM_NEW_TOKENS):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            outputs.append(tokens)
     return outputs
 
 
