@@ -5,7 +5,7 @@ logits (fan-out) without copying logits on the host. Per row, in the order of vL
 
     raw logits x ─► greedy? (temperature 0) ──────────────────► argmax(x)   (ties: lowest id)
          │
-         └─► x / temperature ─► top-k ─► top-p ─► min-p ─► argmax(kept + gumbel noise)
+         └─► x / temperature ─► top-k ─► top-p ─► min-p ─► inverse CDF at u(seed, step)
                                 (rank)   (nucleus  (>= min_p   (= a draw from the renormalized
                                           over the   * max      distribution of the kept tokens)
                                           top k)     prob)
@@ -13,9 +13,9 @@ logits (fan-out) without copying logits on the host. Per row, in the order of vL
 The returned log-probability is always that of the model's unmodified distribution,
 `log_softmax(x)[token]`, whatever filters chose the token.
 
-Reproducibility: row r's randomness is `gumbel(fold_in(key(seed[r]), step[r]), (vocab_size,))`,
-one noise value per token id, so a seeded request draws the same tokens alone or in any batch, at
-any row, in any bucket. The filters decide only which token ids are kept, and which path a batch
+Reproducibility: row r's randomness is one uniform `u(fold_in(key(seed[r]), step[r]))`, and the
+token is a function of u and the row's own logits, so a seeded request draws the same tokens alone
+or in any batch, at any row, in any bucket. The filters decide only which token ids are kept, and which path a batch
 takes (see Cost) does not change a row's kept set, up to float rounding exactly at a top-p boundary.
 
 Ranges assumed (SamplingParams validates them; nothing is checked here):
@@ -29,8 +29,8 @@ Ranges assumed (SamplingParams validates them; nothing is checked here):
     generated so far.
   row_idx: in [0, num_seqs) of the logits it is used with (JAX clamps out-of-range gathers).
 
-Cost (each step chosen on device with `jax.lax.cond`): an all-greedy batch draws no noise and ranks
-nothing; a batch where no sampling row uses top-k or top-p draws noise but ranks nothing; otherwise
+Cost (each step chosen on device with `jax.lax.cond`): an all-greedy batch draws no random numbers and ranks
+nothing; a batch where no sampling row uses top-k or top-p draws one uniform per row but ranks nothing; otherwise
 every row takes its NUM_CANDIDATES largest logits (`lax.top_k`), and only if some row needs more
 (top-k above NUM_CANDIDATES, or a top-p those candidates do not reach) is every row fully sorted.
 """
@@ -201,12 +201,32 @@ def _processed_logits(
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _gumbel_noise(params: SamplingArrays, vocab_size: int) -> Float[Array, "num_rows vocab_size"]:
-    def row_noise(seed, step):
-        key = jax.random.fold_in(jax.random.key(seed, impl=PRNG_IMPL), step)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+def _row_uniforms(params: SamplingArrays) -> Float[Array, "num_rows"]:
+    """One uniform in (0, 1) per row, from (seed, step) alone."""
 
-    return jax.vmap(row_noise)(params.seed, params.step)
+    def row_uniform(seed, step):
+        key = jax.random.fold_in(jax.random.key(seed, impl=PRNG_IMPL), step)
+        return jax.random.uniform(key, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+
+    return jax.vmap(row_uniform)(params.seed, params.step)
+
+
+def _inverse_cdf_draw(
+    processed: Float[Array, "num_rows vocab_size"], u: Float[Array, "num_rows"]
+) -> Int[Array, "num_rows"]:
+    """The first token whose cumulative probability reaches u: a draw from softmax(processed).
+
+        probs:   0.1  0.0  0.6  0.3          u = 0.5
+        cdf:     0.1  0.1  0.7  1.0          cdf < u at ids 0, 1  ->  token 2
+    Tokens outside the kept set have probability 0 and can never be the first to reach u > 0.
+    One random number per row instead of one per token id: on a CPU, generating vocab_size
+    threefry values per row cost more than the model's decode step.
+    """
+    probs = jax.nn.softmax(processed, axis=1)
+    cdf = jnp.cumsum(probs, axis=1)
+    threshold = u[:, None] * cdf[:, -1:]  # the total is 1 up to rounding
+    drawn = jnp.sum(cdf < threshold, axis=1).astype(jnp.int32)
+    return jnp.minimum(drawn, processed.shape[1] - 1)
 
 
 @jax.jit
@@ -245,8 +265,7 @@ def sample(
     is_random = params.temperature >= GREEDY_TEMPERATURE
 
     def random_ids():
-        perturbed = _processed_logits(raw, params) + _gumbel_noise(params, vocab_size)
-        drawn = jnp.argmax(perturbed, axis=1).astype(jnp.int32)
+        drawn = _inverse_cdf_draw(_processed_logits(raw, params), _row_uniforms(params))
         return jnp.where(is_random, drawn, greedy_ids)
 
     token_ids = jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
