@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -65,7 +66,7 @@ class Tokenizer:
     # ---- constructors ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path_or_metadata) -> "Tokenizer":
+    def from_gguf(cls, path_or_metadata) -> Tokenizer:
         """From a GGUF file path, or from its metadata dict (`gguf.read_metadata`) to read it once."""
         if isinstance(path_or_metadata, dict):
             metadata = path_or_metadata
@@ -129,7 +130,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, directory: str) -> "Tokenizer":
+    def from_hf_dir(cls, directory: str) -> Tokenizer:
         """From a Hugging Face model directory's `tokenizer.json` and `tokenizer_config.json`.
 
         Reads the files itself (no transformers, which would import torch). The chat template is
@@ -169,7 +170,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf(cls, hf_tokenizer) -> "Tokenizer":
+    def from_hf(cls, hf_tokenizer) -> Tokenizer:
         """From a `transformers` fast tokenizer (e.g. `AutoTokenizer.from_pretrained(model_dir)`)."""
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -208,7 +209,7 @@ class Tokenizer:
                 text = text.replace(spaced, joined)
         return text
 
-    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A streaming decoder for one sequence's output tokens (see `IncrementalDetokenizer`)."""
         return IncrementalDetokenizer(self, list(prompt_token_ids), skip_special_tokens)
 

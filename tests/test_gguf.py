@@ -149,7 +149,7 @@ def test_tiny_gguf_gives_back_the_hf_state_dict(tmp_path, tie):
     state_dict = tiny_hf_state_dict(tie)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, state_dict, tie=tie, quantize_ffn=False)
-    config, loaded, metadata = jgguf.load_gguf(path)
+    config, loaded, _ = jgguf.load_gguf(path)
     assert config.tie_word_embeddings is tie
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (2, 4, 2)
     assert (config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size) == (64, 96, 16, 64)

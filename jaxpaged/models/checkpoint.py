@@ -20,7 +20,8 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -73,10 +74,9 @@ def save_params(params: Any, key: str) -> str:
     staging = f"{final}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(staging, "state"), params)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(staging, "state"), params)
+        checkpointer.wait_until_finished()
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     with open(os.path.join(final, _COMPLETE), "w") as f:
@@ -104,21 +104,20 @@ def restore_params(key: str, like: Any = None) -> Any | None:
     try:
         with open(marker) as f:
             record = json.load(f)
-        checkpointer = ocp.StandardCheckpointer()
-        if like is None:
-            params = checkpointer.restore(os.path.join(final, "state"))
-        else:
-            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), like)
-            params = checkpointer.restore(os.path.join(final, "state"), abstract)
-        checkpointer.close()
-        params = jax.block_until_ready(params)
+        with ocp.StandardCheckpointer() as checkpointer:  # closed (threads joined) even on a failed read
+            if like is None:
+                params = checkpointer.restore(os.path.join(final, "state"))
+            else:
+                abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), like)
+                params = checkpointer.restore(os.path.join(final, "state"), abstract)
+            params = jax.block_until_ready(params)
         saved, restored = record["leaves"], _leaf_record(params)
         if like is not None:
             # The restored tree takes `like`'s type, so compare structure-free: shapes and dtypes in order.
             saved, restored = [leaf[1:] for leaf in saved], [leaf[1:] for leaf in restored]
         if saved != restored:
             raise ValueError(f"restored leaves do not match the saved record ({len(restored)} vs {len(saved)})")
-    except Exception as error:  # any unreadable entry is a miss, never a crash
+    except Exception as error:  # noqa: BLE001 (any unreadable entry is a miss, never a crash)
         logger.warning("params cache entry %s is unreadable (%s: %s); deleting it", final, type(error).__name__, error)
         shutil.rmtree(final, ignore_errors=True)
         return None

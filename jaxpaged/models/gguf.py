@@ -193,7 +193,7 @@ def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weight.shape)  # [head, half, pair_idx, ...] flattened
 
 
-def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> "HFConfig":
+def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> HFConfig:
     """The Hugging Face `config.json` of a Llama GGUF, from its `llama.*` and `tokenizer.ggml.*` fields.
 
     GGUF has no tying flag: the file ties the LM head to the embedding when it has no `output.weight`.

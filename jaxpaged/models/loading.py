@@ -191,7 +191,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     data_start = 8 + header_len
     state_dict = {}
     with safe_open(path, framework="np") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 (safe_open handles are not dicts)
             info = header[name]
             if info["dtype"] in _ML_DTYPES:
                 import ml_dtypes
