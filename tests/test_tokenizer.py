@@ -143,3 +143,34 @@ def test_from_hf_directory_matches(tokenizer, hf_tokenizer, tmp_path):
         assert from_dir.decode(tokenizer.encode(text)) == tokenizer.decode(tokenizer.encode(text))
     messages = conversations("hi")[0]
     assert from_dir.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
+def test_from_gguf_metadata_bos_merges_and_token_types():
+    """A hand-made vocabulary: merges apply in order, BOS is added when the file asks, control
+    tokens are special (dropped by skip_special_tokens), user-defined ones are whole but kept."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_tokens = sorted(ByteLevel.alphabet())
+    tokens = ["<s>", "</s>", "<tool>"] + byte_tokens + ["ab", "abc", "Ġab"]
+    types = [3, 3, 4] + [1] * (len(byte_tokens) + 3)
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": ["a b", "ab c", "Ġ ab"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+    }
+    tok = Tokenizer.from_gguf(metadata)
+    ab, abc, space_ab = tokens.index("ab"), tokens.index("abc"), tokens.index("Ġab")
+    assert tok.encode("abc ab", add_special_tokens=False) == [abc, space_ab]
+    assert tok.encode("abc") == [0, abc]  # BOS first
+    assert tok.encode("ab<tool></s>", add_special_tokens=False) == [ab, 2, 1]
+    assert tok.decode([0, ab, 2, 1]) == "ab<tool>"
+    assert tok.decode([0, ab, 2, 1], skip_special_tokens=False) == "<s>ab<tool></s>"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        Tokenizer.from_gguf(dict(metadata, **{"tokenizer.ggml.model": "llama"}))
