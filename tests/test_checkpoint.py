@@ -79,6 +79,9 @@ def _damage_data_files(entry):
     assert damaged, "no data files found: the checkpoint layout changed, update this test"
 
 
+# Reading garbage, orbax's async reader sometimes posts a callback to an event loop it already
+# closed; the error is raised and handled, the late callback only prints. Not ours to fix.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["no_complete_marker", "garbage_data", "deleted_state", "wrong_record"])
 def test_damaged_entry_is_a_miss_then_rebuilt(damage):
     params = sample_params()
