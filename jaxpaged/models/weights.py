@@ -28,14 +28,14 @@ _FORMAT = "llama-scan-v1"  # bump when params_from_hf changes the parameter layo
 
 @functools.lru_cache(maxsize=2)
 def load_model(model: str | None, dtype: str):
-    """Returns `(ModelConfig, params, Tokenizer)`; params are numpy arrays in `dtype`."""
+    """Returns `(ModelConfig, params, Tokenizer)`; params are arrays in `dtype` (numpy or jax)."""
     files = loading.load_model_files(model, weights=False)
     config = ModelConfig.from_hf(files.hf_config, dtype=dtype)
-    key = checkpoint.params_cache_key(files.source.weight_files(), jnp.dtype(dtype), format_tag=_FORMAT)
-    params = checkpoint.restore_params(key)
-    if params is None:
+
+    def convert():
         logger.info("converting %s to %s parameters (cached for the next start)", files.source_id, dtype)
-        state_dict = loading.load_model_files(model).state_dict
-        params = params_from_hf(config, state_dict)
-        checkpoint.save_params(params, key)
+        return params_from_hf(config, loading.load_model_files(model).state_dict)
+
+    # A cache that cannot be read or written costs a conversion, never a failed start.
+    params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert, format_tag=_FORMAT)
     return config, params, files.tokenizer
