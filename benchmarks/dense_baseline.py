@@ -258,15 +258,21 @@ class DenseBaseline:
         logits, self.kv_pages = self._decode[kv_len](self.params, self.kv_pages, *arrays)
         return logits
 
-    def warmup(self) -> None:
-        """Compiles every prefill and decode bucket and their samplers; serving never compiles."""
+    def warmup(self, max_prompt_len: int | None = None, max_seq_len: int | None = None) -> None:
+        """Compiles the prefill and decode buckets and their samplers, so serving never compiles.
+
+        By default every bucket; given the longest prompt and the longest sequence (prompt + output)
+        a workload can have, only the buckets it can reach.
+        """
         rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
-        for s in self.prefill_buckets:
+        top_s = self._bucket(self.prefill_buckets, min(max_prompt_len or self.max_len, self.max_len))
+        for s in (b for b in self.prefill_buckets if b <= top_s):
             logits = self._run_prefill(*self._prefill_inputs([0], [[0] * s]))
             jax.block_until_ready(sample(logits, make_sampling_arrays(rows, logits.shape[0])))
+        top_l = self._bucket(self.kv_buckets, min(max_seq_len or self.max_len, self.max_len))
         zeros = np.zeros(self.batch_size, np.int32)
         no_write = np.zeros(self.batch_size, bool)
-        for kv_len in self.kv_buckets:
+        for kv_len in (b for b in self.kv_buckets if b <= top_l):
             logits = self._run_decode(*self._decode_inputs(zeros, zeros + (kv_len - 1), no_write))
             jax.block_until_ready(sample(logits, make_sampling_arrays(rows, logits.shape[0])))
 

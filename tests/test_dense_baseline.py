@@ -212,3 +212,33 @@ def test_greedy_tokens_equal_jaxpaged_on_smollm2():
                           max_prefill_tokens=256)
     got = [o.token_ids for o in dense.generate(prompts, sampling)]
     assert got == want
+
+
+# ------------------------------------------------------------------- the benchmark's arithmetic
+
+
+def test_summary_figures_and_shared_pages_counted_once():
+    import types
+
+    from benchmarks.bench_throughput import live_tokens
+    from benchmarks.common import RequestTimes, Run, StepSample, summarize
+
+    # Two sequences share page 7 (a full prefix page of 4 tokens); one has 2 more tokens in page 3,
+    # the other 1 more in page 5: 4 + 2 + 1 = 7 live tokens, not 11.
+    a = types.SimpleNamespace(num_computed_tokens=6, block_table=[7, 3])
+    b = types.SimpleNamespace(num_computed_tokens=5, block_table=[7, 5, 9])  # page 9: allocated, empty
+    assert live_tokens([a, b], page_size=4) == 7
+
+    # Two steps: 1 s holding 8 of 16 allocated slots, then 3 s holding 12 of 16.
+    steps = [
+        StepSample(1.0, "prefill", 2, 10, 2, 8, 16, {"schedule": 0.1, "prepare": 0.1, "device": 0.7, "postprocess": 0.1}),
+        StepSample(4.0, "decode", 6, 2, 2, 12, 16, {"schedule": 0.0, "prepare": 0.2, "device": 2.8, "postprocess": 0.0}),
+    ]
+    run = Run("x", "W", wall_s=4.0, num_prompt_tokens=10, steps=steps, kv_capacity_tokens=32,
+              requests=[RequestTimes(4, 1.0, 4.0), RequestTimes(4, 1.0, 2.5)])
+    s = summarize(run)
+    assert s["output_tok_s"] == 2.0 and s["total_tok_s"] == 4.5
+    assert s["kv_waste_pct"] == pytest.approx(100 * (1 - (8 + 3 * 12) / (4 * 16)), abs=0.01)
+    assert s["tpot_median_s"] == pytest.approx((1.0 + 0.5) / 2)
+    assert s["host_share_total"] == pytest.approx(0.5 / 4.0) and s["device_share"] == pytest.approx(3.5 / 4.0)
+    assert s["by_step_kind"]["decode"]["device_share"] == pytest.approx(2.8 / 3.0, abs=1e-3)
