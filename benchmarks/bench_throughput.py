@@ -414,12 +414,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", default="w1,w2,w3", help="comma-separated subset of w1,w2,w3")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer on the CPU preset")
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
+    parser.add_argument("--hf-threads", type=int, default=None,
+                        help="torch threads for the Hugging Face peer (default: torch's). On a CPU shared with "
+                             "other work use 1: OpenMP threads that spin-wait for a descheduled peer made torch "
+                             "6x slower per step here with 2 threads")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     check_device(preset)
     workloads = [w.strip().lower() for w in args.workloads.split(",") if w.strip()]
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
 
     model_config, params, tokenizer = load_cpu_model() if preset.name == "cpu" else load_h100_model()
     budget = preset.kv_budget_tokens or gpu_kv_budget_tokens(model_config, params)
@@ -464,7 +469,7 @@ def main(argv=None) -> dict:
         paged_run, _, dense_run, _ = timed_pair("W1", w1, engine, dense, budget)
         runs["W1"] = [paged_run, dense_run]
         if preset.hf_peer and not args.no_hf:
-            hf = load_hf_model()
+            hf = load_hf_model(args.hf_threads)
             run_hf(hf, warmup_requests(w1), batch_size=dense_batch, workload="W1", capacity_tokens=budget)
             with tqdm(total=sum(s.max_tokens for _, s in w1), desc="W1 hf", unit="tok", leave=False) as bar:
                 runs["W1"].append(run_hf(hf, w1, batch_size=dense_batch, workload="W1", capacity_tokens=budget,
@@ -530,6 +535,8 @@ def main(argv=None) -> dict:
         "dense_batch_size": dense_batch,
         "results": summaries,
         "checks": checks,
+        "hf_torch_threads": args.hf_threads,
+        "load_average_at_start": load_at_start,  # (1, 5, 15 min): other work sharing this machine
         "total_benchmark_s": round(time.perf_counter() - started, 1),
         # CPU seconds this process used (all threads): on a shared machine, a better guide than
         # the wall time to how long the run takes on an idle one.
@@ -543,8 +550,11 @@ def main(argv=None) -> dict:
     return result
 
 
-def load_hf_model():
+def load_hf_model(num_threads: int | None = None):
     import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
     from transformers import AutoModelForCausalLM
 
     from jaxpaged.models.loading import default_model_path
