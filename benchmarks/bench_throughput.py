@@ -27,7 +27,6 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import (

@@ -5,24 +5,17 @@ greedy tokens against jaxpaged's engine on the same random model and prompts (an
 test, on the bundled SmolLM2); its schedule against the static-batch design it stands for.
 """
 
+import jax
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks.dense_baseline import (  # noqa: E402
-    DenseBaseline,
-    batch_size_for_budget,
-    dense_attention,
-    pow2_buckets,
-)
-from jaxpaged.attention import reference_paged_attention  # noqa: E402
-from jaxpaged.engine import LLMEngine  # noqa: E402
-from jaxpaged.engine_config import EngineConfig  # noqa: E402
-from jaxpaged.models.config import ModelConfig  # noqa: E402
-from jaxpaged.models.llama import init_params  # noqa: E402
-from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.dense_baseline import DenseBaseline, batch_size_for_budget, dense_attention, pow2_buckets
+from jaxpaged.attention import reference_paged_attention
+from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import init_params
+from jaxpaged.sampling_params import SamplingParams
 
 TINY = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
