@@ -354,7 +354,7 @@ def load_h100_model():
     from jaxpaged.models.llama import init_params
 
     model_config = ModelConfig(**QWEN3_0_6B_SHAPES)
-    params = jax.jit(init_params, static_argnums=0)(model_config, jax.random.key(0))  # on device
+    params = init_params(model_config, jax.random.key(0))  # random bf16, on the device
     return model_config, params, _SilentTokenizer()
 
 
