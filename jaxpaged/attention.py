@@ -93,3 +93,122 @@ def reference_paged_attention(
     out = jnp.einsum("tkgl,ktlh->tkgh", probs, v)
     out = jnp.where(has_key, out, 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def chunked_paged_attention(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 8,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
+
+    `reference_paged_attention` reads every slot a block table can address (max_model_len per token)
+    whatever the real lengths; here keys come in chunks of `pages_per_chunk` pages with an online
+    softmax, and the loop stops after the chunk holding the longest context in the batch (a
+    `while_loop` with a data-dependent trip count: one compiled program serves every length).
+
+        chunk c covers key positions [c * C, (c + 1) * C), C = pages_per_chunk * page_size
+        running per (token, head): m = max score so far, l = sum exp(score - m), acc = sum exp(..) v
+        new chunk: m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc likewise;  out = acc / l
+
+    Same contract and padding rules as the reference; tested against it.
+    """
+
+    def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
+        return (jnp.moveaxis(k_pages[:, chunk_pages], 0, -2), jnp.moveaxis(v_pages[:, chunk_pages], 0, -2))
+
+    return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
+                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+
+
+def chunked_paged_attention_from_buffer(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    layer_idx: Int[Array, ""],
+    scale: float,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 8,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
+
+    Inside the model's layer loop, `kv_pages[layer_idx, 0]` is a dynamic slice that XLA copies in
+    full (the layer's whole pool, every layer, every step) before a gather can read it; indexing the
+    whole buffer in one gather reads only the pages the chunks need. The model calls backends
+    marked `reads_whole_kv_buffer` this way.
+    """
+
+    def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
+        k = kv_pages[layer_idx, 0, :, chunk_pages]  # advanced indices first: [T, P_c, K, page_size, H]
+        v = kv_pages[layer_idx, 1, :, chunk_pages]
+        return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+
+    return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
+                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+
+
+chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
+
+
+def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
+                       scale, soft_cap, pages_per_chunk):
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    group = num_heads // num_kv_heads
+    pages_per_chunk = min(pages_per_chunk, pages_per_seq)
+    chunk_len = pages_per_chunk * page_size
+    num_chunks = -(-pages_per_seq // pages_per_chunk)
+
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_idx = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")  # [T]
+    is_real = token_idx < query_start_loc[-1]
+    seq_idx = jnp.where(is_real, seq_idx, 0)
+    q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
+    position = jnp.where(is_real, seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx]), -1)
+    # Each token's pages, padded with the padding page to a whole number of chunks.
+    pages = jnp.pad(block_tables[seq_idx], ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
+    num_chunks_needed = (jnp.max(position) + chunk_len) // chunk_len  # 0 when every token is padding
+
+    qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
+    # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
+    floor = jnp.float32(-1e30)
+
+    def chunk_step(chunk, carry):
+        m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
+        chunk_pages = jax.lax.dynamic_slice_in_dim(pages, chunk * pages_per_chunk, pages_per_chunk, axis=1)
+        k, v = gather(chunk_pages)  # [T, P_c, page_size, K, H]
+        k = k.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)  # [T, C, K, H]
+        v = v.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
+        key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
+        visible = key_pos[None, :] <= position[:, None]  # [T, C]
+        s = jnp.einsum("tkgh,tlkh->tkgl", qf, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])  # exactly 0 where not visible
+        correction = jnp.exp(m - m_new)
+        v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
+        acc = acc * correction[..., None] + jnp.einsum("tkgl,tlkh->tkgh", p, v)
+        return m_new, l * correction + jnp.sum(p, axis=-1), acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), floor),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_chunks_needed, chunk_step, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

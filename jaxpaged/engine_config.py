@@ -1,13 +1,13 @@
 """Engine arguments: one frozen dataclass that validates itself.
 
 Defaults depend on the platform: a GPU serves many long sequences, a 2-core CPU a few short ones
-(the CPU reference attention reads every slot a block table can address, so max_model_len is kept
-moderate there).
+(on the CPU, attention and the dense work per token are what bound speed, so max_model_len and the
+token budget are kept moderate there).
 """
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
-    attention_backend: str = "auto"  # "auto": Pallas on GPU, the jnp reference on CPU
+    attention_backend: str = "auto"  # "auto": Pallas on GPU, the chunked jnp attention on CPU
     seed: int = 0  # draws the seeds of requests that give none
     warmup: bool = True  # precompile every bucket at start-up
 
@@ -64,6 +64,6 @@ class EngineConfig:
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
             attention_backend=(
-                ("pallas" if on_gpu else "reference") if self.attention_backend == "auto" else self.attention_backend
+                ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
             ),
         )

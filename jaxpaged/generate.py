@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"], default="auto")
+    e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
 
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print tokens as they are generated")

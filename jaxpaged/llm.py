@@ -32,6 +32,10 @@ def _attention_fn(backend: str):
         from jaxpaged.attention import reference_paged_attention
 
         return reference_paged_attention
+    if backend == "chunked":
+        from jaxpaged.attention import chunked_paged_attention_from_buffer
+
+        return chunked_paged_attention_from_buffer
     import pallas_kernels
 
     return pallas_kernels.paged_attention  # interpret=None: compiled on a GPU, interpreted elsewhere

@@ -5,11 +5,17 @@ through a random permutation of page ids, fills every other page with NaN, and c
 reference with a per-token loop over the contiguous cache in numpy float64.
 """
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import reference_paged_attention
+from jaxpaged.attention import (
+    chunked_paged_attention,
+    chunked_paged_attention_from_buffer,
+    reference_paged_attention,
+)
 
 
 def _naive(q, ks, vs, q_lens, seq_lens, scale, soft_cap):
@@ -33,8 +39,22 @@ def _naive(q, ks, vs, q_lens, seq_lens, scale, soft_cap):
     return np.stack(outs)
 
 
+# chunked with 2 pages per chunk: sequences span 1 to 3 chunks, and the loop must stop early.
+def _from_buffer(q, k_pages, v_pages, *args, **kwargs):
+    """The whole-buffer entry point, on a 3-layer buffer whose other layers are NaN."""
+    poison = jnp.full_like(k_pages, jnp.nan)
+    kv_pages = jnp.stack([jnp.stack([poison, poison]), jnp.stack([k_pages, v_pages]), jnp.stack([poison, poison])])
+    return chunked_paged_attention_from_buffer(q, kv_pages, *args, layer_idx=jnp.int32(1), pages_per_chunk=2, **kwargs)
+
+
+ATTENTION_FNS = {"reference": reference_paged_attention,
+                 "chunked": functools.partial(chunked_paged_attention, pages_per_chunk=2),
+                 "chunked-from-buffer": _from_buffer}
+
+
+@pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))
 @pytest.mark.parametrize("page_size,num_heads,num_kv_heads,soft_cap", [(4, 4, 2, None), (8, 6, 2, None), (4, 3, 3, 5.0)])
-def test_reference_matches_naive_over_contiguous_cache(page_size, num_heads, num_kv_heads, soft_cap):
+def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_kv_heads, soft_cap):
     rng = np.random.default_rng(0)
     head_dim, num_pages, pages_per_seq = 16, 24, 5
     # Sequences: a decode row, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
@@ -63,7 +83,7 @@ def test_reference_matches_naive_over_contiguous_cache(page_size, num_heads, num
     num_real = sum(q_lens)
     q = rng.standard_normal((num_real + 3, num_heads, head_dim)).astype(np.float32)  # 3 padding tokens
     query_start_loc = np.array([0, *np.cumsum(q_lens), num_real], np.int32)
-    out = reference_paged_attention(
+    out = ATTENTION_FNS[fn_name](
         jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(block_tables),
         jnp.asarray(np.array([*seq_lens, 0], np.int32)), jnp.asarray(query_start_loc),
         scale=scale, soft_cap=soft_cap,
@@ -74,9 +94,10 @@ def test_reference_matches_naive_over_contiguous_cache(page_size, num_heads, num
     assert np.all(out[num_real:] == 0), "padding tokens must give zeros"
 
 
-def test_rejects_bad_head_ratio():
+@pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))
+def test_rejects_bad_head_ratio(fn_name):
     q = jnp.zeros((2, 5, 8))
     pages = jnp.zeros((2, 3, 4, 8))
     with pytest.raises(ValueError, match="divisible"):
-        reference_paged_attention(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32),
+        ATTENTION_FNS[fn_name](q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32),
                                   jnp.array([0, 1], jnp.int32), scale=1.0)

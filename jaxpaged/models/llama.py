@@ -124,10 +124,16 @@ class Attention(nn.Module):
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
 
         kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
-        out = self.attention_fn(
-            q, kv_pages[layer_idx, 0], kv_pages[layer_idx, 1], block_tables, seq_lens,
-            query_start_loc, scale=h**-0.5,
-        )  # [T, N, H]
+        if getattr(self.attention_fn, "reads_whole_kv_buffer", False):
+            # The backend indexes this layer's pages itself: no per-layer copy of the pool.
+            out = self.attention_fn(
+                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5,
+            )
+        else:  # the DESIGN.md contract: this layer's K and V pools
+            out = self.attention_fn(
+                q, kv_pages[layer_idx, 0], kv_pages[layer_idx, 1], block_tables, seq_lens,
+                query_start_loc, scale=h**-0.5,
+            )  # [T, N, H]
         y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
