@@ -235,3 +235,24 @@ def test_summary_figures_and_shared_pages_counted_once():
     assert s["tpot_median_s"] == pytest.approx((1.0 + 0.5) / 2)
     assert s["host_share_total"] == pytest.approx(0.5 / 4.0) and s["device_share"] == pytest.approx(3.5 / 4.0)
     assert s["by_step_kind"]["decode"]["device_share"] == pytest.approx(2.8 / 3.0, abs=1e-3)
+
+
+def test_harness_under_memory_pressure_compiles_nothing_and_keeps_tokens(tiny_params, dense):
+    """W3 in miniature through the benchmark's own drivers: a 6-page pool forces preemptions."""
+    from benchmarks.bench_throughput import run_dense, run_jaxpaged, warmup_requests
+
+    prompts, sampling = _requests(seed=3, num=5)
+    requests = list(zip(prompts, sampling))
+    config = EngineConfig(page_size=PAGE_SIZE, num_pages=6, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=MAX_MODEL_LEN).resolved(on_gpu=False, model_max_len=256)
+    engine = LLMEngine(TINY, tiny_params, _SilentTokenizer(), config, num_pages=6,
+                       attention_fn=reference_paged_attention)
+    run_jaxpaged(engine, warmup_requests(requests), system="warmup", workload="W3", capacity_tokens=96)
+    paged, paged_tokens = run_jaxpaged(engine, requests, system="jaxpaged", workload="W3", capacity_tokens=96)
+    base, base_tokens = run_dense(dense, requests, system="dense", workload="W3", capacity_tokens=3 * MAX_MODEL_LEN)
+
+    assert paged.extra["preemptions"] > 0 and paged.extra["recomputed_tokens"] > 0
+    assert paged_tokens == base_tokens
+    assert paged.num_compiles == 0 and base.num_compiles == 0  # warm-up covered every bucket
+    assert sum(r.num_output_tokens for r in paged.requests) == sum(s.max_tokens for s in sampling)
+    assert max(s.num_allocated_tokens for s in paged.steps) <= 5 * PAGE_SIZE  # never more than the pool
