@@ -70,7 +70,7 @@ PRESETS = {
         kv_budget_tokens=8 * 256,
         w1=dict(num_seqs=16, min_len=16, max_len=64, temperature=0.6),
         w2=dict(num_seqs=8, prefix_len=192, suffix_min=4, suffix_max=16, output_len=16),
-        w3=dict(num_seqs=8, prompt_min=16, prompt_max=48, output_min=32, output_max=80, kv_budget_tokens=256),
+        w3=dict(num_seqs=6, prompt_min=16, prompt_max=48, output_min=24, output_max=64, kv_budget_tokens=256),
         hf_peer=True,
     ),
     # BENCHMARKS.md W1 exactly: 256 sequences, lengths in [100, 1024], max_model_len 4096.
