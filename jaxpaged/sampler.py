@@ -260,7 +260,6 @@ def sample(
     Compiles once per (num_seqs, num_rows, vocab_size); parameter values never retrace.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
-    vocab_size = raw.shape[1]
     greedy_ids = jnp.argmax(raw, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
 
