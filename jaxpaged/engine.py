@@ -167,10 +167,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_generated_tokens(self) -> int:
+        return self._num_generated_tokens
+
     # ---------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one engine step and returns an output for every request that produced tokens."""
+    def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
+        """Runs one engine step; returns an output for every request that produced tokens.
+
+        `only_finished=True` returns outputs only for requests that finished this step: building a
+        snapshot copies every moved request's tokens, which offline generation does not need.
+        """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -250,7 +258,11 @@ class LLMEngine:
                 request.finish_reasons[j] = seq.finish_reason
             moved[request.request_id] = request
 
-        outputs = [self._make_output(request, delta=True) for request in moved.values()]
+        outputs = [
+            self._make_output(request, delta=True)
+            for request in moved.values()
+            if not only_finished or request.finished
+        ]
         for request in moved.values():
             if request.finished:
                 self._retire(request)

@@ -106,11 +106,14 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
         bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
+        start = self.engine.num_generated_tokens
+
+        def progress():
+            bar.update(self.engine.num_generated_tokens - start - bar.n)
+
         try:
-            for output in self._run(prompts, sampling_params, ids):
-                bar.update(sum(len(c.delta_token_ids) for c in output.outputs))
-                if output.finished:
-                    final[output.request_id] = output
+            for output in self._run(prompts, sampling_params, ids, only_finished=True, on_step=progress):
+                final[output.request_id] = output
         finally:
             bar.close()
         return [final[i] for i in ids]
@@ -135,7 +138,8 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts, sampling_params, ids: list[str]) -> Iterator[RequestOutput]:
+    def _run(self, prompts, sampling_params, ids: list[str], *, only_finished: bool = False,
+             on_step=None) -> Iterator[RequestOutput]:
         """Validates everything first (nothing is queued if any input is bad), then steps to the end.
 
         Whatever stops the loop (an exception, a consumer that stops iterating), the requests this
@@ -147,7 +151,10 @@ class LLM:
                 ids.append(self.engine.add_request(token_ids, params, prompt=text))
             pending = set(ids)
             while pending:
-                for output in self.engine.step():
+                outputs = self.engine.step(only_finished=only_finished)
+                if on_step is not None:
+                    on_step()
+                for output in outputs:
                     if output.request_id in pending:
                         if output.finished:
                             pending.discard(output.request_id)
