@@ -125,8 +125,9 @@ def test_cached_params_converts_once(tmp_path):
 def test_real_model_round_trip_and_timings(capsys):
     """Convert the bundled GGUF (parse + dequantize + params_from_hf), save, restore: exact.
 
-    The times are printed, not asserted: on 2 shared CPU cores restore (~4 s, 540 MB of float32)
-    and conversion (~5 s) are too close for a timing assertion that would not fail on noise.
+    On a quiet 2-core machine: convert 2.7 s, restore 1.1 s. Under heavy load (load average 9)
+    they came as close as 5.2 vs 3.6 s, so the assertion is only that restoring wins, with no
+    margin; the times are printed for the record.
     """
     from jaxpaged.models import ModelConfig, params_from_hf
     from jaxpaged.models.gguf import load_gguf
@@ -151,3 +152,4 @@ def test_real_model_round_trip_and_timings(capsys):
     assert_same(restored, params)
     with capsys.disabled():
         print(f"\nSmolLM2-135M float32 params: convert {convert_s:.1f} s, save {save_s:.1f} s, restore {restore_s:.1f} s")
+    assert restore_s < convert_s, f"restoring ({restore_s:.1f} s) should beat converting ({convert_s:.1f} s)"
