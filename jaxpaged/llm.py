@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.engine import LLMEngine
 from jaxpaged.engine_config import EngineConfig
+from jaxpaged.model_runner import kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -45,24 +46,15 @@ def _num_pages(config: EngineConfig, model_config) -> int:
     """Pool size: explicit, from a byte budget, from free GPU memory, or enough for a full CPU batch."""
     if config.num_pages is not None:
         return config.num_pages
-    itemsize = 2 if config.dtype == "bfloat16" else 4
-    page_bytes = (model_config.num_layers * 2 * model_config.num_kv_heads * config.page_size
-                  * model_config.head_dim * itemsize)
     if config.kv_memory_bytes is not None:
-        budget = config.kv_memory_bytes
-    elif _on_gpu():
+        return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes)
+    if _on_gpu():
         stats = jax.devices()[0].memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        budget = int(free * config.kv_memory_fraction)
-    else:
-        full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
-        return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))
-    num_pages = budget // page_bytes
-    if num_pages < 2:
-        raise ValueError(
-            f"a KV budget of {budget} bytes holds {num_pages} pages of {page_bytes} bytes; "
-            "raise kv_memory_bytes / kv_memory_fraction or lower page_size")
-    return num_pages
+        return num_pages_for_budget(model_config, config.page_size, int(free * config.kv_memory_fraction))
+    full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
+    page_bytes = kv_cache_bytes_per_page(model_config, config.page_size)
+    return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))
 
 
 class LLM:
