@@ -44,7 +44,7 @@ def test_host_modules_do_not_import_jax():
     code = (
         "import sys, types; pkg = types.ModuleType('jaxpaged'); pkg.__path__ = [sys.argv[1]]; "
         "sys.modules['jaxpaged'] = pkg; "
-        "import jaxpaged.sampling_params, jaxpaged.sequence, jaxpaged.block_manager, jaxpaged.scheduler; "
+        "import jaxpaged.sampling_params, jaxpaged.sequence, jaxpaged.block_manager, jaxpaged.scheduler, jaxpaged.step_input; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch', 'flax')); "
         "assert not bad, bad"
     )

@@ -1,0 +1,148 @@
+"""The numpy half of the host -> device contract: `StepInput` and `prepare_step_input`.
+
+    SchedulerOutput --prepare_step_input--> StepInput (padded int32 numpy arrays, shapes from a bucket)
+
+This module imports no jax: the planner side of the engine can build and test step inputs without a
+device. `jaxpaged.model_runner` registers `StepInput` as a pytree so it crosses `jax.jit` as one
+argument, and owns the device half.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+from jaxtyping import Int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One step's host -> device contract (DESIGN.md): padded int32 arrays, shapes from a bucket.
+
+    A bucket `b` fixes num_tokens = b and num_seqs = min(b, max_num_seqs).
+    """
+
+    # Flat tokens of all scheduled chunks, in batch order; padding 0.
+    token_ids: Int[np.ndarray, "num_tokens"]
+    # Each token's position in its sequence (RoPE); padding 0.
+    positions: Int[np.ndarray, "num_tokens"]
+    # Slot receiving each token's K/V (page_id * page_size + offset); padding num_pages * page_size.
+    slot_mapping: Int[np.ndarray, "num_tokens"]
+    # Physical page ids of each sequence, at fixed width ceil(max_model_len / page_size); padding 0.
+    block_tables: Int[np.ndarray, "num_seqs pages_per_seq"]
+    # Context length of each sequence after this step (cached + new tokens); padding rows 0.
+    seq_lens: Int[np.ndarray, "num_seqs"]
+    # Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1]; padding rows repeat the total.
+    query_start_loc: Int[np.ndarray, "num_seqs_plus_1"]
+    # Flat index of each sequence's last scheduled token (where logits are taken); padding rows 0.
+    logits_indices: Int[np.ndarray, "num_seqs"]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to `max_num_batched_tokens` (always included)."""
+    buckets = []
+    b = smallest
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_num_batched_tokens)
+
+
+def prepare_step_input(
+    scheduler_output,
+    *,
+    page_size: int,
+    num_pages: int,
+    pages_per_seq: int,
+    max_num_seqs: int,
+    buckets: Sequence[int],
+) -> StepInput:
+    """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
+
+    `scheduler_output` needs `.seqs` (each with `.token_ids`, `.num_computed_tokens`,
+    `.block_table`) and `.num_new_tokens`. Worked example, page_size 4, two sequences:
+
+        seq A: 5 tokens cached, 3 new (a prefill chunk), block_table [2, 7]
+        seq B: 9 cached, 1 new (a decode),              block_table [4, 9, 1]
+
+        token:            0     1     2   |  3
+        positions:        5     6     7   |  9
+        page, offset:   (7,1) (7,2) (7,3) | (1,1)     page = block_table[pos // 4], offset = pos % 4
+        slot_mapping:    29    30    31   |  5        slot = page * 4 + offset
+        query_start_loc: [0, 3, 4],  seq_lens: [8, 10],  logits_indices: [2, 3]
+    """
+    seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
+    num_seqs, total = len(seqs), int(num_new.sum())
+    if num_seqs == 0:
+        raise ValueError("the step schedules no sequence; do not call the model for an empty step")
+    if num_seqs > max_num_seqs:
+        raise ValueError(f"{num_seqs} sequences exceed {max_num_seqs=}; the scheduler must cap them")
+    if np.any(num_new < 1):
+        raise ValueError(f"every scheduled sequence needs >= 1 new token, got {num_new.tolist()}")
+    bucket = next((b for b in sorted(buckets) if b >= total), None)
+    if bucket is None:
+        raise ValueError(f"{total} tokens exceed the largest bucket {max(buckets)}; raise it or schedule fewer")
+    bucket_seqs = min(bucket, max_num_seqs)
+
+    start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, num_seqs)
+    seq_lens = start + num_new
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(num_new, out=query_start_loc[1:])
+
+    # Block tables, each padded with page 0 to pages_per_seq: fill a row-major mask in one go.
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), np.int32, num_seqs)
+    if np.any(table_lens * page_size < seq_lens) or np.any(table_lens > pages_per_seq):
+        bad = int(np.argmax((table_lens * page_size < seq_lens) | (table_lens > pages_per_seq)))
+        raise ValueError(
+            f"sequence {bad} needs {seq_lens[bad]} slots but its block table has {table_lens[bad]} pages "
+            f"(at most {pages_per_seq}); the block manager must allocate pages before the step"
+        )
+    block_tables = np.zeros((bucket_seqs, pages_per_seq), np.int32)
+    flat_pages = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, int(table_lens.sum())
+    )
+    block_tables[:num_seqs][np.arange(pages_per_seq) < table_lens[:, None]] = flat_pages
+
+    # Per token: its sequence, its position, its slot.
+    seq_idx = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)  # [total]
+    positions = np.zeros(bucket, np.int32)
+    positions[:total] = start[seq_idx] + np.arange(total, dtype=np.int32) - query_start_loc[seq_idx]
+    slot_mapping = np.full(bucket, num_pages * page_size, np.int32)
+    pos = positions[:total]
+    slot_mapping[:total] = block_tables[seq_idx, pos // page_size] * page_size + pos % page_size
+
+    token_ids = np.zeros(bucket, np.int32)
+    if total == num_seqs:  # all decodes: one token each, no slicing
+        token_ids[:total] = [s.token_ids[c] for s, c in zip(seqs, start.tolist())]
+    else:
+        token_ids[:total] = np.fromiter(
+            itertools.chain.from_iterable(
+                s.token_ids[c : c + n] for s, c, n in zip(seqs, start.tolist(), num_new.tolist())
+            ),
+            np.int32,
+            total,
+        )
+
+    padded_lens = np.zeros(bucket_seqs, np.int32)
+    padded_lens[:num_seqs] = seq_lens
+    padded_starts = np.full(bucket_seqs + 1, total, np.int32)
+    padded_starts[: num_seqs + 1] = query_start_loc
+    logits_indices = np.zeros(bucket_seqs, np.int32)
+    logits_indices[:num_seqs] = query_start_loc[1:] - 1
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=padded_lens,
+        query_start_loc=padded_starts,
+        logits_indices=logits_indices,
+    )
