@@ -24,6 +24,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": Pallas on GPU, the chunked jnp attention on CPU
     seed: int = 0  # draws the seeds of requests that give none
     warmup: bool = True  # precompile every bucket at start-up
+    # Plan and prepare step n+1 while the device runs step n (tokens reach the host one step late).
+    # False: each step waits for its own tokens (debugging; the benchmark's comparison).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

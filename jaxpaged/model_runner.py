@@ -2,7 +2,9 @@
 
     host (numpy)                                   device (one jitted function per bucket)
     SchedulerOutput --prepare_step_input--> StepInput --ModelRunner.execute--> logits [num_seqs, vocab]
-                                                         kv_pages donated in, updated buffer out
+                      pack_step_input: one int32 array,   kv_pages donated in, updated buffer out
+                      one transfer                        placeholder tokens gathered from the
+                                                          previous step's sampled tokens
 
 Shapes come from a small fixed list of buckets, so after `warmup()` no step compiles again.
 """
@@ -17,13 +19,13 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import reference_paged_attention
-from jaxpaged.step_input import StepInput, default_buckets, prepare_step_input
+from jaxpaged.step_input import StepInput, default_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument.
 jax.tree_util.register_dataclass(StepInput)
-__all__ = ["ModelRunner", "StepInput", "default_buckets", "prepare_step_input", "apply_page_copies"]
+__all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input", "apply_page_copies"]
 
 
 def enable_compilation_cache() -> str:
@@ -97,17 +99,32 @@ class ModelRunner:
         self.max_num_copies = max_num_seqs
         self.num_compiles = 0  # traces of the step function: each one is a compilation
         self.num_copy_compiles = 0  # the same for the page-copy function
-        self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",))
+        # The previous step's sampled tokens, as the sampler returns them padded to this many rows:
+        # a decode whose input token is still on the device reads it from there (asynchronous stepping).
+        self.num_prev_token_rows = max_num_seqs
+        self._no_prev_tokens = jnp.zeros(self.num_prev_token_rows, jnp.int32)
+        self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout",))
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",))
 
     def _to_device(self, params):
         dtype = jnp.dtype(self.config.dtype)
         return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
-    def _step_fn(self, params, kv_pages, step_input: StepInput):
+    def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
+                 layout):
         self.num_compiles += 1  # runs only while tracing
+        fields, offset = {}, 0
+        for name, shape in layout:  # static slices of the one packed transfer
+            size = math.prod(shape)
+            fields[name] = packed[offset : offset + size].reshape(shape)
+            offset += size
+        step_input = StepInput(**fields)
+        token_ids = step_input.token_ids
+        if step_input.prev_token_rows is not None:
+            rows = step_input.prev_token_rows
+            token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
         return self.model.apply(
-            params, kv_pages, step_input.token_ids, step_input.positions, step_input.slot_mapping,
+            params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
             step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
             step_input.logits_indices,
         )
@@ -123,9 +140,16 @@ class ModelRunner:
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
         )
 
-    def execute(self, step_input: StepInput) -> Float[Array, "num_seqs vocab_size"]:
-        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket."""
-        logits, self.kv_pages = self._step(self.params, self.kv_pages, step_input)
+    def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:
+        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket.
+
+        `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
+        read where `step_input.prev_token_rows` says; None when no input token is a placeholder.
+        """
+        packed, layout = pack_step_input(step_input)
+        if prev_tokens is None:
+            prev_tokens = self._no_prev_tokens
+        logits, self.kv_pages = self._step(self.params, self.kv_pages, packed, prev_tokens, layout=layout)
         return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -152,7 +176,7 @@ class ModelRunner:
             slot_mapping=np.full(bucket, self.num_pages * self.page_size, np.int32),
             block_tables=np.zeros((num_seqs, self.pages_per_seq), np.int32),
             seq_lens=np.zeros(num_seqs, np.int32), query_start_loc=np.zeros(num_seqs + 1, np.int32),
-            logits_indices=np.zeros(num_seqs, np.int32),
+            logits_indices=np.zeros(num_seqs, np.int32), prev_token_rows=np.full(bucket, -1, np.int32),
         )
 
     def warmup(self) -> None:

@@ -3,6 +3,16 @@
 One `schedule()` per engine step, no separate prefill and decode phases: a step mixes decodes
 (1 token), chunks of long prompts and newly admitted prompts, within a token budget. When pages run
 out, the most recently arrived running sequence is preempted by recompute. Pure Python (no jax).
+
+A step's life on the host, with the device's sampled tokens arriving one step late:
+
+    schedule()          which sequences compute which tokens
+    advance(out, rows)  at dispatch: num_computed_tokens += n; each sampling sequence gets a
+                        placeholder for its not-yet-known token (sampler row `row`), n > 1 forks here
+    ... the next step may be scheduled and dispatched here, its decodes reading the placeholders ...
+    commit(out, tokens) the tokens landed: placeholders filled, token-level stop rules, prefix cache
+
+`update(out, sampled)` is advance + commit back to back (synchronous stepping, tests).
 """
 
 from __future__ import annotations
@@ -11,9 +21,10 @@ import collections
 import dataclasses
 
 from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import Sequence, SequenceStatus, new_seq_id
+from jaxpaged.sequence import Sequence, SequenceStatus, new_seq_id, placeholder_token_id
 
 RUNNING = SequenceStatus.RUNNING
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,6 +43,14 @@ class SchedulerOutput:
     preempted: list[Sequence]
     # sum(num_new_tokens) <= max_num_batched_tokens.
     num_batched_tokens: int
+    # Per sequence, whether it samples a token this step: its scheduled tokens reach the end of
+    # token_ids (num_computed_tokens + n == len(token_ids)); a chunk of a longer prompt does not.
+    # The one place this rule is decided.
+    samples: list[bool] = dataclasses.field(default_factory=list)
+    # Set by advance(): (sequence, sampler row) for every token sampled this step, forked children
+    # included, in row-assignment order; and each scheduled sequence's num_computed_tokens before it.
+    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    num_computed_before: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,6 +58,7 @@ class UpdateOutput:
     appended: list[tuple[Sequence, int]]  # (sequence, token appended this step), in batch order
     finished: list[Sequence]  # sequences finished by a token-level stop rule this step (pages freed)
     forked: list[Sequence]  # children created this step from multi-sample entries (see update())
+    rows: list[int] = dataclasses.field(default_factory=list)  # sampler row of each `appended` token
 
 
 class Scheduler:
@@ -130,16 +150,23 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
 
-        # Running sequences are scheduled as a prefix of `running`: running[:num_scheduled]. Preemption
-        # pops from the tail, so `limit` shrinks with it.
-        num_scheduled = 0
-        limit = min(len(running), max_num_seqs)
-        while num_scheduled < limit and budget > 0:
-            seq = running[num_scheduled]
+        # Running sequences are scheduled in order; preemption pops victims from the tail of `running`,
+        # which is never before the sequence being scheduled.
+        seqs: list[Sequence] = []
+        samples: list[bool] = []
+        idx = 0
+        while idx < len(running) and len(seqs) < max_num_seqs and budget > 0:
+            seq = running[idx]
+            idx += 1
             num_computed = seq.num_computed_tokens
-            num_new = len(seq.token_ids) - num_computed
+            num_tokens = len(seq.token_ids)
+            if num_tokens >= seq.max_num_tokens:
+                continue  # its last token is still on the device: it finishes when that lands
+            num_new = num_tokens - num_computed
+            samples_now = True
             if num_new > budget:
                 num_new = budget  # a chunk of a long prompt; the rest runs next step
+                samples_now = False
             # Fast path, the common decode: the slot for token `num_computed` lies inside a page this
             # sequence already holds alone (offset > 0, so the page exists; ref count 1, so no copy).
             if not (
@@ -153,27 +180,27 @@ class Scheduler:
                     preempted.append(victim)
                     if victim is seq:
                         break
-                limit = min(len(running), max_num_seqs)
                 if seq.status is not RUNNING:
                     break  # `seq` preempted itself: it was the last running sequence
                 copy = block_manager.append_slot(seq)
                 if copy is not None:
                     copies.append(copy)
+            seqs.append(seq)
+            samples.append(samples_now)
             num_new_tokens.append(num_new)
             budget -= num_new
-            num_scheduled += 1
-        seqs = running[:num_scheduled]
 
         waiting = self.waiting
         while waiting and not preempted and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
-            if not block_manager.can_allocate(seq):
-                break
+            if seq.num_placeholders or not block_manager.can_allocate(seq):
+                break  # (a preempted sequence is admitted again only once its tokens have landed)
             block_manager.allocate(seq)  # sets num_computed_tokens to the cached prefix
             waiting.popleft()
             seq.status = RUNNING
             running.append(seq)
             num_new = len(seq.token_ids) - seq.num_computed_tokens
+            samples.append(num_new <= budget)
             if num_new > budget:
                 num_new = budget
             seqs.append(seq)
@@ -186,6 +213,7 @@ class Scheduler:
             copies=copies,
             preempted=preempted,
             num_batched_tokens=self.max_num_batched_tokens - budget,
+            samples=samples,
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -200,81 +228,120 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the device step
 
-    def update(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
-        """Advance the scheduled sequences by what the device computed and append the sampled tokens.
+    def advance(self, output: SchedulerOutput, rows) -> list[Sequence]:
+        """At dispatch: the scheduled tokens count as computed, sampled tokens become placeholders.
 
-        `sampled_token_ids[i]` belongs to `output.seqs[i]` and is ignored unless that sequence sampled
-        this step. Pass Python ints (`array.tolist()`). For a request with n > 1 sampling its first
-        token, the entry may be a list of n tokens: the sequence is forked n-1 times (children share
-        all pages, copy-on-write on their next write), the parent gets the first token and child j the
-        (j+1)-th. Sequences finished or aborted since schedule() are skipped.
+        `rows[i]` is None unless `output.samples[i]`; then it is the sampler row holding that
+        sequence's new token, or, for a request with n > 1 sampling its first token, a list of n rows:
+        the sequence is forked n-1 times here (children share all pages, copy-on-write on their next
+        write) and child j waits for row `rows[i][j+1]`. Returns the children, in order. A sequence
+        finished or aborted since schedule() is skipped.
         """
-        block_manager = self.block_manager
-        page_size = block_manager.page_size
-        caching = block_manager.enable_prefix_caching
-        appended: list[tuple[Sequence, int]] = []
-        finished: list[Sequence] = []
+        sampled = output.sampled = []
+        before = output.num_computed_before = []
         forked: list[Sequence] = []
-
-        for seq, num_new, token_id in zip(output.seqs, output.num_new_tokens, sampled_token_ids):
+        for seq, num_new, row in zip(output.seqs, output.num_new_tokens, rows):
+            before.append(seq.num_computed_tokens)
             if seq.status is not RUNNING:
                 continue
-            num_computed_before = seq.num_computed_tokens
-            num_computed = num_computed_before + num_new
-            seq.num_computed_tokens = num_computed
-            if caching and (num_new > 1 or num_computed % page_size == 0):
-                block_manager.cache_computed_pages(seq, num_computed_before)  # a page may have filled up
-            token_ids = seq.token_ids
-            if num_computed < len(token_ids):
-                continue  # a chunk of a longer prompt: nothing sampled
+            seq.num_computed_tokens += num_new
+            if row is None:
+                continue
+            if type(row) is list:
+                # Fork before the parent's placeholder goes in: children copy the parent's tokens.
+                children = [self.fork(seq) for _ in row[1:]]
+                sampled.append((seq, row[0]))
+                for child, child_row in zip(children, row[1:]):
+                    child.token_ids.append(placeholder_token_id(child_row))
+                    child.num_placeholders += 1
+                    sampled.append((child, child_row))
+                forked += children
+                row = row[0]
+            else:
+                sampled.append((seq, row))
+            seq.token_ids.append(placeholder_token_id(row))
+            seq.num_placeholders += 1
+        return forked
 
-            children = None
-            if type(token_id) is not int and (type(token_id) is list or type(token_id) is tuple):
-                # Fork before the parent's token is appended (and before it may finish and free its pages).
-                children = [self.fork(seq) for _ in range(len(token_id) - 1)]
-                children_token_ids = token_id[1:]
-                token_id = token_id[0]
-            # Inlined self._append(seq, token_id, appended): this loop runs for every sequence, every step.
+    def commit(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
+        """The tokens of an advanced step landed: fill each placeholder and apply the stop rules.
+
+        `sampled_token_ids[row]` is the token of sampler row `row` (Python ints: `array.tolist()`).
+        Token-level stop rules: max_tokens / max_model_len ("length"), eos unless ignore_eos and
+        stop_token_ids once min_tokens are out ("stop"). A finished sequence frees its pages now and
+        drops its later placeholder, if the next step already gave it one: that token is discarded.
+        Then pages that became full and computed are registered in the prefix cache.
+        """
+        appended: list[tuple[Sequence, int]] = []
+        rows: list[int] = []
+        finished: list[Sequence] = []
+        prune_running = False
+        for seq, row in output.sampled:
+            if seq.status is FINISHED:
+                continue  # aborted, or stopped by the engine, while its token was in flight
+            token_id = sampled_token_ids[row]
+            token_ids = seq.token_ids
+            token_idx = len(token_ids) - seq.num_placeholders  # the oldest placeholder
+            token_ids[token_idx] = token_id
+            seq.num_placeholders -= 1
             output_token_ids = seq.output_token_ids
             output_token_ids.append(token_id)
-            token_ids.append(token_id)
             appended.append((seq, token_id))
-            if len(token_ids) >= seq.max_num_tokens:
-                self._release(seq, "length")
-                finished.append(seq)
+            rows.append(row)
+            if token_idx + 1 >= seq.max_num_tokens:
+                reason = "length"
             elif token_id in seq.stop_token_set and len(output_token_ids) >= seq.sampling_params.min_tokens:
-                self._release(seq, "stop")
-                finished.append(seq)
-            if children:
-                forked += children
-                for child, child_token_id in zip(children, children_token_ids):
-                    if self._append(child, child_token_id, appended):
-                        finished.append(child)
-
-        if finished:
+                reason = "stop"
+            else:
+                continue
+            if seq.status is RUNNING:
+                prune_running = True
+            else:
+                self.waiting.remove(seq)  # preempted while its token was in flight
+            self._release(seq, reason)
+            finished.append(seq)
+        if prune_running:
             self.running = [seq for seq in self.running if seq.status is RUNNING]
-        return UpdateOutput(appended=appended, finished=finished, forked=forked)
 
-    def _append(self, seq: Sequence, token_id: int, appended: list[tuple[Sequence, int]]) -> bool:
-        """Append one sampled token and apply the token-level stop rules; True if `seq` finished.
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            # Every token below num_computed_tokens is known now (the next step's input placeholder
+            # was filled above), so pages filled by this step, or by the one already dispatched, hash.
+            page_size = block_manager.page_size
+            for seq, num_before in zip(output.seqs, output.num_computed_before):
+                if seq.status is RUNNING and num_before // page_size != seq.num_computed_tokens // page_size:
+                    block_manager.cache_computed_pages(seq, num_before)
+        return UpdateOutput(appended=appended, finished=finished, forked=[], rows=rows)
 
-        Stop strings need text: the engine checks them and calls finish().
+    def update(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
+        """advance() and commit() back to back, for synchronous callers.
+
+        `sampled_token_ids[i]` belongs to `output.seqs[i]` and is ignored unless that sequence samples
+        this step; a list of n tokens forks the sequence n-1 times (see advance()).
         """
-        seq.append_token(token_id)
-        appended.append((seq, token_id))
-        # max_num_tokens = min(prompt + max_tokens, max_model_len); stop_token_set holds eos unless ignore_eos.
-        if len(seq.token_ids) >= seq.max_num_tokens:
-            self._release(seq, "length")
-            return True
-        if token_id in seq.stop_token_set and seq.num_output_tokens >= seq.sampling_params.min_tokens:
-            self._release(seq, "stop")
-            return True
-        return False
+        rows: list = []
+        tokens: list[int] = []
+        for seq, samples, entry in zip(output.seqs, output.samples, sampled_token_ids):
+            if not samples or seq.status is not RUNNING:
+                rows.append(None)
+            elif type(entry) is list or type(entry) is tuple:
+                rows.append(list(range(len(tokens), len(tokens) + len(entry))))
+                tokens += entry
+            else:
+                rows.append(len(tokens))
+                tokens.append(entry)
+        forked = self.advance(output, rows)
+        result = self.commit(output, tokens)
+        result.forked = forked
+        return result
 
     # ------------------------------------------------------------------ finishing, aborting, forking
 
     def _release(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished and free its pages (it stays in `running` until the caller prunes it)."""
+        if seq.num_placeholders:  # tokens still on the device will be discarded
+            del seq.token_ids[len(seq.token_ids) - seq.num_placeholders :]
+            seq.num_placeholders = 0
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

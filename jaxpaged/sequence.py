@@ -28,6 +28,16 @@ def new_seq_id() -> int:
     return next(_seq_id_counter)
 
 
+def placeholder_token_id(row: int) -> int:
+    """The stand-in for a token sampled on device into sampler row `row` (>= 0), not yet read back."""
+    return -1 - row
+
+
+def placeholder_row(token_id: int) -> int:
+    """Inverse of `placeholder_token_id`."""
+    return -1 - token_id
+
+
 class Sequence:
     """Per-request state.
 
@@ -38,6 +48,14 @@ class Sequence:
                     [ num_cached_tokens: found in the prefix cache at admission ]
 
     While decoding, exactly the last token is not yet computed: num_computed_tokens == len(token_ids) - 1.
+
+    Under asynchronous stepping the tail of `token_ids` may hold placeholders: tokens already sampled
+    on the device but not yet read back (`num_placeholders` of them, at most 2, always the last ones).
+    A placeholder is `placeholder_token_id(row)`, a negative id naming the sampler row that holds the
+    token; `output_token_ids` holds only tokens the host knows.
+
+        token_ids:  [ prompt ... | known outputs ... | -1-row ]     num_placeholders = 1
+                      computed ------------------->  ^ input of the step in flight, gathered on device
     """
 
     __slots__ = (
@@ -58,6 +76,7 @@ class Sequence:
         # Stop rules folded for the scheduler's hot loop (derived from the fields above):
         "stop_token_set",  # frozenset: stop_token_ids, plus eos_token_id unless ignore_eos
         "max_num_tokens",  # finish "length" at this many tokens: prompt + max_tokens, capped by Scheduler.add
+        "num_placeholders",  # trailing entries of token_ids sampled on device, not yet committed
     )
 
     def __init__(
@@ -90,6 +109,7 @@ class Sequence:
             stop_token_ids.add(eos_token_id)
         self.stop_token_set = frozenset(stop_token_ids)
         self.max_num_tokens = len(self.prompt_token_ids) + self.sampling_params.max_tokens
+        self.num_placeholders = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -135,4 +155,5 @@ class Sequence:
         child.eos_token_id = self.eos_token_id
         child.stop_token_set = self.stop_token_set
         child.max_num_tokens = self.max_num_tokens
+        child.num_placeholders = self.num_placeholders
         return child

@@ -36,6 +36,9 @@ class StepInput:
     query_start_loc: Int[np.ndarray, "num_seqs_plus_1"]
     # Flat index of each sequence's last scheduled token (where logits are taken); padding rows 0.
     logits_indices: Int[np.ndarray, "num_seqs"]
+    # Per token, -1 if token_ids holds it; else the row of the previous step's sampled tokens (still
+    # on the device) that holds it, and token_ids has 0 there. Asynchronous stepping only; padding -1.
+    prev_token_rows: Int[np.ndarray, "num_tokens"] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +134,13 @@ def prepare_step_input(
             total,
         )
 
+    # Placeholders (tokens sampled by the previous step, not yet read back) are negative: -1 - row.
+    prev_token_rows = np.full(bucket, -1, np.int32)
+    if token_ids[:total].min() < 0:
+        placeholder = token_ids < 0
+        prev_token_rows[placeholder] = -1 - token_ids[placeholder]
+        token_ids[placeholder] = 0
+
     padded_lens = np.zeros(bucket_seqs, np.int32)
     padded_lens[:num_seqs] = seq_lens
     padded_starts = np.full(bucket_seqs + 1, total, np.int32)
@@ -145,4 +155,17 @@ def prepare_step_input(
         seq_lens=padded_lens,
         query_start_loc=padded_starts,
         logits_indices=logits_indices,
+        prev_token_rows=prev_token_rows,
     )
+
+
+def pack_step_input(step_input: StepInput) -> tuple[np.ndarray, tuple[tuple[str, tuple[int, ...]], ...]]:
+    """All of a step's int32 arrays in one flat array (one host -> device transfer), and its layout.
+
+    The layout, `((field name, shape), ...)` in field order, depends only on the bucket: as a static
+    argument of the jitted step it adds no compilation. A field that is None is left out.
+    """
+    arrays = [(f.name, getattr(step_input, f.name)) for f in dataclasses.fields(step_input)]
+    arrays = [(name, a) for name, a in arrays if a is not None]
+    packed = np.concatenate([a.ravel() for _, a in arrays]).astype(np.int32, copy=False)
+    return packed, tuple((name, a.shape) for name, a in arrays)

@@ -14,6 +14,7 @@ from jaxpaged.model_runner import (
     StepInput,
     default_buckets,
     num_pages_for_budget,
+    pack_step_input,
     prepare_step_input,
 )
 from jaxpaged.models import ModelConfig, init_params
@@ -133,7 +134,10 @@ def test_kv_buffer_is_donated_and_never_duplicated(tiny_params):
     assert buffer_bytes == 2 * 2 * 2 * 4096 * 16 * 16 * 4  # layers, K/V, kv heads, pages, slots, head_dim, f32
 
     step = runner.dummy_step_input(16)
-    memory = runner._step.lower(runner.params, runner.kv_pages, step).compile().memory_analysis()
+    packed, layout = pack_step_input(step)
+    memory = runner._step.lower(
+        runner.params, runner.kv_pages, packed, runner._no_prev_tokens, layout=layout
+    ).compile().memory_analysis()
     assert memory.alias_size_in_bytes == buffer_bytes  # the output buffer is the input buffer
     assert memory.temp_size_in_bytes < buffer_bytes / 10
 
@@ -198,11 +202,34 @@ def test_num_pages_for_budget():
         num_pages_for_budget(TINY, page_size=4, budget_bytes=per_page)
 
 
-def test_step_input_is_a_pytree_of_its_seven_arrays():
-    step = StepInput(*(np.full(2, i, np.int32) for i in range(7)))
+def test_step_input_is_a_pytree_of_its_eight_arrays_and_packs_into_one():
+    step = StepInput(*(np.full(2, i, np.int32) for i in range(8)))
     leaves, treedef = jax.tree.flatten(step)
-    assert [int(x[0]) for x in leaves] == list(range(7))
-    assert jax.tree.unflatten(treedef, leaves).logits_indices is leaves[6]
+    assert [int(x[0]) for x in leaves] == list(range(8))
+    assert jax.tree.unflatten(treedef, leaves).prev_token_rows is leaves[7]
+    packed, layout = pack_step_input(step)
+    assert packed.tolist() == [i for i in range(8) for _ in range(2)]
+    assert [name for name, _ in layout][-1] == "prev_token_rows" and all(shape == (2,) for _, shape in layout)
+
+
+def test_placeholder_input_token_is_read_from_the_previous_steps_samples(tiny_params):
+    # A decode whose input token is still on the device (a placeholder naming sampler row 2) must
+    # give the logits of the same decode with the token known on the host.
+    runner = _runner(tiny_params, buckets=(8,), max_num_batched_tokens=8)
+    prompt = [5, 9, 2, 33, 17]
+    logits = {}
+    for name, last, prev_tokens in [("known", 40, None), ("placeholder", -1 - 2, jnp.array([7, 8, 40, 9], jnp.int32))]:
+        seq = make_seq(prompt + [last], block_table=[1, 2])
+        runner.run(make_scheduler_output([seq], [5]))
+        seq.num_computed_tokens = 5
+        step = runner.prepare(make_scheduler_output([seq], [1]))
+        assert step.prev_token_rows[0] == (2 if name == "placeholder" else -1)
+        logits[name] = np.asarray(runner.execute(step, prev_tokens))[0]
+    np.testing.assert_array_equal(logits["placeholder"], logits["known"])
+    # and a different token in that row gives different logits: the row is really read
+    seq = make_seq(prompt + [-3], num_computed_tokens=5, block_table=[1, 2])
+    other = runner.execute(runner.prepare(make_scheduler_output([seq], [1])), jnp.array([7, 8, 41, 9], jnp.int32))
+    assert np.abs(np.asarray(other)[0] - logits["known"]).max() > 1e-4
 
 
 def test_pallas_kernel_plugs_in_as_attention_fn(tiny_params):

@@ -1,0 +1,161 @@
+"""After a step's tokens land on the host: incremental detokenizing, stop strings, `RequestOutput`s.
+
+    Scheduler.commit ──► (seq, token, sampler row) ──► OutputProcessor.process ──► RequestOutputs
+                                                        per token: text, logprob
+                                                        stop strings ──► sequences the engine finishes
+
+A request is n samples; sample j is one `Sequence`. The engine calls `process` once per committed
+step. Streaming never shows a stop string: while a sample runs, its last `max(len(s) for s in stop)
+- 1` characters are held back (they may be the start of a stop string), as vLLM does; they are
+released when it finishes. Every new character is searched: a stop string is found wherever it ends
+in the text a token added, however long that text is.
+
+Host only (no jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sample of a request: its sequence, its text so far, and what was already reported."""
+
+    seq: Sequence
+    detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str
+    text: str = ""  # detokenized output, cut before a stop string once one is found
+    finish_reason: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
+    num_sent_chars: int = 0  # characters of `text` already reported
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # sample j draws with engine.seed_for(seed, j)
+    samples: list[Sample]  # starts with the parent alone; siblings join when it forks
+    hold_back: int  # characters held back while streaming: max(len(stop)) - 1, or 0
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.samples]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason is not None for s in self.samples)
+
+
+def find_stop(text: str, num_new_chars: int, stops) -> int:
+    """Start of the earliest stop string that ends within the last `num_new_chars` characters, or -1.
+
+        text:  ... a b c d | e f g        num_new_chars = 3, stop "cde": search from len - 3 - 3 + 1
+                    ^ a hit must start here or later, so that it ends in the new characters
+    """
+    best = -1
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+        if idx >= 0 and (best < 0 or idx < best):
+            best = idx
+    return best
+
+
+class OutputProcessor:
+    """Owns every request's text state; turns committed tokens into `RequestOutput`s."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, sample index)
+
+    def add_request(self, request_id: str, prompt: str | None, seq: Sequence, params: SamplingParams,
+                    seed: int) -> RequestState:
+        stops = params.stop or ()
+        request = RequestState(
+            request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
+            seed=seed, samples=[], hold_back=max((len(s) for s in stops), default=1) - 1,
+        )
+        self.requests[request_id] = request
+        self.add_sample(request, seq)
+        return request
+
+    def add_sample(self, request: RequestState, seq: Sequence) -> None:
+        """`seq` becomes sample len(request.samples) of `request` (forks join in order)."""
+        self.owner[seq.seq_id] = (request, len(request.samples))
+        request.samples.append(Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids)))
+
+    def pop(self, request_id: str) -> RequestState | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for sample in request.samples:
+                self.owner.pop(sample.seq.seq_id, None)
+        return request
+
+    def process(self, appended, rows, logprobs, *, only_finished: bool = False):
+        """Texts, logprobs and stop strings for one committed step.
+
+        `appended` is `Scheduler.commit`'s [(seq, token_id)], `rows` their sampler rows, `logprobs`
+        the step's per-row log-probabilities (None if no request asked). Returns the outputs of every
+        request that moved (only finished ones if `only_finished`) and the sequences a stop string
+        finished, for the engine to hand to `Scheduler.finish`; finished requests are retired.
+        """
+        moved: dict[str, RequestState] = {}
+        stopped: list[Sequence] = []
+        for (seq, token_id), row in zip(appended, rows):
+            owner = self.owner.get(seq.seq_id)
+            if owner is None:
+                continue  # its request was aborted
+            request, j = owner
+            sample = request.samples[j]
+            params = request.params
+            if params.logprobs:
+                sample.logprobs.append(logprobs[row])
+            new_text = sample.detokenizer.step(token_id)
+            if seq.is_finished:
+                new_text += sample.detokenizer.flush()
+            if new_text and sample.finish_reason is None:
+                sample.text += new_text
+                if params.stop and seq.num_output_tokens >= params.min_tokens:
+                    idx = find_stop(sample.text, len(new_text), params.stop)
+                    if idx >= 0:
+                        sample.text = sample.text[:idx]
+                        sample.finish_reason = "stop"
+                        if not seq.is_finished:
+                            stopped.append(seq)
+            if seq.is_finished and sample.finish_reason is None:
+                sample.finish_reason = seq.finish_reason
+            moved[request.request_id] = request
+
+        outputs = [self.make_output(r) for r in moved.values() if not only_finished or r.finished]
+        for request in moved.values():
+            if request.finished:
+                self.pop(request.request_id)
+        return outputs, stopped
+
+    def make_output(self, request: RequestState) -> RequestOutput:
+        """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
+        completions = []
+        for j, sample in enumerate(request.samples):
+            text = sample.text
+            if sample.finish_reason is None and request.hold_back:
+                text = text[: max(0, len(text) - request.hold_back)]  # may be the start of a stop string
+            tokens = list(sample.seq.output_token_ids)
+            completions.append(CompletionOutput(
+                index=j, text=text, token_ids=tokens, finish_reason=sample.finish_reason,
+                logprobs=list(sample.logprobs) if request.params.logprobs else None,
+                delta_text=text[sample.num_sent_chars :], delta_token_ids=tokens[sample.num_sent_tokens :],
+            ))
+            sample.num_sent_chars = max(sample.num_sent_chars, len(text))
+            sample.num_sent_tokens = len(tokens)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            outputs=completions, num_cached_tokens=request.samples[0].seq.num_cached_tokens,
+        )
