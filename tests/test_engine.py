@@ -153,6 +153,7 @@ def test_seeded_request_is_batch_independent(llm, prompts):
 def test_n_samples_share_prompt_pages_and_differ(llm, prompts):
     params = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=12, ignore_eos=True)
     engine = llm.engine
+    cow_before = llm.stats()["num_cow_copies"]  # (under async stepping the first copies precede `first`)
     stream = llm.stream([prompts[1]], params)
     first = next(stream)
     assert len(first.outputs) == 4
@@ -163,7 +164,6 @@ def test_n_samples_share_prompt_pages_and_differ(llm, prompts):
     shared = tables[0][:num_full_prompt_pages]
     assert all(t[:num_full_prompt_pages] == shared for t in tables), "samples must share the prompt's pages"
     assert all(engine.block_manager.ref_counts[p] == 4 for p in shared)
-    cow_before = llm.stats()["num_cow_copies"]
     final = None
     for final in stream:
         pass
