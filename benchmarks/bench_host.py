@@ -30,7 +30,7 @@ from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence
-from jaxpaged.step_input import default_buckets, prepare_step_input
+from jaxpaged.step_input import BlockTableRows, default_buckets, prepare_step_input
 from jaxpaged.tokenizer import Tokenizer
 
 NUM_SEQS = 256
@@ -80,7 +80,8 @@ def one_run(num_steps: int, seed: int, tokenizer) -> dict[str, float]:
         sched.add(seq)
         processor.add_request(str(i), None, seq, params, seed=0)
     prepare_args = dict(page_size=PAGE_SIZE, num_pages=num_pages, pages_per_seq=-(-MAX_MODEL_LEN // PAGE_SIZE),
-                        max_num_seqs=NUM_SEQS, buckets=default_buckets(MAX_NUM_BATCHED_TOKENS))
+                        max_num_seqs=NUM_SEQS, buckets=default_buckets(MAX_NUM_BATCHED_TOKENS),
+                        block_table_rows=BlockTableRows(2 * NUM_SEQS, -(-MAX_MODEL_LEN // PAGE_SIZE)))
 
     def rows_of(out):
         rows, num_rows = [], 0

@@ -42,6 +42,7 @@ from jaxpaged.sampler import RowSpec, make_sampling_arrays, sample
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
+from jaxpaged.step_input import BlockTableRows
 
 logger = logging.getLogger("jaxpaged")
 
@@ -101,6 +102,7 @@ class LLMEngine:
             attention_fn=attention_fn,
         )
         self.processor = OutputProcessor(tokenizer)
+        self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: _Dispatched | None = None
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -210,7 +212,7 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             self._log_step(out)
         t0 = time.perf_counter()
-        step_input = self.runner.prepare(out)
+        step_input = self.runner.prepare(out, self._block_table_rows)
         self.timings["prepare"] += time.perf_counter() - t0
         if out.copies:
             self.runner.copy_pages(out.copies)

@@ -133,11 +133,12 @@ class ModelRunner:
         self.num_copy_compiles += 1  # runs only while tracing
         return apply_page_copies(kv_pages, src, dst)
 
-    def prepare(self, scheduler_output) -> StepInput:
+    def prepare(self, scheduler_output, block_table_rows=None) -> StepInput:
         """`prepare_step_input` with this runner's page pool and buckets."""
         return prepare_step_input(
             scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
+            block_table_rows=block_table_rows,
         )
 
     def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:

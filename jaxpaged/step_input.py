@@ -49,6 +49,54 @@ class StepInput:
         return self.seq_lens.shape[0]
 
 
+class BlockTableRows:
+    """A persistent host copy of the scheduled sequences' block tables, updated incrementally.
+
+    Rebuilding `[num_seqs, pages_per_seq]` from Python lists costs milliseconds at 256 sequences of
+    4000 tokens; the lists barely change between steps. While a sequence runs its block table is
+    append-only, except that copy-on-write replaces the entry of the page being written (only in a
+    step with `copies`); preemption, finishing and forking give a sequence a new list object. So
+    each step checks one length and one identity per sequence and copies only new entries.
+
+        row of seq 7:  [ 12  4  9 | 31  0  0 ... ]   num_synced 3; block_table grew to 4: copy [31]
+    """
+
+    def __init__(self, num_rows: int, pages_per_seq: int):
+        self.table = np.zeros((num_rows, pages_per_seq), np.int32)
+        self._rows: dict[int, list] = {}  # seq_id -> [row, the block_table list synced, num_synced]
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def rows(self, seqs, page_size: int, resync_write_page: bool) -> np.ndarray:
+        """Each sequence's row in `table`, synced to its current block table."""
+        rows = np.empty(len(seqs), np.int32)
+        entries = self._rows
+        table = self.table
+        for i, seq in enumerate(seqs):
+            block_table = seq.block_table
+            entry = entries.get(seq.seq_id)
+            if entry is None:
+                entry = entries[seq.seq_id] = [self._take_row(seqs), block_table, 0]
+                table[entry[0]] = 0
+            elif entry[1] is not block_table:  # a new list: preempted and readmitted, or forked
+                entry[1], entry[2] = block_table, 0
+                table[entry[0]] = 0
+            num_synced = entry[2]
+            if resync_write_page:  # copy-on-write may have replaced the page being written
+                num_synced = min(num_synced, seq.num_computed_tokens // page_size)
+            if num_synced != len(block_table):
+                table[entry[0], num_synced : len(block_table)] = block_table[num_synced:]
+                entry[2] = len(block_table)
+            rows[i] = entry[0]
+        return rows
+
+    def _take_row(self, seqs) -> int:
+        if not self._free_rows:  # forget every sequence not in this step (finished ones among them)
+            keep = {seq.seq_id for seq in seqs}
+            for seq_id in [seq_id for seq_id in self._rows if seq_id not in keep]:
+                self._free_rows.append(self._rows.pop(seq_id)[0])
+        return self._free_rows.pop()
+
+
 def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest` up to `max_num_batched_tokens` (always included)."""
     buckets = []
@@ -67,6 +115,7 @@ def prepare_step_input(
     pages_per_seq: int,
     max_num_seqs: int,
     buckets: Sequence[int],
+    block_table_rows: BlockTableRows | None = None,
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -109,10 +158,14 @@ def prepare_step_input(
             f"(at most {pages_per_seq}); the block manager must allocate pages before the step"
         )
     block_tables = np.zeros((bucket_seqs, pages_per_seq), np.int32)
-    flat_pages = np.fromiter(
-        itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, int(table_lens.sum())
-    )
-    block_tables[:num_seqs][np.arange(pages_per_seq) < table_lens[:, None]] = flat_pages
+    if block_table_rows is not None:  # the engine's persistent copy: only new entries are copied
+        rows = block_table_rows.rows(seqs, page_size, resync_write_page=bool(scheduler_output.copies))
+        np.take(block_table_rows.table, rows, axis=0, out=block_tables[:num_seqs])
+    else:
+        flat_pages = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, int(table_lens.sum())
+        )
+        block_tables[:num_seqs][np.arange(pages_per_seq) < table_lens[:, None]] = flat_pages
 
     # Per token: its sequence, its position, its slot.
     seq_idx = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)  # [total]

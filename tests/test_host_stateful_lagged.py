@@ -1,13 +1,17 @@
 """The scheduler under asynchronous stepping: tokens land one step late (or at once), at random.
 
 A random interleaving of add / step (schedule, dispatch, advance, commit the previous step) /
-drain / finish / abort. The fake device resolves each placeholder from the previous step's drawn
+drain / finish / abort. The step input built from the engine's persistent block tables must equal
+one rebuilt from the lists (through preemption, forks, copy-on-write, recycled rows). The fake device resolves each placeholder from the previous step's drawn
 tokens, as the real step gathers it on device. After every operation: the page pool's invariants,
 the device's K/V equal to every sequence's known tokens, and no sequence gains or loses a token:
 its outputs are exactly the tokens the device drew for it and the host committed, in order.
 """
 
+import dataclasses
+
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_host_stateful import ADD_ARGS, EOS, NUM_PAGES, PAGE_SIZE, FakeKVPool, check_pool
@@ -16,8 +20,11 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence, SequenceStatus, placeholder_row
+from jaxpaged.step_input import BlockTableRows, prepare_step_input
 
 MAX_MODEL_LEN = 28
+PREPARE_ARGS = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, pages_per_seq=MAX_MODEL_LEN // PAGE_SIZE,
+                    max_num_seqs=4, buckets=(16,))
 
 
 class LaggedKVPool(FakeKVPool):
@@ -49,6 +56,7 @@ class LaggedHostMachine(RuleBasedStateMachine):
         self.drawn = {}  # seq_id -> every token the device drew for it, in order
         self.committed = {}  # seq_id -> the tokens the host committed to it, in order
         self.fanned_out = set()  # seq_ids of parents that already forked
+        self.block_table_rows = BlockTableRows(6, PREPARE_ARGS["pages_per_seq"])  # few rows: rows get recycled
 
     def unfinished(self):
         return list(self.sched.running) + list(self.sched.waiting)
@@ -91,6 +99,11 @@ class LaggedHostMachine(RuleBasedStateMachine):
                     self.commit()
                 continue
             self.pool.run(out, self.in_flight[1] if self.in_flight else None)
+            # The engine's persistent block tables give the step input a rebuild from the lists gives.
+            rebuilt = prepare_step_input(out, **PREPARE_ARGS)
+            incremental = prepare_step_input(out, **PREPARE_ARGS, block_table_rows=self.block_table_rows)
+            for field in dataclasses.fields(rebuilt):
+                np.testing.assert_array_equal(getattr(incremental, field.name), getattr(rebuilt, field.name))
             rows, num_rows = [], 0
             for seq, samples in zip(out.seqs, out.samples):
                 if not samples:
