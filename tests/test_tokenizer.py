@@ -6,6 +6,8 @@ tokenizer from the same metadata with its own code. Fast suite: one real-model c
 
 import os
 
+import numpy as np
+
 import pytest
 
 from jaxpaged.models.loading import DEFAULT_MODEL_FILE, default_model_path
@@ -174,3 +176,26 @@ def test_from_gguf_metadata_bos_merges_and_token_types():
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
     with pytest.raises(ValueError, match="'llama' is not supported"):
         Tokenizer.from_gguf(dict(metadata, **{"tokenizer.ggml.model": "llama"}))
+
+
+def test_byte_level_streaming_equals_decode_on_random_ids(tokenizer):
+    """The byte-table detokenizer emits exactly `decode`, on any id sequence: special ids, lone
+    bytes of multi-byte characters, invalid UTF-8 (rendered as U+FFFD, as `decode` does)."""
+    from jaxpaged.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
+
+    rng = np.random.default_rng(0)
+    detokenizer = tokenizer.detokenizer()
+    assert isinstance(detokenizer, ByteLevelDetokenizer)
+    single_byte_ids = [i for i, b in enumerate(tokenizer._token_bytes) if len(b) == 1 and b[0] >= 0x80]
+    assert len(single_byte_ids) > 60, "the vocabulary spells every non-ASCII byte alone"
+    for trial in range(200):
+        ids = rng.integers(0, tokenizer.vocab_size, int(rng.integers(1, 12))).tolist()
+        if trial % 2:  # mix in lone continuation / lead bytes and special tokens
+            ids += rng.choice(single_byte_ids, 3).tolist() + [1, 2]
+            rng.shuffle(ids)
+        for skip in (True, False):
+            fast = tokenizer.detokenizer(skip_special_tokens=skip)
+            slow = IncrementalDetokenizer(tokenizer, [], skip)
+            streamed = [fast.step(t) for t in ids]
+            assert "".join(streamed) + fast.flush() == tokenizer.decode(ids, skip_special_tokens=skip), ids
+            assert "".join(slow.step(t) for t in ids) + slow.flush() == tokenizer.decode(ids, skip_special_tokens=skip)
