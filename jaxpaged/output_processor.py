@@ -19,7 +19,9 @@ import dataclasses
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sequence import Sequence
+from jaxpaged.sequence import Sequence, SequenceStatus
+
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclasses.dataclass
@@ -109,8 +111,9 @@ class OutputProcessor:
         """
         moved: dict[str, RequestState] = {}
         stopped: list[Sequence] = []
+        owners = self.owner
         for (seq, token_id), row in zip(appended, rows):
-            owner = self.owner.get(seq.seq_id)
+            owner = owners.get(seq.seq_id)
             if owner is None:
                 continue  # its request was aborted
             request, j = owner
@@ -119,8 +122,13 @@ class OutputProcessor:
             if params.logprobs:
                 sample.logprobs.append(logprobs[row])
             new_text = sample.detokenizer.step(token_id)
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 new_text += sample.detokenizer.flush()
+            elif not params.stop:  # the common case: nothing more to decide for this token
+                if new_text:
+                    sample.text += new_text
+                moved[request.request_id] = request
+                continue
             if new_text and sample.finish_reason is None:
                 sample.text += new_text
                 if params.stop and seq.num_output_tokens >= params.min_tokens:
@@ -143,17 +151,20 @@ class OutputProcessor:
     def make_output(self, request: RequestState) -> RequestOutput:
         """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
         completions = []
+        hold_back = request.hold_back
+        want_logprobs = request.params.logprobs
         for j, sample in enumerate(request.samples):
             text = sample.text
-            if sample.finish_reason is None and request.hold_back:
-                text = text[: max(0, len(text) - request.hold_back)]  # may be the start of a stop string
-            tokens = list(sample.seq.output_token_ids)
+            if hold_back and sample.finish_reason is None:
+                text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
+            tokens = sample.seq.output_token_ids[:]
             completions.append(CompletionOutput(
                 index=j, text=text, token_ids=tokens, finish_reason=sample.finish_reason,
-                logprobs=list(sample.logprobs) if request.params.logprobs else None,
+                logprobs=sample.logprobs[:] if want_logprobs else None,
                 delta_text=text[sample.num_sent_chars :], delta_token_ids=tokens[sample.num_sent_tokens :],
             ))
-            sample.num_sent_chars = max(sample.num_sent_chars, len(text))
+            if len(text) > sample.num_sent_chars:
+                sample.num_sent_chars = len(text)
             sample.num_sent_tokens = len(tokens)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
