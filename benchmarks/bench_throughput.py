@@ -2,11 +2,14 @@
 
     python -m benchmarks.bench_throughput --preset cpu     # bundled SmolLM2-135M, ~5 min on 2 cores
     python -m benchmarks.bench_throughput --preset h100    # Qwen3-0.6B shapes, random bf16 weights
+    python -m benchmarks.bench_throughput --preset cpu --workloads w1 --no-hf --no-dense \
+        --name throughput_cpu_w1_sync_vs_async            # W1 only: async vs synchronous stepping
 
 Every system runs the same requests in one process, each after its own warm-up (all buckets
 compiled, then one small untimed call), under the same KV memory budget. Workloads (BENCHMARKS.md):
 
-    W1  offline throughput: random prompts and output lengths, temperature 0.6, ignore_eos
+    W1  offline throughput: random prompts and output lengths, temperature 0.6, ignore_eos; jaxpaged
+        also with synchronous stepping (`jaxpaged-sync`), to show what overlapping host and device buys
     W2  shared prefix: prefix caching on / off, and a run whose prompts share nothing (0% hits)
     W3  memory pressure: a pool too small for the batch; greedy outputs must equal an unconstrained run
 
@@ -358,7 +361,8 @@ def load_h100_model():
     return model_config, params, _SilentTokenizer()
 
 
-def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: int, prefix_caching: bool = True):
+def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: int, prefix_caching: bool = True,
+                async_scheduling: bool = True):
     from jaxpaged.engine import LLMEngine
     from jaxpaged.engine_config import EngineConfig
 
@@ -367,7 +371,7 @@ def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: i
         page_size=preset.page_size, num_pages=num_pages, max_num_seqs=preset.max_num_seqs,
         max_num_batched_tokens=preset.max_num_batched_tokens, max_model_len=preset.max_model_len,
         enable_prefix_caching=prefix_caching, dtype=model_config.dtype,
-        attention_backend="pallas" if on_gpu else "reference",
+        attention_backend="pallas" if on_gpu else "reference", async_scheduling=async_scheduling,
     ).resolved(on_gpu=on_gpu, model_max_len=model_config.max_position_embeddings)
     if on_gpu:
         import functools
@@ -412,6 +416,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--workloads", default="w1,w2,w3", help="comma-separated subset of w1,w2,w3")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer on the CPU preset")
+    parser.add_argument("--no-dense", action="store_true", help="W1: skip the dense-cache baseline")
+    parser.add_argument("--no-sync-peer", action="store_true",
+                        help="W1: skip jaxpaged with synchronous stepping (async_scheduling=False)")
+    parser.add_argument("--name", default=None, help="JSON and plot file name stem (default throughput_<preset>)")
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and the plots")
     parser.add_argument("--hf-threads", type=int, default=None,
                         help="torch threads for the Hugging Face peer (default: torch's). On a CPU shared with "
@@ -465,8 +473,27 @@ def main(argv=None) -> dict:
 
     if "w1" in workloads:
         w1 = workload_w1(**preset.w1)
-        paged_run, _, dense_run, _ = timed_pair("W1", w1, engine, dense, budget)
-        runs["W1"] = [paged_run, dense_run]
+        if args.no_dense:
+            run_jaxpaged(engine, warmup_requests(w1), system="warmup", workload="W1", capacity_tokens=budget)
+            engine.reset_prefix_cache()
+            with tqdm(total=sum(s.max_tokens for _, s in w1), desc="W1 jaxpaged", unit="tok", leave=False) as bar:
+                paged_run, paged_tokens = run_jaxpaged(engine, w1, system="jaxpaged", workload="W1",
+                                                       capacity_tokens=budget, bar=bar)
+            runs["W1"] = [paged_run]
+        else:
+            paged_run, paged_tokens, dense_run, _ = timed_pair("W1", w1, engine, dense, budget)
+            runs["W1"] = [paged_run, dense_run]
+        if not args.no_sync_peer:
+            # The same engine design stepping synchronously: what the overlap of host and device buys.
+            sync_engine = make_engine(preset, model_config, params, tokenizer, num_pages=num_pages,
+                                      async_scheduling=False)
+            run_jaxpaged(sync_engine, warmup_requests(w1), system="warmup", workload="W1", capacity_tokens=budget)
+            sync_engine.reset_prefix_cache()
+            with tqdm(total=sum(s.max_tokens for _, s in w1), desc="W1 jaxpaged sync", unit="tok", leave=False) as bar:
+                sync_run, _ = run_jaxpaged(sync_engine, w1, system="jaxpaged-sync", workload="W1",
+                                           capacity_tokens=budget, bar=bar)
+            runs["W1"].insert(1, sync_run)
+            del sync_engine
         if preset.hf_peer and not args.no_hf:
             hf = load_hf_model(args.hf_threads)
             run_hf(hf, warmup_requests(w1), batch_size=dense_batch, workload="W1", capacity_tokens=budget)
@@ -519,9 +546,10 @@ def main(argv=None) -> dict:
         checks["W3 preemptions happened"] = paged_run.extra["preemptions"] > 0
         done("W3")
 
+    stem = args.name or f"throughput_{preset.name}"
     summaries = {name: [summarize(r) for r in rs] for name, rs in runs.items()}
     for name, rs in runs.items():
-        plot_runs(rs, os.path.join(args.out, f"throughput_{preset.name}_{name.lower()}.png"),
+        plot_runs(rs, os.path.join(args.out, f"{stem}_{name.lower()}.png"),
                   f"{name}, preset {preset.name}: output throughput and KV utilisation")
     result = {
         "benchmark": "bench_throughput",
@@ -541,7 +569,7 @@ def main(argv=None) -> dict:
         # the wall time to how long the run takes on an idle one.
         "process_cpu_s": round(time.process_time(), 1),
     }
-    path = os.path.join(args.out, f"throughput_{preset.name}.json")
+    path = os.path.join(args.out, f"{stem}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print_report(result)

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
         )
         load_s = time.perf_counter() - t_load
         prompts = read_prompts(args)

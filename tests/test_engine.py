@@ -9,6 +9,7 @@ prefill, and max_num_seqs 1 versus many.
 
 import os
 
+import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
@@ -232,4 +233,29 @@ def test_update_params_changes_outputs_without_recompiling(llm, prompts):
     finally:
         llm.update_params(params)
     assert _greedy_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) == base
+    assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_synchronous_stepping_gives_the_same_outputs(llm, prompts, hf_greedy):
+    """`async_scheduling=False` (the debugging and benchmark mode): HF's greedy tokens, and for
+    seeded sampling with n > 1, stop strings and logprobs exactly the asynchronous engine's outputs."""
+    sync_llm = LLM(**SMALL, async_scheduling=False)
+    assert llm.config.async_scheduling and not sync_llm.config.async_scheduling
+    assert _greedy_tokens(sync_llm, prompts) == hf_greedy
+    free = sync_llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0].text
+    params = [
+        SamplingParams(temperature=0.9, top_k=40, seed=3, n=3, max_tokens=12, logprobs=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=free[3:7]),
+    ]
+    want = sync_llm.generate([prompts[1], prompts[0]], params)
+    got = llm.generate([prompts[1], prompts[0]], params)
+    for w, g in zip(want, got):
+        assert [(c.token_ids, c.text, c.finish_reason) for c in g.outputs] == [
+            (c.token_ids, c.text, c.finish_reason) for c in w.outputs]
+        for wc, gc in zip(w.outputs, g.outputs):
+            if wc.logprobs is not None:
+                np.testing.assert_allclose(gc.logprobs, wc.logprobs, atol=1e-5)
+    assert got[1].outputs[0].finish_reason == "stop"
+    assert_no_leak(sync_llm)
     assert_no_leak(llm)
