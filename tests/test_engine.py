@@ -255,7 +255,7 @@ def test_synchronous_stepping_gives_the_same_outputs(llm, prompts, hf_greedy):
             (c.token_ids, c.text, c.finish_reason) for c in w.outputs]
         for wc, gc in zip(w.outputs, g.outputs):
             if wc.logprobs is not None:
-                np.testing.assert_allclose(gc.logprobs, wc.logprobs, atol=1e-5)
+                np.testing.assert_allclose(gc.logprobs, wc.logprobs, atol=1e-4)  # batches differ: float sums too
     assert got[1].outputs[0].finish_reason == "stop"
     assert_no_leak(sync_llm)
     assert_no_leak(llm)
