@@ -346,7 +346,8 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup()
-        for num_rows in sorted({min(b, self.config.max_num_seqs) for b in self.runner.buckets}):
+        row_counts = {min(b, self.config.max_num_seqs) for b in self.runner.buckets} | set(self.runner.decode_buckets)
+        for num_rows in sorted(row_counts):
             logits = jax.numpy.zeros((num_rows, self.model_config.vocab_size), jax.numpy.float32)
             rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
             jax.block_until_ready(sample(logits, make_sampling_arrays(rows, num_rows)))

@@ -106,7 +106,9 @@ def _run(runner, pages, pairs, copies=()):
 def test_no_recompilation_after_warmup(tiny_params):
     runner = _runner(tiny_params)
     runner.warmup()
-    assert (runner.num_compiles, runner.num_copy_compiles) == (len(runner.buckets), 1)
+    # One program per token bucket (8, 16, 32) and per decode bucket (1, 2, 4 sequences).
+    assert runner.decode_buckets == (1, 2, 4)
+    assert (runner.num_compiles, runner.num_copy_compiles) == (len(runner.buckets) + 3, 1)
     compiled = runner.num_compiles
 
     pages, rng = _Pages(), np.random.default_rng(0)
