@@ -59,7 +59,11 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     their V rows (0 * NaN would still be NaN inside the matmul).
     """
     out_prev, m_prev, l_prev = carry
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # float32 pages get IEEE float32 dots (Triton's default for float32 is TF32, ~3 digits).
+    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    logits = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
     logits = logits * scale  # [rows, block_k]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -69,7 +73,7 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     correction = jnp.exp(m_prev - m_next)  # [rows]
     l_next = correction * l_prev + probs.sum(axis=-1)
     pv = lax.dot_general(
-        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )  # [rows, head_dim]
     out_next = correction[:, None] * out_prev + pv
     return out_next, m_next, l_next
