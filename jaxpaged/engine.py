@@ -347,6 +347,9 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup()
         row_counts = {min(b, self.config.max_num_seqs) for b in self.runner.buckets} | set(self.runner.decode_buckets)
+        # n > 1 fan-out past a step's rows samples next_pow2(rows) rows: small decode buckets make that
+        # likelier, so those counts are compiled too.
+        row_counts |= {_next_pow2(r) for r in row_counts}
         for num_rows in sorted(row_counts):
             logits = jax.numpy.zeros((num_rows, self.model_config.vocab_size), jax.numpy.float32)
             rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]

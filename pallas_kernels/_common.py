@@ -110,13 +110,14 @@ def check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap) -> None:
 
 
 def check_lengths_if_concrete(seq_lens, block_tables, page_size: int) -> None:
-    """A direct call with concrete lengths: no sequence may be longer than its table can address.
+    """Host (numpy) lengths: no sequence may be longer than its block table can address.
 
-    Inside `jax.jit` (the engine's step) the lengths are traced and only the kernels' own guard
-    holds: they never read a table entry past its width, so such a sequence is cut short, not read
-    out of bounds.
+    Lengths on the device are not read back (that would wait for the device on every call), and
+    inside `jax.jit` (the engine's step) they are traced: there only the kernels' own guard holds,
+    they never read a table entry past its width, so such a sequence is cut short, never read out
+    of bounds.
     """
-    if isinstance(seq_lens, jax.core.Tracer) or isinstance(block_tables, jax.core.Tracer):
+    if not isinstance(seq_lens, (np.ndarray, list, tuple)):
         return
     longest, addressable = int(np.max(np.asarray(seq_lens), initial=0)), block_tables.shape[1] * page_size
     if longest > addressable:

@@ -207,7 +207,7 @@ def decode_attention(
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never read.
       seq_lens: int32 [num_seqs]: context length including the new token, at most
-        `pages_per_seq * page_size` (a ValueError when concrete; traced, the kernel never reads past
+        `pages_per_seq * page_size` (a ValueError for numpy lengths; otherwise the kernel never reads past
         the table); 0 for batch padding (those rows come out as zeros).
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.

@@ -210,7 +210,7 @@ def ragged_paged_attention(
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never used.
       seq_lens: int32 [num_seqs]: context length after this step (cached + new), at most
-        `pages_per_seq * page_size` (a ValueError when concrete; traced, the kernel never reads past
+        `pages_per_seq * page_size` (a ValueError for numpy lengths; otherwise the kernel never reads past
         the table); 0 for padding rows.
       query_start_loc: int32 [num_seqs + 1]: sequence s owns tokens
         `query_start_loc[s]:query_start_loc[s+1]` (>= 1 token each, except padding rows, which

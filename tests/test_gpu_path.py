@@ -76,7 +76,7 @@ def test_whole_buffer_kernels_read_only_their_layer(kernel):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
-def test_concrete_seq_lens_past_the_block_table_are_refused():
+def test_host_seq_lens_past_the_block_table_are_refused():
     kv_pages = np.zeros((1, 2, 2, 8, 4, 16), np.float32)
     q = np.zeros((1, 4, 16), np.float32)
     block_tables = np.array([[1, 2]], np.int32)  # addresses 2 pages x 4 slots = 8 positions
