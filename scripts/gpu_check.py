@@ -28,8 +28,9 @@ import xml.etree.ElementTree as ElementTree
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results")
 STAGES = ("pytest", "kernels", "throughput")
-# Wall-clock limit per stage in seconds: 8 minutes in all, under the 9 minutes an H100 run must take.
-STAGE_LIMITS_S = {"pytest": 210, "kernels": 90, "throughput": 180}
+# Wall-clock limit per stage in seconds: 8.5 minutes in all, under the 9 minutes an H100 run must take
+# (not yet measured on one: the first GPU session should adjust them to what it sees).
+STAGE_LIMITS_S = {"pytest": 200, "kernels": 80, "throughput": 230}
 
 
 # ---------------------------------------------------------------------------------------------
