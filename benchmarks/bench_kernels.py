@@ -17,6 +17,7 @@ so the script is exercised on CPU; its figures mean nothing.
 
     python benchmarks/bench_kernels.py                    # GPU: K1 and K2, JSON to benchmarks/results/
     python benchmarks/bench_kernels.py --workloads K1 --repeats 50
+    python benchmarks/bench_kernels.py --quick            # the representative subset gpu_check.sh runs
     python benchmarks/bench_kernels.py --dry-run          # CPU smoke run, JSON to a temp dir
 """
 
@@ -85,6 +86,18 @@ FULL = Scale(
     copy_bytes=1 << 30,
     matmul_size=8192,
     dense_logits_budget_bytes=16 * 10**9,
+)
+
+# A representative subset for scripts/gpu_check.sh (about a minute on an H100): K1 at batch 1, 64 and
+# 256 over short, medium and long contexts with GQA 32/8, page size 16; K2 a long prefill, chunks after
+# a cached prefix, and a prefill mixed with decode rows.
+QUICK = dataclasses.replace(
+    FULL,
+    k1_batches=(1, 64, 256),
+    k1_heads=((32, 8),),
+    page_sizes=(16,),
+    k2_batches=tuple(b for b in FULL.k2_batches if b[0] in (
+        "prefill 1x2048", "chunked 4x512 after 1536 cached", "1x2048 prefill + 64 decode rows at 1024")),
 )
 
 DRY = Scale(
@@ -345,6 +358,7 @@ def parse_args(argv=None):
     parser.add_argument("--workloads", nargs="+", choices=("K1", "K2"), default=["K1", "K2"])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median is reported)")
     parser.add_argument("--block-q", type=int, default=16, help="query tokens per program of the ragged kernel in K2")
+    parser.add_argument("--quick", action="store_true", help="a representative subset of K1 and K2 (about a minute)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, any device: checks the script runs")
     parser.add_argument("--out", default=None, help="JSON output directory (default benchmarks/results/, a temp dir for --dry-run)")
     args = parser.parse_args(argv)
@@ -363,7 +377,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    scale = DRY if args.dry_run else FULL
+    scale = DRY if args.dry_run else QUICK if args.quick else FULL
     if args.dry_run:
         args.repeats = 1
         args.block_q = 8
@@ -390,6 +404,7 @@ def main(argv=None) -> int:
         commit=git_commit(),
         date=now.isoformat(timespec="seconds"),
         dry_run=args.dry_run,
+        quick=args.quick,
         repeats=args.repeats,
         limits=limits,
         rows=rows,

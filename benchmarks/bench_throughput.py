@@ -374,11 +374,10 @@ def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: i
         attention_backend="pallas" if on_gpu else "reference", async_scheduling=async_scheduling,
     ).resolved(on_gpu=on_gpu, model_max_len=model_config.max_position_embeddings)
     if on_gpu:
-        import functools
-
         import pallas_kernels
 
-        attention_fn = functools.partial(pallas_kernels.paged_attention, interpret=False)
+        # The engine's own GPU backend: whole-buffer kernels, the decode kernel in decode-only steps.
+        attention_fn = pallas_kernels.pallas_backend(interpret=False)
     else:
         from jaxpaged.attention import reference_paged_attention
 

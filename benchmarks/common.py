@@ -190,7 +190,11 @@ def plot_runs(runs: list[Run], path: str, title: str) -> None:
     Utilisation is live tokens over the KV budget: what fraction of the memory holds K/V that a
     running sequence still needs.
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a GPU machine may have only what jaxpaged needs: the JSON still gets written
+        print(f"matplotlib is not installed: no plot {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -320,10 +320,16 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup()
         num_out = self.runner.num_prev_token_rows
-        for num_rows in sorted({min(b, self.config.max_num_seqs) for b in self.runner.buckets}):
+        row_counts = {min(b, self.config.max_num_seqs) for b in self.runner.buckets} | set(self.runner.decode_buckets)
+        # n > 1 fan-out past a step's rows samples next_pow2(rows) rows: small decode buckets make that
+        # likelier, so those counts are compiled too.
+        row_counts |= {_next_pow2(r) for r in row_counts}
+        for num_rows in sorted(row_counts):
             logits = jnp.zeros((num_rows, self.model_config.vocab_size), jnp.float32)
             rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
-            jax.block_until_ready(_sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=num_out))
+            jax.block_until_ready(
+                _sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=max(num_rows, num_out))
+            )
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

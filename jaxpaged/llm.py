@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.engine import LLMEngine
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model_runner import kv_cache_bytes_per_page, num_pages_for_budget
+from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -39,18 +39,52 @@ def _attention_fn(backend: str):
         return chunked_paged_attention_from_buffer
     import pallas_kernels
 
-    return pallas_kernels.paged_attention  # interpret=None: compiled on a GPU, interpreted elsewhere
+    # The whole-buffer kernels (no per-layer pool copies), the decode kernel in decode-only steps;
+    # interpret=None: compiled on a GPU, interpreted elsewhere.
+    return pallas_kernels.paged_attention_from_buffer
 
 
-def _num_pages(config: EngineConfig, model_config) -> int:
-    """Pool size: explicit, from a byte budget, from free GPU memory, or enough for a full CPU batch."""
+# GPU pool sizing leaves this much, besides the step's own scratch memory and the
+# (1 - kv_memory_fraction) share, for the sampler, page copies and XLA/cuBLAS workspaces.
+_GPU_MARGIN_BYTES = 512 << 20
+
+
+def _free_device_memory() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+
+
+def _num_pages(config: EngineConfig, model_config, params, attention_fn) -> int:
+    """Pool size: explicit, from a byte budget, from free GPU memory, or enough for a full CPU batch.
+
+    GPU: the parameters go to the device first; then the budget is
+
+        kv_memory_fraction x (free memory - the compiled largest step's scratch memory - 512 MiB)
+
+    so warm-up and the largest step still fit beside the pool.
+    """
     if config.num_pages is not None:
         return config.num_pages
     if config.kv_memory_bytes is not None:
         return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes)
     if _on_gpu():
-        stats = jax.devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
+        free = _free_device_memory()
+        # The largest step, compiled over a 2-page pool: its scratch does not grow with the pool.
+        probe = ModelRunner(
+            model_config, params, num_pages=2, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            attention_fn=attention_fn, decode_buckets=(),
+        )
+        step_temp = probe.step_temp_bytes()
+        del probe
+        free -= step_temp + _GPU_MARGIN_BYTES
+        if free <= 0:
+            raise ValueError(
+                f"after the weights, the largest step needs {step_temp / 2**30:.2f} GiB of scratch memory plus a "
+                f"{_GPU_MARGIN_BYTES >> 20} MiB margin and nothing is left for KV pages; lower "
+                "max_num_batched_tokens, use a smaller model or dtype, or free device memory"
+            )
         return num_pages_for_budget(model_config, config.page_size, int(free * config.kv_memory_fraction))
     full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
     page_bytes = kv_cache_bytes_per_page(model_config, config.page_size)
@@ -72,9 +106,10 @@ class LLM:
         dtype = config.dtype or ("bfloat16" if _on_gpu() else "float32")
         model_config, params, tokenizer = load_model(model, dtype=dtype)
         config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
+        attention_fn = _attention_fn(config.attention_backend)
         self.engine = LLMEngine(
             model_config, params, tokenizer, config,
-            num_pages=_num_pages(config, model_config), attention_fn=_attention_fn(config.attention_backend),
+            num_pages=_num_pages(config, model_config, params, attention_fn), attention_fn=attention_fn,
         )
 
     @property

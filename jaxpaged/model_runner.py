@@ -6,9 +6,13 @@
                       one transfer                        placeholder tokens gathered from the
                                                           previous step's sampled tokens
 
-Shapes come from a small fixed list of buckets, so after `warmup()` no step compiles again.
+Shapes come from a small fixed list of buckets, so after `warmup()` no step compiles again. Decode-
+only steps have their own buckets (1, 2, 4, ... max_num_seqs sequences of one token) and their own
+programs: `StepInput.decode_only` is static pytree metadata, so it selects a compiled program, and
+there the model calls the backend's decode kernel (if it has one) instead of the ragged one.
 """
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -19,12 +23,18 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import reference_paged_attention
-from jaxpaged.step_input import StepInput, default_buckets, pack_step_input, prepare_step_input
+from jaxpaged.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
 
-# StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument.
-jax.tree_util.register_dataclass(StepInput)
+# StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
+# are leaves; `decode_only` is metadata, part of the tree structure, hence static under jit.
+_STEP_META_FIELDS = ("decode_only",)
+jax.tree_util.register_dataclass(
+    StepInput,
+    data_fields=[f.name for f in dataclasses.fields(StepInput) if f.name not in _STEP_META_FIELDS],
+    meta_fields=list(_STEP_META_FIELDS),
+)
 __all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input", "apply_page_copies"]
 
 
@@ -72,6 +82,7 @@ class ModelRunner:
         max_model_len: int,
         attention_fn: AttentionFn | None = None,
         buckets: Sequence[int] | None = None,
+        decode_buckets: Sequence[int] | None = None,
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -84,9 +95,16 @@ class ModelRunner:
         self.buckets = tuple(sorted(buckets or default_buckets(max_num_batched_tokens)))
         if self.buckets[-1] < max_num_batched_tokens:
             raise ValueError(f"largest bucket {self.buckets[-1]} < {max_num_batched_tokens=}; add a bucket")
+        # Decode-only steps: buckets of 1, 2, 4, ... max_num_seqs sequences (no 16-row floor); `()`
+        # sends decode steps through the token buckets instead.
+        self.decode_buckets = tuple(sorted(
+            default_decode_buckets(max_num_seqs) if decode_buckets is None else decode_buckets))
+        if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):
+            raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
         enable_compilation_cache()
 
         self.model = CausalLM(model_config, attention_fn or reference_paged_attention)
+        self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True)
         self.params = self._to_device(params)
         self._param_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self.params)
         c = model_config
@@ -103,7 +121,7 @@ class ModelRunner:
         # a decode whose input token is still on the device reads it from there (asynchronous stepping).
         self.num_prev_token_rows = max_num_seqs
         self._no_prev_tokens = jnp.zeros(self.num_prev_token_rows, jnp.int32)
-        self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout",))
+        self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"))
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",))
 
     def _to_device(self, params):
@@ -111,19 +129,20 @@ class ModelRunner:
         return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
-                 layout):
+                 layout, decode_only: bool = False):
         self.num_compiles += 1  # runs only while tracing
         fields, offset = {}, 0
         for name, shape in layout:  # static slices of the one packed transfer
             size = math.prod(shape)
             fields[name] = packed[offset : offset + size].reshape(shape)
             offset += size
-        step_input = StepInput(**fields)
+        step_input = StepInput(**fields, decode_only=decode_only)
         token_ids = step_input.token_ids
         if step_input.prev_token_rows is not None:
             rows = step_input.prev_token_rows
             token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
-        return self.model.apply(
+        model = self.decode_model if decode_only else self.model  # static: a compiled program each
+        return model.apply(
             params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
             step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
             step_input.logits_indices,
@@ -139,6 +158,7 @@ class ModelRunner:
             scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
             block_table_rows=block_table_rows,
+            decode_buckets=self.decode_buckets,
         )
 
     def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:
@@ -150,7 +170,9 @@ class ModelRunner:
         packed, layout = pack_step_input(step_input)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
-        logits, self.kv_pages = self._step(self.params, self.kv_pages, packed, prev_tokens, layout=layout)
+        logits, self.kv_pages = self._step(
+            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+        )
         return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -168,9 +190,15 @@ class ModelRunner:
             self.copy_pages(scheduler_output.copies)
         return self.execute(self.prepare(scheduler_output))
 
-    def dummy_step_input(self, bucket: int) -> StepInput:
-        """An all-padding step of `bucket` tokens: it writes nothing and reads nothing."""
-        num_seqs = min(bucket, self.max_num_seqs)
+    @property
+    def num_step_programs(self) -> int:
+        """Compiled step programs after `warmup`: one per token bucket and one per decode bucket."""
+        return len(self.buckets) + len(self.decode_buckets)
+
+    def dummy_step_input(self, bucket: int, *, decode_only: bool = False) -> StepInput:
+        """An all-padding step of `bucket` tokens (a decode bucket of `bucket` sequences if `decode_only`):
+        it writes nothing and reads nothing."""
+        num_seqs = bucket if decode_only else min(bucket, self.max_num_seqs)
         zeros = np.zeros(bucket, np.int32)
         return StepInput(
             token_ids=zeros, positions=zeros,
@@ -178,12 +206,15 @@ class ModelRunner:
             block_tables=np.zeros((num_seqs, self.pages_per_seq), np.int32),
             seq_lens=np.zeros(num_seqs, np.int32), query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32), prev_token_rows=np.full(bucket, -1, np.int32),
+            decode_only=decode_only,
         )
 
     def warmup(self) -> None:
-        """Compiles the step for every bucket, and the page copy, so serving never compiles."""
+        """Compiles the step for every bucket and decode bucket, and the page copy, so serving never compiles."""
         for bucket in self.buckets:
             self.execute(self.dummy_step_input(bucket)).block_until_ready()
+        for bucket in self.decode_buckets:
+            self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
 
     def update_params(self, params) -> None:
@@ -199,6 +230,26 @@ class ModelRunner:
 
     def kv_cache_bytes(self) -> int:
         return self.kv_pages.nbytes
+
+    def trace_step(self, step_input: StepInput, prev_tokens=None):
+        """`jax.jit(...).trace` of the step for `step_input`, for tests and tools that inspect or lower
+        the compiled program (`.jaxpr`, `.lower(lowering_platforms=("cuda",))`); runs nothing."""
+        packed, layout = pack_step_input(step_input)
+        prev_tokens = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        return self._step.trace(
+            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+        )
+
+    def step_temp_bytes(self, bucket: int | None = None) -> int:
+        """Scratch bytes of the compiled step for `bucket` tokens (default: the largest bucket).
+
+        XLA's own figure (`memory_analysis().temp_size_in_bytes`): activations, logits, kernel
+        outputs. The KV buffer is donated and aliased, the parameters are arguments: neither counts.
+        Compiles the step (once per bucket and pool size; the persistent cache keeps it).
+        """
+        step_input = self.dummy_step_input(self.buckets[-1] if bucket is None else bucket)
+        compiled = self.trace_step(step_input).lower().compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def apply_page_copies(

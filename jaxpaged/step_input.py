@@ -19,7 +19,9 @@ from jaxtyping import Int
 class StepInput:
     """One step's host -> device contract (DESIGN.md): padded int32 arrays, shapes from a bucket.
 
-    A bucket `b` fixes num_tokens = b and num_seqs = min(b, max_num_seqs).
+    A bucket `b` fixes num_tokens = b and num_seqs = min(b, max_num_seqs); a decode bucket `d`
+    (every sequence has exactly one new token) fixes num_tokens = num_seqs = d and sets
+    `decode_only`.
     """
 
     # Flat tokens of all scheduled chunks, in batch order; padding 0.
@@ -39,6 +41,10 @@ class StepInput:
     # Per token, -1 if token_ids holds it; else the row of the previous step's sampled tokens (still
     # on the device) that holds it, and token_ids has 0 there. Asynchronous stepping only; padding -1.
     prev_token_rows: Int[np.ndarray, "num_tokens"] | None = None
+    # Static (pytree metadata, not an array): every real sequence has exactly one token and
+    # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
+    # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.
+    decode_only: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +113,11 @@ def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[in
     return (*buckets, max_num_batched_tokens)
 
 
+def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode buckets: powers of two from 1 up to `max_num_seqs` (always included)."""
+    return default_buckets(max_num_seqs, smallest=1)
+
+
 def prepare_step_input(
     scheduler_output,
     *,
@@ -116,6 +127,7 @@ def prepare_step_input(
     max_num_seqs: int,
     buckets: Sequence[int],
     block_table_rows: BlockTableRows | None = None,
+    decode_buckets: Sequence[int] = (),
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -130,6 +142,11 @@ def prepare_step_input(
         page, offset:   (7,1) (7,2) (7,3) | (1,1)     page = block_table[pos // 4], offset = pos % 4
         slot_mapping:    29    30    31   |  5        slot = page * 4 + offset
         query_start_loc: [0, 3, 4],  seq_lens: [8, 10],  logits_indices: [2, 3]
+
+    Bucket choice: a step in which every sequence has exactly one new token (decode-only) takes the
+    smallest decode bucket `d >= num_seqs` (num_tokens = num_seqs = d, `decode_only=True`); any
+    other step, or a decode-only one with no decode bucket that large, takes the smallest bucket
+    `b >= total tokens` (num_tokens = b, num_seqs = min(b, max_num_seqs)).
     """
     seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
     num_seqs, total = len(seqs), int(num_new.sum())
@@ -139,10 +156,14 @@ def prepare_step_input(
         raise ValueError(f"{num_seqs} sequences exceed {max_num_seqs=}; the scheduler must cap them")
     if np.any(num_new < 1):
         raise ValueError(f"every scheduled sequence needs >= 1 new token, got {num_new.tolist()}")
-    bucket = next((b for b in sorted(buckets) if b >= total), None)
-    if bucket is None:
-        raise ValueError(f"{total} tokens exceed the largest bucket {max(buckets)}; raise it or schedule fewer")
-    bucket_seqs = min(bucket, max_num_seqs)
+    decode_bucket = next((d for d in sorted(decode_buckets) if d >= num_seqs), None) if total == num_seqs else None
+    if decode_bucket is not None:
+        bucket = bucket_seqs = decode_bucket
+    else:
+        bucket = next((b for b in sorted(buckets) if b >= total), None)
+        if bucket is None:
+            raise ValueError(f"{total} tokens exceed the largest bucket {max(buckets)}; raise it or schedule fewer")
+        bucket_seqs = min(bucket, max_num_seqs)
 
     start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, num_seqs)
     seq_lens = start + num_new
@@ -209,6 +230,7 @@ def prepare_step_input(
         query_start_loc=padded_starts,
         logits_indices=logits_indices,
         prev_token_rows=prev_token_rows,
+        decode_only=decode_bucket is not None,
     )
 
 
@@ -216,9 +238,10 @@ def pack_step_input(step_input: StepInput) -> tuple[np.ndarray, tuple[tuple[str,
     """All of a step's int32 arrays in one flat array (one host -> device transfer), and its layout.
 
     The layout, `((field name, shape), ...)` in field order, depends only on the bucket: as a static
-    argument of the jitted step it adds no compilation. A field that is None is left out.
+    argument of the jitted step it adds no compilation. A field that is None is left out, and so is
+    `decode_only` (static: the caller passes it to the jitted step beside the layout).
     """
     arrays = [(f.name, getattr(step_input, f.name)) for f in dataclasses.fields(step_input)]
-    arrays = [(name, a) for name, a in arrays if a is not None]
+    arrays = [(name, a) for name, a in arrays if isinstance(a, np.ndarray)]  # not None, not decode_only
     packed = np.concatenate([a.ravel() for _, a in arrays]).astype(np.int32, copy=False)
     return packed, tuple((name, a.shape) for name, a in arrays)

@@ -19,6 +19,7 @@ heads of one KV head are padded up to a power of two by the wrappers.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 try:  # Triton backend; deprecated from JAX 0.11, possibly absent later.
@@ -58,7 +59,11 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     their V rows (0 * NaN would still be NaN inside the matmul).
     """
     out_prev, m_prev, l_prev = carry
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # float32 pages get IEEE float32 dots (Triton's default for float32 is TF32, ~3 digits).
+    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    logits = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
     logits = logits * scale  # [rows, block_k]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -68,24 +73,21 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     correction = jnp.exp(m_prev - m_next)  # [rows]
     l_next = correction * l_prev + probs.sum(axis=-1)
     pv = lax.dot_general(
-        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )  # [rows, head_dim]
     out_next = correction[:, None] * out_prev + pv
     return out_next, m_next, l_next
 
 
-def check_common(q, k_pages, v_pages, block_tables, seq_lens, scale, soft_cap) -> None:
-    """Trace-time checks shared by both public functions; errors say what to change."""
+def check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap) -> None:
+    """Trace-time checks shared by the public functions; errors say what to change.
+
+    `kv_shape` is one layer's pool shape `(num_kv_heads, num_pages, page_size, head_dim)`.
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}"
-        )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have the same shape")
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads, _, page_size, kv_head_dim = k_pages.shape
+    num_kv_heads, _, page_size, kv_head_dim = kv_shape
     if head_dim != kv_head_dim:
         raise ValueError(f"q's {head_dim=} differs from the pages' head_dim={kv_head_dim}")
     if num_heads % num_kv_heads:
@@ -105,3 +107,82 @@ def check_common(q, k_pages, v_pages, block_tables, seq_lens, scale, soft_cap) -
         raise ValueError(f"{scale=} must be positive (usually head_dim ** -0.5)")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"{soft_cap=} must be positive or None")
+
+
+def check_lengths_if_concrete(seq_lens, block_tables, page_size: int) -> None:
+    """Host (numpy) lengths: no sequence may be longer than its block table can address.
+
+    Lengths on the device are not read back (that would wait for the device on every call), and
+    inside `jax.jit` (the engine's step) they are traced: there only the kernels' own guard holds,
+    they never read a table entry past its width, so such a sequence is cut short, never read out
+    of bounds.
+    """
+    if not isinstance(seq_lens, (np.ndarray, list, tuple)):
+        return
+    longest, addressable = int(np.max(np.asarray(seq_lens), initial=0)), block_tables.shape[1] * page_size
+    if longest > addressable:
+        raise ValueError(
+            f"a sequence of length {longest} needs more than the block table's {block_tables.shape[1]} "
+            f"pages x {page_size=} = {addressable} slots; widen block_tables or shorten seq_lens"
+        )
+
+
+def check_per_layer_pools(k_pages, v_pages) -> None:
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} "
+            "must have the same shape and dtype"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Page rows: how the kernels address K/V, whichever buffer they were given.
+#
+# Both kernels see the pages as one array of "page rows" `[num_rows, page_size, head_dim]`, where a
+# row is one page of one KV head of K or of V, and get two base rows: where this layer's K pool
+# and V pool start. The row of (KV head h, page p) is then `base + h * num_pages + p`.
+#
+#   whole model buffer [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim]
+#     -> reshape (free: merges leading axes of a contiguous array, no copy) to
+#        [num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim]
+#     K base of layer l = (2 l) * num_kv_heads * num_pages;   V base = (2 l + 1) * num_kv_heads * num_pages
+#   one layer's k_pages, v_pages [num_kv_heads, num_pages, page_size, head_dim]
+#     -> two arrays of [num_kv_heads * num_pages, page_size, head_dim], both bases 0
+#
+# Row indices are int32 (checked below to fit); element offsets `row * page_size * head_dim` can
+# pass 2^31 on a large card, and the Triton lowering computes them in 64 bits whenever the array
+# spans more than 2^32 bytes, which covers every int32-overflowing offset of a 2- or 4-byte dtype.
+
+MAX_PAGE_ROWS = 2**31 - 1
+
+
+def page_rows_of_buffer(kv_pages, layer_idx):
+    """`(k_rows, v_rows, bases)` of layer `layer_idx` of the whole buffer (k_rows is v_rows)."""
+    if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
+        raise ValueError(
+            "kv_pages must be the model's whole buffer [num_layers, 2, num_kv_heads, num_pages, page_size, "
+            f"head_dim], got shape {kv_pages.shape}"
+        )
+    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
+    num_rows = num_layers * 2 * num_kv_heads * num_pages
+    if num_rows > MAX_PAGE_ROWS:
+        raise ValueError(f"{num_rows} page rows overflow int32 row indices; use fewer or larger pages")
+    rows = kv_pages.reshape(num_rows, page_size, head_dim)  # [L*2*K*P, page_size, H]
+    pool_rows = num_kv_heads * num_pages
+    layer_idx = jnp.asarray(layer_idx, jnp.int32)
+    bases = jnp.stack([2 * layer_idx * pool_rows, (2 * layer_idx + 1) * pool_rows]).astype(jnp.int32)  # [2]
+    return rows, rows, bases
+
+
+def page_rows_of_pools(k_pages, v_pages):
+    """`(k_rows, v_rows, bases)` of one layer's K and V pools (bases 0)."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if num_kv_heads * num_pages > MAX_PAGE_ROWS:
+        raise ValueError(f"{num_kv_heads * num_pages} page rows overflow int32 row indices")
+    k_rows = k_pages.reshape(num_kv_heads * num_pages, page_size, head_dim)
+    v_rows = v_pages.reshape(num_kv_heads * num_pages, page_size, head_dim)
+    return k_rows, v_rows, jnp.zeros((2,), jnp.int32)

@@ -13,6 +13,10 @@ unnormalised output with its running max and sum; a small jnp step combines the 
     tokens 10, 11 of page 2 and all of page 3 are masked: their K/V may hold anything (NaN).
 
 Sequences of length 0 (batch padding) visit no page and come out as zeros.
+
+The kernel reads K/V as page rows (`_common.py`): the model's whole buffer, reshaped without a copy,
+plus the row where this layer's K and V pools start, so no layer's pool is ever sliced out. GQA:
+query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
 """
 
 import functools
@@ -26,9 +30,13 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels._common import (
     MASK_VALUE,
     check_common,
+    check_lengths_if_concrete,
+    check_per_layer_pools,
     compiler_params,
     next_power_of_2,
     online_softmax_step,
+    page_rows_of_buffer,
+    page_rows_of_pools,
     resolve_interpret,
 )
 
@@ -38,40 +46,47 @@ from pallas_kernels._common import (
 
 def _decode_kernel(
     seq_lens_ref,  # [S] whole array, read as scalars
+    bases_ref,  # [2] whole array: first page row of this layer's K pool and of its V pool
     block_tables_ref,  # [None, padded_pages_per_seq]: this sequence's row
     q_ref,  # [None, None, Gp, H]: this sequence, this KV head's query heads
-    k_pages_ref,  # [None, num_pages, page_size, H]: this KV head's whole pool (gathered from)
-    v_pages_ref,  # [None, num_pages, page_size, H]
+    k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
+    v_rows_ref,  # [num_rows, page_size, H]
     out_ref,  # [None, None, None, Gp, H] f32: unnormalised output of this split
     m_ref,  # [None, None, None, Gp] f32: running max of this split
     l_ref,  # [None, None, None, Gp] f32: running sum of this split
     *,
     scale: float,
     soft_cap: float | None,
+    num_pages: int,
+    pages_per_seq: int,
     pages_per_compute_block: int,
     pages_per_split: int,
 ):
+    head_idx = pl.program_id(0)
     seq_idx = pl.program_id(1)
     split_idx = pl.program_id(2)
     num_rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
+    page_size = k_rows_ref.shape[1]
     block_k = pages_per_compute_block * page_size
 
     seq_len = seq_lens_ref[seq_idx]
-    num_pages_used = pl.cdiv(seq_len, page_size)
+    # Never past the block table's real width, whatever seq_len says: no table entry out of bounds.
+    num_pages_used = jnp.minimum(pl.cdiv(seq_len, page_size), pages_per_seq)
     first_page_idx = split_idx * pages_per_split
     end_page_idx = jnp.minimum(first_page_idx + pages_per_split, num_pages_used)
     num_blocks = pl.cdiv(jnp.maximum(end_page_idx - first_page_idx, 0), pages_per_compute_block)
     q = q_ref[...]  # [Gp, H]
+    k_head_base = bases_ref[0] + head_idx * num_pages  # page row of (this layer's K, this head, page 0)
+    v_head_base = bases_ref[1] + head_idx * num_pages
 
     def body(block_idx, carry):
         page_idx = first_page_idx + block_idx * pages_per_compute_block
         page_ids = block_tables_ref[pl.ds(page_idx, pages_per_compute_block)]  # [P]
         # Entries past the length are masked but still gathered: keep them inside the pool (as XLA's
         # clamping gather does) so a stale table entry can never fault.
-        page_ids = jnp.clip(page_ids, 0, k_pages_ref.shape[0] - 1)
-        k = k_pages_ref[page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
-        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        page_ids = jnp.clip(page_ids, 0, num_pages - 1)
+        k = k_rows_ref[k_head_base + page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
+        v = v_rows_ref[v_head_base + page_ids].reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         visible = key_pos < seq_len
         v = jnp.where(visible.reshape(block_k, 1), v, jnp.zeros_like(v))
@@ -90,13 +105,16 @@ def _decode_kernel(
 
 def _decode_pallas_call(
     q: Float[Array, "num_seqs num_kv_heads rows head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    k_rows: Float[Array, "num_rows page_size head_dim"],
+    v_rows: Float[Array, "num_rows page_size head_dim"],
+    bases: Int[Array, "2"],
     block_tables: Int[Array, "num_seqs padded_pages"],
     seq_lens: Int[Array, "num_seqs"],
     *,
     scale: float,
     soft_cap: float | None,
+    num_pages: int,
+    pages_per_seq: int,
     pages_per_compute_block: int,
     num_splits: int,
     num_warps: int,
@@ -104,25 +122,31 @@ def _decode_pallas_call(
     interpret: bool,
 ):
     num_seqs, num_kv_heads, num_rows, head_dim = q.shape
-    _, num_pages, page_size, _ = k_pages.shape
     pages_per_split = block_tables.shape[1] // num_splits
     kernel = functools.partial(
         _decode_kernel,
         scale=scale,
         soft_cap=soft_cap,
+        num_pages=num_pages,
+        pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
         pages_per_split=pages_per_split,
     )
     partial_shape = (num_seqs, num_kv_heads, num_splits, num_rows)
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda h, s, c: (0,) * x.ndim)
+
     return pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_seqs, num_splits),
         in_specs=[
-            pl.BlockSpec(seq_lens.shape, lambda h, s, c: (0,)),
+            whole(seq_lens),
+            whole(bases),
             pl.BlockSpec((None, block_tables.shape[1]), lambda h, s, c: (s, 0)),
             pl.BlockSpec((None, None, num_rows, head_dim), lambda h, s, c: (s, h, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, s, c: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, s, c: (h, 0, 0, 0)),
+            whole(k_rows),
+            whole(v_rows),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, num_rows, head_dim), lambda h, s, c: (s, h, c, 0, 0)),
@@ -137,7 +161,7 @@ def _decode_pallas_call(
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(seq_lens, block_tables, q, k_pages, v_pages)
+    )(seq_lens, bases, block_tables, q, k_rows, v_rows)
 
 
 def _combine_splits(out, m, l):
@@ -154,18 +178,9 @@ def _combine_splits(out, m, l):
     return jnp.where(l_total[..., None] > 0, out_total / safe_l[..., None], 0.0)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "soft_cap",
-        "pages_per_compute_block",
-        "num_splits",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
-)
+_TUNING = ("pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret")
+
+
 def decode_attention(
     q: Float[Array, "num_seqs num_heads head_dim"],
     k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
@@ -181,17 +196,19 @@ def decode_attention(
     num_stages: int = 2,
     interpret: bool | None = None,
 ) -> Float[Array, "num_seqs num_heads head_dim"]:
-    """Paged attention of one new query token per sequence (a pure decode step).
+    """Paged attention of one new query token per sequence (a pure decode step), one layer's pools.
 
     Args:
       q: [num_seqs, num_heads, head_dim], float32 or bfloat16: the newest token of each sequence,
         sitting at position `seq_lens[s] - 1` (its own K/V already written to the pages); cast to
-        the pages' dtype for the matmuls.
+        the pages' dtype for the matmuls. Query head `h` reads KV head
+        `h // (num_heads // num_kv_heads)`.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never read.
-      seq_lens: int32 [num_seqs]: context length including the new token; 0 for batch padding
-        (those rows come out as zeros).
+      seq_lens: int32 [num_seqs]: context length including the new token, at most
+        `pages_per_seq * page_size` (a ValueError for numpy lengths; otherwise the kernel never reads past
+        the table); 0 for batch padding (those rows come out as zeros).
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
       pages_per_compute_block: pages gathered per inner step (block of P * page_size keys).
@@ -205,10 +222,72 @@ def decode_attention(
 
     Equivalent to `jaxpaged.attention.reference_paged_attention` with
     `query_start_loc = arange(num_seqs + 1)` (one token each), which is what the tests check.
+    The engine calls `decode_attention_from_buffer`, which reads the model's whole buffer.
     """
-    check_common(q, k_pages, v_pages, block_tables, seq_lens, scale, soft_cap)
+    check_per_layer_pools(k_pages, v_pages)
+    check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
+    return _decode_jit(
+        q, k_pages, v_pages, block_tables, seq_lens, None, whole_buffer=False, scale=scale, soft_cap=soft_cap,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
+
+
+def decode_attention_from_buffer(
+    q: Float[Array, "num_seqs num_heads head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"] | None = None,
+    *,
+    layer_idx: Int[Array, ""],
+    scale: float,
+    soft_cap: float | None = None,
+    pages_per_compute_block: int = 4,
+    num_splits: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Float[Array, "num_seqs num_heads head_dim"]:
+    """`decode_attention` of layer `layer_idx` (an int32 scalar, may be traced), reading the whole buffer.
+
+    kv_pages: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim] (axis 1: K, V). The
+    kernel gets the whole buffer (reshaped, not copied) and the layer's first page rows, so inside
+    the model's layer loop no layer's pool is sliced out and copied. `query_start_loc` is accepted
+    for the whole-buffer signature's sake and ignored: a decode step has one token per sequence.
+    Other arguments as `decode_attention`.
+    """
+    del query_start_loc
+    check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
+    return _decode_jit(
+        q, kv_pages, kv_pages, block_tables, seq_lens, layer_idx, whole_buffer=True, scale=scale,
+        soft_cap=soft_cap, pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", *_TUNING))
+def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: bool, scale, soft_cap,
+                pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
+    if whole_buffer:  # k is v is the model's buffer
+        k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
+        kv_shape = k.shape[2:]
+    else:
+        check_per_layer_pools(k, v)
+        k_rows, v_rows, bases = page_rows_of_pools(k, v)
+        kv_shape = k.shape
+    return _decode(
+        q, k_rows, v_rows, bases, block_tables, seq_lens, kv_shape=kv_shape, scale=scale, soft_cap=soft_cap,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
+
+
+def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale, soft_cap,
+            pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
+    check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads, num_pages = kv_shape[:2]
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but q has {num_seqs} sequences")
     if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
@@ -226,21 +305,25 @@ def decode_attention(
     )
 
     # GQA: the query heads of one KV head are rows of one matmul, padded to a power of two >= 16
-    # (Triton's smallest dot): [S, N, H] -> [S, K, G, H] -> [S, K, Gp, H].
+    # (Triton's smallest dot): [S, N, H] -> [S, K, G, H] -> [S, K, Gp, H]. Query head h = k * G + g
+    # lands in group k = h // G, the KV head it reads.
     group = num_heads // num_kv_heads
     num_rows = max(16, next_power_of_2(group))
     # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
-    q_grouped = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_grouped = q.astype(k_rows.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, num_rows - group), (0, 0)))
 
     out, m, l = _decode_pallas_call(
         q_grouped,
-        k_pages,
-        v_pages,
+        k_rows,
+        v_rows,
+        bases,
         block_tables,
         seq_lens.astype(jnp.int32),
         scale=scale,
         soft_cap=soft_cap,
+        num_pages=num_pages,
+        pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
         num_warps=num_warps,

@@ -28,6 +28,10 @@ Causality inside a block (token at position p sees keys 0..p):
     row 0 (p=5) x x x x | x x . .
     row 1 (p=6) x x x x | x x x .
     row 2 (p=7) x x x x | x x x x       the block visits pages up to the last row's position
+
+K/V are read as page rows (`_common.py`): the model's whole buffer, reshaped without a copy, plus
+the row where this layer's K and V pools start, so no layer's pool is ever sliced out. GQA: query
+head `h` reads KV head `h // (num_heads // num_kv_heads)`.
 """
 
 import functools
@@ -41,9 +45,13 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels._common import (
     MASK_VALUE,
     check_common,
+    check_lengths_if_concrete,
+    check_per_layer_pools,
     compiler_params,
     next_power_of_2,
     online_softmax_step,
+    page_rows_of_buffer,
+    page_rows_of_pools,
     resolve_interpret,
 )
 
@@ -56,19 +64,23 @@ def _ragged_kernel(
     block_token_start_ref,  # [Q] whole array: flat index of each block's first token
     query_start_loc_ref,  # [S + 1] whole array
     seq_lens_ref,  # [S] whole array
+    bases_ref,  # [2] whole array: first page row of this layer's K pool and of its V pool
     block_tables_ref,  # [S, padded_pages_per_seq] whole array
     q_ref,  # [None, T + B, Gp, H]: this KV head's queries (padded by B tokens), sliced by hand
-    k_pages_ref,  # [None, num_pages, page_size, H]: this KV head's whole pool (gathered from)
-    v_pages_ref,  # [None, num_pages, page_size, H]
+    k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
+    v_rows_ref,  # [num_rows, page_size, H]
     out_ref,  # [None, None, B, Gp, H]: this query block's output
     *,
     scale: float,
     soft_cap: float | None,
+    num_pages: int,
+    pages_per_seq: int,
     pages_per_compute_block: int,
 ):
+    head_idx = pl.program_id(0)
     block_idx = pl.program_id(1)
     block_q, group_rows, head_dim = out_ref.shape
-    page_size = k_pages_ref.shape[1]
+    page_size = k_rows_ref.shape[1]
     block_k = pages_per_compute_block * page_size
     num_rows = block_q * group_rows
 
@@ -81,7 +93,11 @@ def _ragged_kernel(
     first_pos = seq_len - (query_end - query_start) + (token_start - query_start)
     num_valid_tokens = jnp.clip(query_end - token_start, 0, block_q)
     num_keys = jnp.where(num_valid_tokens > 0, first_pos + num_valid_tokens, 0)  # causal limit of the last row, + 1
+    # Never past the block table's real width, whatever seq_len says: no table entry out of bounds.
+    num_keys = jnp.minimum(num_keys, pages_per_seq * page_size)
     num_blocks = pl.cdiv(num_keys, block_k)
+    k_head_base = bases_ref[0] + head_idx * num_pages  # page row of (this layer's K, this head, page 0)
+    v_head_base = bases_ref[1] + head_idx * num_pages
 
     q = q_ref[pl.ds(token_start, block_q)].reshape(num_rows, head_dim)  # [B, Gp, H] -> [B*Gp, H]
     row_pos = first_pos + lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) // group_rows  # [B*Gp, 1]
@@ -91,9 +107,9 @@ def _ragged_kernel(
         page_ids = block_tables_ref[seq_idx, pl.ds(page_idx, pages_per_compute_block)]  # [P]
         # Entries past the length are masked but still gathered: keep them inside the pool (as XLA's
         # clamping gather does) so a stale table entry can never fault.
-        page_ids = jnp.clip(page_ids, 0, k_pages_ref.shape[0] - 1)
-        k = k_pages_ref[page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
-        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        page_ids = jnp.clip(page_ids, 0, num_pages - 1)
+        k = k_rows_ref[k_head_base + page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
+        v = v_rows_ref[v_head_base + page_ids].reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         in_sequence = key_pos < seq_len  # [1, block_k]
         visible = (key_pos <= row_pos) & in_sequence  # [B*Gp, block_k]
@@ -118,22 +134,25 @@ def _ragged_pallas_call(
     seq_lens: Int[Array, "num_seqs"],
     block_tables: Int[Array, "num_seqs padded_pages"],
     q: Float[Array, "num_kv_heads padded_tokens rows head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    k_rows: Float[Array, "num_rows page_size head_dim"],
+    v_rows: Float[Array, "num_rows page_size head_dim"],
+    bases: Int[Array, "2"],
     *,
     block_q: int,
     scale: float,
     soft_cap: float | None,
+    num_pages: int,
+    pages_per_seq: int,
     pages_per_compute_block: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ) -> Float[Array, "num_kv_heads num_q_blocks block_q rows head_dim"]:
     num_kv_heads, padded_tokens, group_rows, head_dim = q.shape
-    _, num_pages, page_size, _ = k_pages.shape
     num_q_blocks = block_seq_idx.shape[0]
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, soft_cap=soft_cap, pages_per_compute_block=pages_per_compute_block
+        _ragged_kernel, scale=scale, soft_cap=soft_cap, num_pages=num_pages, pages_per_seq=pages_per_seq,
+        pages_per_compute_block=pages_per_compute_block,
     )
 
     def whole(x):
@@ -147,31 +166,23 @@ def _ragged_pallas_call(
             whole(block_token_start),
             whole(query_start_loc),
             whole(seq_lens),
+            whole(bases),
             whole(block_tables),
             pl.BlockSpec((None, padded_tokens, group_rows, head_dim), lambda h, i: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, i: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, i: (h, 0, 0, 0)),
+            whole(k_rows),
+            whole(v_rows),
         ],
         out_specs=pl.BlockSpec((None, None, block_q, group_rows, head_dim), lambda h, i: (h, i, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_q_blocks, block_q, group_rows, head_dim), q.dtype),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, block_tables, q, k_pages, v_pages)
+    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, bases, block_tables, q, k_rows, v_rows)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "soft_cap",
-        "block_q",
-        "pages_per_compute_block",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
-)
+_TUNING = ("block_q", "pages_per_compute_block", "num_warps", "num_stages", "interpret")
+
+
 def ragged_paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
     k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
@@ -193,12 +204,14 @@ def ragged_paged_attention(
     Args:
       q: [num_tokens, num_heads, head_dim], float32 or bfloat16: the chunks of all sequences, in
         batch order; tokens at or past `query_start_loc[-1]` are padding. Cast to the pages' dtype
-        for the matmuls.
+        for the matmuls. Query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool,
         already holding this step's K/V.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never used.
-      seq_lens: int32 [num_seqs]: context length after this step (cached + new); 0 for padding rows.
+      seq_lens: int32 [num_seqs]: context length after this step (cached + new), at most
+        `pages_per_seq * page_size` (a ValueError for numpy lengths; otherwise the kernel never reads past
+        the table); 0 for padding rows.
       query_start_loc: int32 [num_seqs + 1]: sequence s owns tokens
         `query_start_loc[s]:query_start_loc[s+1]` (>= 1 token each, except padding rows, which
         repeat the total). Token t of s sits at position `seq_lens[s] - q_len + (t - query_start_loc[s])`.
@@ -211,10 +224,63 @@ def ragged_paged_attention(
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; zeros for padding tokens.
+
+    The engine calls `ragged_paged_attention_from_buffer`, which reads the model's whole buffer.
     """
-    check_common(q, k_pages, v_pages, block_tables, seq_lens, scale, soft_cap)
+    check_per_layer_pools(k_pages, v_pages)
+    check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
+    return _ragged_jit(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, whole_buffer=False, scale=scale,
+        soft_cap=soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+def ragged_paged_attention_from_buffer(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    layer_idx: Int[Array, ""],
+    scale: float,
+    soft_cap: float | None = None,
+    block_q: int = 16,
+    pages_per_compute_block: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """`ragged_paged_attention` of layer `layer_idx` (an int32 scalar, may be traced), reading the whole buffer.
+
+    kv_pages: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim] (axis 1: K, V). The
+    kernel gets the whole buffer (reshaped, not copied) and the layer's first page rows, so inside
+    the model's layer loop no layer's pool is sliced out and copied. Other arguments as
+    `ragged_paged_attention`.
+    """
+    check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
+    return _ragged_jit(
+        q, kv_pages, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, whole_buffer=True,
+        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", *_TUNING))
+def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, whole_buffer: bool, scale,
+                soft_cap, block_q, pages_per_compute_block, num_warps, num_stages, interpret):
+    if whole_buffer:  # k is v is the model's buffer
+        k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
+        kv_shape = k.shape[2:]
+    else:
+        check_per_layer_pools(k, v)
+        k_rows, v_rows, bases = page_rows_of_pools(k, v)
+        kv_shape = k.shape
+    check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap)
+    num_pages = kv_shape[1]
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = kv_shape[0]
     num_seqs, pages_per_seq = block_tables.shape
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(
@@ -239,12 +305,13 @@ def ragged_paged_attention(
     # Empty blocks (past their sequence's chunk) start at the chunk's end, so every q slice is in bounds.
     block_token_start = jnp.minimum(block_token_start, query_start_loc[block_seq_idx + 1])
 
-    # GQA rows: [T, N, H] -> [T, K, G, H] -> [K, T, G, H], padded to [K, T + B, Gp, H] so the slice
+    # GQA rows: [T, N, H] -> [T, K, G, H] -> [K, T, G, H] (query head h = k * G + g reads KV head
+    # k = h // G), padded to [K, T + B, Gp, H] so the slice
     # of block_q tokens starting at any token_start < T stays in bounds.
     group = num_heads // num_kv_heads
     group_rows = next_power_of_2(group)
     # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
-    q_grouped = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_grouped = q.astype(k_rows.dtype).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_q), (0, group_rows - group), (0, 0)))
 
     out_blocks = _ragged_pallas_call(
@@ -254,11 +321,14 @@ def ragged_paged_attention(
         seq_lens,
         block_tables,
         q_grouped,
-        k_pages,
-        v_pages,
+        k_rows,
+        v_rows,
+        bases,
         block_q=block_q,
         scale=scale,
         soft_cap=soft_cap,
+        num_pages=num_pages,
+        pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -6,6 +6,20 @@ import types
 import numpy as np
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA GPU: skipped wherever JAX's backend is not one."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's backend here is {jax.default_backend()!r}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
 # Tiny configs, one per supported variant. Every one has GQA (4 query heads per 2 KV heads) and
 # 2 layers, so the layer scan really loops.
 _COMMON = dict(

@@ -107,7 +107,9 @@ def _run(runner, pages, pairs, copies=()):
 def test_no_recompilation_after_warmup(tiny_params):
     runner = _runner(tiny_params)
     runner.warmup()
-    assert (runner.num_compiles, runner.num_copy_compiles) == (len(runner.buckets), 1)
+    # One program per token bucket (8, 16, 32) and per decode bucket (1, 2, 4 sequences).
+    assert runner.decode_buckets == (1, 2, 4)
+    assert (runner.num_compiles, runner.num_copy_compiles) == (len(runner.buckets) + 3, 1)
     compiled = runner.num_compiles
 
     pages, rng = _Pages(), np.random.default_rng(0)
@@ -134,10 +136,7 @@ def test_kv_buffer_is_donated_and_never_duplicated(tiny_params):
     assert buffer_bytes == 2 * 2 * 2 * 4096 * 16 * 16 * 4  # layers, K/V, kv heads, pages, slots, head_dim, f32
 
     step = runner.dummy_step_input(16)
-    packed, layout = pack_step_input(step)
-    memory = runner._step.lower(
-        runner.params, runner.kv_pages, packed, runner._no_prev_tokens, layout=layout
-    ).compile().memory_analysis()
+    memory = runner.trace_step(step).lower().compile().memory_analysis()
     assert memory.alias_size_in_bytes == buffer_bytes  # the output buffer is the input buffer
     assert memory.temp_size_in_bytes < buffer_bytes / 10
 

@@ -106,6 +106,7 @@ class Attention(nn.Module):
     rms_norm_eps: float
     dtype: jnp.dtype
     attention_fn: AttentionFn
+    decode_only: bool = False  # static: every sequence of the step has exactly one token
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
@@ -124,10 +125,12 @@ class Attention(nn.Module):
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
 
         kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
+        # A backend with a decode kernel is told, statically, that the step is decode-only.
+        extra = {"decode_only": True} if self.decode_only and getattr(self.attention_fn, "has_decode_kernel", False) else {}
         if getattr(self.attention_fn, "reads_whole_kv_buffer", False):
             # The backend indexes this layer's pages itself: no per-layer copy of the pool.
             out = self.attention_fn(
-                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5,
+                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5, **extra,
             )
         else:  # the DESIGN.md contract: this layer's K and V pools
             out = self.attention_fn(
@@ -157,6 +160,7 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     attention_fn: AttentionFn
+    decode_only: bool = False
 
     @nn.compact
     def __call__(self, carry, layer_idx, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc):
@@ -164,7 +168,7 @@ class DecoderLayer(nn.Module):
         x, kv_pages = carry
         attn = Attention(
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
-            c.rms_norm_eps, dtype, self.attention_fn, name="attn",
+            c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, name="attn",
         )
         h, kv_pages = attn(
             RMSNorm(c.rms_norm_eps, dtype, name="input_norm")(x), cos, sin, kv_pages, layer_idx,
@@ -178,6 +182,9 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     config: ModelConfig
     attention_fn: AttentionFn = reference_paged_attention
+    # Static: the step is decode-only (one token per sequence, num_tokens == num_seqs), so a backend
+    # with `has_decode_kernel` runs its decode kernel. Same parameters as the default model.
+    decode_only: bool = False
 
     @nn.compact
     def __call__(
@@ -206,7 +213,7 @@ class CausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0,) + (nn.broadcast,) * 6,  # layer_idx is scanned, the step's arrays shared
             length=c.num_layers,
-        )(c, self.attention_fn, name="layers")
+        )(c, self.attention_fn, self.decode_only, name="layers")
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, kv_pages), _ = layers(
             (x, kv_pages), layer_ids, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc
