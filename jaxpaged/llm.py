@@ -37,6 +37,10 @@ def _attention_fn(backend: str):
         from jaxpaged.attention import chunked_paged_attention_from_buffer
 
         return chunked_paged_attention_from_buffer
+    if backend == "mosaic":  # Hopper wgmma/TMA kernels, whole-buffer form; GPU interpret mode elsewhere
+        from pallas_kernels.mosaic import ragged_paged_attention
+
+        return ragged_paged_attention
     import pallas_kernels
 
     return pallas_kernels.paged_attention  # interpret=None: compiled on a GPU, interpreted elsewhere

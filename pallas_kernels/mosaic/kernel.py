@@ -255,6 +255,14 @@ def _attention_kernel(
                 rows = pl.ds(j * shape.page_size, shape.page_size)
                 plgpu.copy_gmem_to_smem(kv_ref.at[v_base + page_id], v_smem.at[slot, rows], v_ready.at[slot])
 
+        # Observe the consumer's release of the last D steps too: every phase of a barrier is waited
+        # on before the block exits (GPU interpret mode checks this when it frees the barriers).
+        @pl.loop(jnp.maximum(num_my_steps - D, 0), num_my_steps)
+        def _drain(local_step):
+            slot = lax.rem(local_step, D)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
 
 def attention_tiles(
     layer_idx,  # int32 [1]
