@@ -2,18 +2,19 @@
 
 K1: one query token per sequence over a paged bf16 cache, head_dim 128, GQA 32/8 and 16/8, page
     size 16 and 32. Peers: our `decode_attention`, our `paged_attention` (ragged kernel with q_len 1),
-    JAX's bundled `jax.experimental.pallas.ops.gpu.paged_attention` (where it exists) and dense
+    the Mosaic GPU (Hopper) `pallas_kernels.mosaic` decode and ragged kernels, JAX's bundled `jax.experimental.pallas.ops.gpu.paged_attention` (where it exists) and dense
     `jax.nn.dot_product_attention` over contiguous K/V. Reported as achieved bandwidth over the bytes
     that must move (context x K and V x kv heads x head_dim x 2 bytes) and its fraction of the
     measured copy bandwidth.
-K2: mixed batches of query chunks (1..2048 tokens) over cached prefixes. Peers: our `paged_attention`
-    and dense causal attention (explicit mask, contiguous K/V, padded batch). Reported as TFLOP/s of
+K2: mixed batches of query chunks (1..2048 tokens) over cached prefixes. Peers: our `paged_attention`,
+    the Mosaic GPU `ragged_paged_attention` and dense causal attention (explicit mask, contiguous K/V, padded batch). Reported as TFLOP/s of
     useful attention work (4 x heads x head_dim per visible query-key pair) and its fraction of the
     measured bf16 matmul rate.
 
 Needs a GPU: on anything else it exits with code 2. `--dry-run` runs every code path (workload
 construction, each peer in Pallas interpret mode, the limits, the table and the JSON) on tiny shapes,
-so the script is exercised on CPU; its figures mean nothing.
+so the script is exercised on CPU; its figures mean nothing. The Mosaic GPU peers are timed only on
+a GPU (interpreting them takes seconds per CUDA block): a dry run lowers them for CUDA instead.
 
     python benchmarks/bench_kernels.py                    # GPU: K1 and K2, JSON to benchmarks/results/
     python benchmarks/bench_kernels.py --workloads K1 --repeats 50
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import decode_attention, paged_attention
+from pallas_kernels import mosaic
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged_attention_module
@@ -175,6 +177,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, pages: int, block: int, dry_
     return max(1, min(wanted, pages // block))
 
 
+def mosaic_peers(peers: dict, dry_run: bool) -> dict:
+    """The Mosaic GPU peers {name: (fn, args)} to time; on a dry run, lowered for CUDA and dropped."""
+    if not dry_run:
+        return peers
+    for name, (fn, fn_args) in peers.items():
+        text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f"{name} did not lower to a Mosaic GPU kernel"
+        print(f"{name}: lowered for CUDA (dry run: Mosaic GPU peers are timed on a GPU only)")
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------
 # K1: decode
 
@@ -227,6 +240,25 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
     rows = []
     results = {name: (fn, (q, k_pages, v_pages, block_tables, seq_lens)) for name, fn in peers.items()}
     results["dense jax.nn.dot_product_attention"] = (dense, (q, k_dense, v_dense, seq_lens))
+    kv_pages = jnp.stack([k_pages, v_pages])[None]  # the whole-buffer form, one layer
+    mosaic_splits = max(1, min(splits, -(-context // 64)))  # never more splits than 64-key steps
+    results |= mosaic_peers(
+        {
+            "mosaic decode_attention": (
+                lambda q, kv, bt, sl: mosaic.decode_attention(
+                    q, kv, bt, sl, layer_idx=0, scale=softmax_scale, num_splits=mosaic_splits, interpret=False
+                ),
+                (q, kv_pages, block_tables, seq_lens),
+            ),
+            "mosaic ragged_paged_attention": (
+                lambda q, kv, bt, sl: mosaic.ragged_paged_attention(
+                    q, kv, bt, sl, query_start_loc, layer_idx=0, scale=softmax_scale, interpret=False
+                ),
+                (q, kv_pages, block_tables, seq_lens),
+            ),
+        },
+        args.dry_run,
+    )
     for name, (fn, fn_args) in results.items():
         fn = jax.jit(fn)
         seconds = time_call(fn, *fn_args, repeats=args.repeats)
@@ -282,6 +314,15 @@ def k2_config(args, limits, name, batch, page_size, num_heads, num_kv_heads, hea
         lambda q, kp, vp, bt, sl, qsl: paged_attention(q, kp, vp, bt, sl, qsl, scale=softmax_scale, block_q=args.block_q, interpret=args.dry_run)
     )
     peers = [("ours paged_attention (ragged)", ours, (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc))]
+    mosaic_ragged = lambda q, kv, bt, sl, qsl: mosaic.ragged_paged_attention(  # noqa: E731
+        q, kv, bt, sl, qsl, layer_idx=0, scale=softmax_scale, interpret=False
+    )
+    kv_pages = jnp.stack([k_pages, v_pages])[None]  # the whole-buffer form, one layer
+    for impl, (fn, fn_args) in mosaic_peers(
+        {"mosaic ragged_paged_attention": (mosaic_ragged, (q, kv_pages, block_tables, seq_lens, query_start_loc))},
+        args.dry_run,
+    ).items():
+        peers.append((impl, jax.jit(fn), fn_args))
     useful_flops = sum(4 * num_heads * head_dim * (c + i + 1) for c, n in batch for i in range(n))
 
     # Dense peer: queries padded to [S, max_q, N, H]; query i of sequence s sits at cached[s] + i.

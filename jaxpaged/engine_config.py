@@ -7,7 +7,7 @@ token budget are kept moderate there).
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
-    attention_backend: str = "auto"  # "auto": Pallas on GPU, the chunked jnp attention on CPU
+    attention_backend: str = "auto"  # "auto": Pallas (Triton) on GPU, chunked jnp on CPU; "mosaic": Hopper kernels
     seed: int = 0  # draws the seeds of requests that give none
     warmup: bool = True  # precompile every bucket at start-up
     # Plan and prepare step n+1 while the device runs step n (tokens reach the host one step late).
@@ -48,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+        if self.attention_backend == "mosaic" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"attention_backend='mosaic' runs wgmma on bfloat16 pages, got dtype={self.dtype!r}; "
+                "pass dtype='bfloat16'")
 
     def resolved(self, *, on_gpu: bool, model_max_len: int) -> "EngineConfig":
         """The same config with every None default filled in for this platform and model."""

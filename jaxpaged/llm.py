@@ -37,6 +37,10 @@ def _attention_fn(backend: str):
         from jaxpaged.attention import chunked_paged_attention_from_buffer
 
         return chunked_paged_attention_from_buffer
+    if backend == "mosaic":  # Hopper wgmma/TMA kernels, whole-buffer form; GPU interpret mode elsewhere
+        from pallas_kernels.mosaic import ragged_paged_attention
+
+        return ragged_paged_attention
     import pallas_kernels
 
     # The whole-buffer kernels (no per-layer pool copies), the decode kernel in decode-only steps;
