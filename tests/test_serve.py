@@ -103,7 +103,8 @@ def test_models_and_health(served, client):
 
 
 def test_chat_greedy_matches_llm_generate_streaming_and_not(served, client):
-    for question, want in zip(QUESTIONS, served["expected"]["greedy"]):
+    # Two of the four questions (the load test below checks all four, streaming).
+    for question, want in list(zip(QUESTIONS, served["expected"]["greedy"]))[:2]:
         messages = [{"role": "user", "content": question}]
         resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
         choice = resp.choices[0]

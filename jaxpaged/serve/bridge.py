@@ -70,7 +70,10 @@ class RequestStream:
         self.finished = False
 
     def push(self, item) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed (server shutting down): nobody listens
+            pass
 
     async def accepted(self) -> None:
         """Returns once the engine admitted the request; raises its ValueError if it refused it."""
