@@ -242,7 +242,7 @@ HOSTILE = [
     ("wrong auth", "/v1/completions", {"Authorization": "Bearer nope"}, {"model": MODEL, "prompt": "a"}, 401, None),
     ("oversized body", "/v1/completions", AUTH, {"model": MODEL, "prompt": "x" * 100_000}, 413, None),
     ("prompt past max_model_len", "/v1/completions", AUTH, {"model": MODEL, "prompt": list(range(100, 700))}, 400,
-     None),
+     "prompt"),
     ("token id outside vocab", "/v1/completions", AUTH, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
 ]
 

@@ -136,10 +136,11 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
             raise APIError(404, f"model {model!r} is not served here; use {served_model_name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    def sampling_params(body, num_prompt_tokens: int, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+    def sampling_params(body, num_prompt_tokens: int, max_tokens: int | None, logprobs: bool,
+                        prompt_param: str) -> SamplingParams:
         if num_prompt_tokens + 1 > max_model_len:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
-                                "leaves no room for an output token; shorten the prompt", param="messages")
+                                "leaves no room for an output token; shorten the prompt", param=prompt_param)
         room = max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
@@ -168,6 +169,9 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
             await stream.accepted()
         except ValueError as err:  # the engine refused the prompt (bad token ids, can never fit)
             raise APIError(400, str(err), param="prompt") from None
+        except BaseException:  # cancelled while waiting (client gone): do not leave the request running
+            stream.close()
+            raise
         return stream
 
     async def collect(stream: RequestStream, request: Request):
@@ -231,7 +235,8 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
                                 "use logprobs=0 or 1", param="logprobs")
         if body.echo:
             raise APIError(400, "echo is not supported; drop it", param="echo")
-        params = sampling_params(body, len(token_ids), body.max_tokens, logprobs=body.logprobs is not None)
+        params = sampling_params(body, len(token_ids), body.max_tokens, logprobs=body.logprobs is not None,
+                                 prompt_param="prompt")
         stream = await start(token_ids, params, body.cache_salt)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -295,7 +300,7 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
             raise APIError(400, f"top_logprobs={body.top_logprobs}: only the chosen token's log-probability is "
                                 "available; use top_logprobs=0 or 1", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = sampling_params(body, len(token_ids), max_tokens, logprobs=body.logprobs)
+        params = sampling_params(body, len(token_ids), max_tokens, logprobs=body.logprobs, prompt_param="messages")
         stream = await start(token_ids, params, body.cache_salt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
