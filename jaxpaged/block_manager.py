@@ -57,6 +57,7 @@ class BlockManager:
         self.num_prefix_hit_tokens = 0  # of those, tokens whose K/V were found
         self.num_evictions = 0  # registered pages dropped from the cache to be reused
         self.num_cow_copies = 0  # copy-on-write page copies requested from the device
+        self.num_page_allocations = 0  # fresh pages handed out (a counter: its rate is the allocation rate)
 
     # ------------------------------------------------------------------ hashing
 
@@ -110,6 +111,7 @@ class BlockManager:
             self.page_key[page_id] = None
             self.num_evictions += 1
         self.ref_counts[page_id] = 1
+        self.num_page_allocations += 1
         return page_id
 
     def _release(self, page_id: int) -> None:
@@ -289,4 +291,26 @@ class BlockManager:
             "prefix_hit_rate": self.num_prefix_hit_tokens / max(1, self.num_prefix_query_tokens),
             "num_evictions": self.num_evictions,
             "num_cow_copies": self.num_cow_copies,
+            "num_page_allocations": self.num_page_allocations,
         }
+
+    def ref_count_histogram(self) -> dict[int, int]:
+        """{ref count: number of pages in use with it}. O(num_pages): for metrics, not the step loop."""
+        return dict(collections.Counter(r for r in self.ref_counts if r > 0))
+
+    def num_live_slots(self, seqs: list[Sequence]) -> int:
+        """Slots of used pages that hold a token of one of `seqs` (the sequences holding pages).
+
+        A page shared by several sequences counts once, as full as its fullest holder. With
+        `num_used_pages * page_size` slots allocated, the rest is fragmentation: the unfilled tail of
+        each sequence's last page (what paging leaves of the dense cache's waste).
+        """
+        fill: dict[int, int] = {}
+        ps = self.page_size
+        for seq in seqs:
+            num_tokens = len(seq.token_ids)
+            for page_idx, page_id in enumerate(seq.block_table):
+                filled = min(ps, max(0, num_tokens - page_idx * ps))
+                if filled > fill.get(page_id, 0):
+                    fill[page_id] = filled
+        return sum(fill.values())

@@ -41,6 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", action="store_true", help="report the chosen tokens' log-probabilities")
 
+    add_engine_args(p)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
+    o.add_argument("--verbose", action="store_true", help="log each step's scheduling decisions")
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, shared with `python -m jaxpaged.serve`; `engine_args(args)` reads them back."""
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--num-pages", type=int, default=None)
@@ -51,13 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
+    e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas", "mosaic"], default="auto")
 
-    o = p.add_argument_group("output")
-    o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
-    o.add_argument("--verbose", action="store_true", help="log each step's scheduling decisions")
-    return p
+
+def engine_args(args) -> dict:
+    """`LLM(args.model, **engine_args(args))`: the keyword arguments the engine flags stand for."""
+    return dict(
+        page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
+        attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
+    )
 
 
 def read_prompts(args) -> list[str]:
@@ -94,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             n=args.n, logprobs=args.logprobs,
         )
         t_load = time.perf_counter()
-        llm = LLM(
-            args.model, page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
-            attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
-        )
+        llm = LLM(args.model, **engine_args(args))
         load_s = time.perf_counter() - t_load
         prompts = read_prompts(args)
         use_chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None

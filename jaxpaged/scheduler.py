@@ -390,4 +390,6 @@ class Scheduler:
             "num_running": len(self.running),
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
+            # Slots of used pages holding a token: 1 - this / (used pages * page_size) is fragmentation.
+            "num_live_slots": self.block_manager.num_live_slots(self.running),
         }

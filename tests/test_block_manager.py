@@ -263,3 +263,32 @@ def test_reset_prefix_cache_while_pages_are_in_use():
     # a still holds its pages; they cache nothing now, so freeing sends them all to the front.
     bm.free(a)
     assert free_list(bm) == [1, 2, 3, 7, 8, 9, 10] and bm.num_evictions == 0
+
+
+def test_metrics_counters_allocations_ref_counts_and_live_slots():
+    # The numbers /metrics reports: fresh-page allocations, the ref-count histogram of used pages,
+    # and the slots that hold a token (the rest of the used pages' slots are fragmentation).
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE)
+    a = admit(bm, PREFIX + [100, 101])  # 10 tokens: pages [1, 2, 3], page 3 holds 2 of 4 slots
+    compute(bm, a)
+    assert bm.stats()["num_page_allocations"] == 3
+    assert bm.ref_count_histogram() == {1: 3}
+    assert bm.num_live_slots([a]) == 10  # 12 slots allocated, 2 empty
+
+    b = admit(bm, PREFIX + [200])  # hits pages 1 and 2, one fresh page (4) for token 200
+    assert b.block_table == [1, 2, 4]
+    assert bm.stats()["num_page_allocations"] == 4  # a hit is not an allocation
+    assert bm.ref_count_histogram() == {2: 2, 1: 2}
+    # Shared pages count once: 8 prefix slots + 2 on page 3 + 1 on page 4 = 11 of 16 allocated.
+    assert bm.num_live_slots([a, b]) == 11
+
+    compute(bm, b)
+    b.append_token(201)
+    child = bm.fork(b)  # shares pages [1, 2, 4]: ref counts 3, 3, 1, 2
+    assert bm.ref_count_histogram() == {3: 2, 1: 1, 2: 1}
+    assert bm.append_slot(child) == (4, 5)  # copy-on-write of the partial page is an allocation too
+    assert bm.stats()["num_page_allocations"] == 5
+
+    for seq in (a, b, child):
+        bm.free(seq)
+    assert bm.ref_count_histogram() == {} and bm.num_live_slots([]) == 0

@@ -1,0 +1,85 @@
+"""The engine bridge's admission control, over a stand-in engine that never finishes (no model).
+
+Capacity is max_num_seqs + max_waiting_requests = 1 + 1: the third request in flight gets HTTP 503 with
+an OpenAI error body, and an abort gives its slot back once the engine thread has processed it.
+"""
+
+import asyncio
+import time
+import types
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.serve.bridge import EngineBridge, ServerOverloaded
+from jaxpaged.serve.metrics import ServerMetrics
+from jaxpaged.serve.routes import build_app
+
+
+class NeverFinishingEngine:
+    """The public engine API the bridge uses; requests stay in flight until aborted."""
+
+    def __init__(self):
+        self.config = types.SimpleNamespace(max_num_seqs=1, max_model_len=64)
+        self.tokenizer = None
+        self.requests: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_token_ids, params, *, prompt=None, request_id=None, cache_salt=None):
+        if max(prompt_token_ids) >= 100:
+            raise ValueError("token id outside the vocabulary [0, 100)")
+        self.requests[request_id] = prompt_token_ids
+        return request_id
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.01)
+        return []
+
+
+def _wait(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_full_queue_answers_503_and_an_abort_frees_a_slot():
+    engine = NeverFinishingEngine()
+    bridge = EngineBridge(engine, max_waiting_requests=1)
+    app = build_app(bridge, ServerMetrics(page_size=16, bytes_per_page=1), served_model_name="m")
+    bridge.start()
+    try:
+        async def fill():
+            streams = [bridge.submit([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(2)]
+            for stream in streams:
+                await stream.accepted()
+            with pytest.raises(ServerOverloaded, match="retry later"):
+                bridge.submit([1], SamplingParams())
+            return streams
+
+        streams = asyncio.run(fill())
+        assert bridge.num_in_flight == 2 and len(engine.requests) == 2
+
+        with TestClient(app) as http:
+            resp = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert resp.status_code == 503
+            assert resp.json()["error"]["type"] == "server_overloaded"
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+            # A client that goes away frees its slot; a prompt the engine refuses gets 400 and holds none.
+            streams[0].close()  # the client of request 0 went away
+            _wait(lambda: bridge.num_in_flight == 1)
+            assert engine.aborted == [streams[0].request_id]
+            resp = http.post("/v1/completions", json={"prompt": [1, 500], "max_tokens": 2})
+            assert resp.status_code == 400 and "vocabulary" in resp.json()["error"]["message"]
+            assert bridge.num_in_flight == 1  # the refused request gave its slot back
+    finally:
+        bridge.shutdown()
