@@ -126,11 +126,13 @@ class Attention(nn.Module):
 
         kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
         # A backend with a decode kernel is told, statically, that the step is decode-only.
-        extra = {"decode_only": True} if self.decode_only and getattr(self.attention_fn, "has_decode_kernel", False) else {}
+        has_decode_kernel = getattr(self.attention_fn, "has_decode_kernel", False)
+        extra = {"decode_only": True} if self.decode_only and has_decode_kernel else {}
         if getattr(self.attention_fn, "reads_whole_kv_buffer", False):
             # The backend indexes this layer's pages itself: no per-layer copy of the pool.
             out = self.attention_fn(
-                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5, **extra,
+                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5,
+                **extra,
             )
         else:  # the DESIGN.md contract: this layer's K and V pools
             out = self.attention_fn(
