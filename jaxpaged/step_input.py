@@ -181,7 +181,7 @@ def prepare_step_input(
     block_tables = np.zeros((bucket_seqs, pages_per_seq), np.int32)
     if block_table_rows is not None:  # the engine's persistent copy: only new entries are copied
         rows = block_table_rows.rows(seqs, page_size, resync_write_page=bool(scheduler_output.copies))
-        np.take(block_table_rows.table, rows, axis=0, out=block_tables[:num_seqs])
+        np.take(block_table_rows.table, rows, axis=0, out=block_tables[:num_seqs], mode="clip")  # rows are valid
     else:
         flat_pages = np.fromiter(
             itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, int(table_lens.sum())
