@@ -72,7 +72,8 @@ def seed_for(seed: int, sample_idx: int) -> int:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. `jaxpaged.LLM` wraps it for users."""
 
-    def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn):
+    def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn,
+                 mesh=None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -94,6 +95,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             attention_fn=attention_fn,
+            mesh=mesh,  # tensor parallelism: jaxpaged/sharding.py
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, sample index)
@@ -347,7 +349,7 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup()
         for num_rows in sorted({min(b, self.config.max_num_seqs) for b in self.runner.buckets}):
-            logits = jax.numpy.zeros((num_rows, self.model_config.vocab_size), jax.numpy.float32)
+            logits = self.runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
             rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
             jax.block_until_ready(sample(logits, make_sampling_arrays(rows, num_rows)))
 
