@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
 
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
         )
         load_s = time.perf_counter() - t_load
         prompts = read_prompts(args)

@@ -20,6 +20,7 @@ from jaxpaged.model_runner import kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sharding import make_mesh
 
 _CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 
@@ -69,12 +70,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         config = EngineConfig(**engine_args)
+        # Before loading: too few devices is an error the user should see at once.
+        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         dtype = config.dtype or ("bfloat16" if _on_gpu() else "float32")
         model_config, params, tokenizer = load_model(model, dtype=dtype)
         config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
         self.engine = LLMEngine(
             model_config, params, tokenizer, config,
             num_pages=_num_pages(config, model_config), attention_fn=_attention_fn(config.attention_backend),
+            mesh=mesh,
         )
 
     @property

@@ -1,10 +1,15 @@
 """Shared fixtures: tiny random Hugging Face models (the float32 torch oracle) and stand-in
 scheduler outputs for the device side."""
 
+import os
 import types
 
 import numpy as np
 import pytest
+
+# tests/multidevice/ needs 8 forced host devices, fixed when jax is first imported: it runs in its
+# own process (tests/test_tensor_parallel.py starts it with JAXPAGED_MULTIDEVICE=1), never in this one.
+collect_ignore = [] if os.environ.get("JAXPAGED_MULTIDEVICE") else ["multidevice"]
 
 # Tiny configs, one per supported variant. Every one has GQA (4 query heads per 2 KV heads) and
 # 2 layers, so the layer scan really loops.
