@@ -14,52 +14,26 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import tp_fixtures
 from jaxpaged.attention import chunked_paged_attention_from_buffer, reference_paged_attention
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model_runner import ModelRunner
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import init_params
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sharding import kv_head_replicas, logical_to_spec, make_mesh, per_device_bytes
-
-# q/k/v biases so that bias sharding (and bias replication with the KV heads) is exercised.
-TINY = ModelConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
-    head_dim=16, max_position_embeddings=256, attention_bias=True,
-)
-NUM_PAGES, PAGE_SIZE = 48, 8
-# One bucket (16 tokens) keeps each engine to one step compilation.
-ENGINE = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+from tp_fixtures import NUM_PAGES, PAGE_SIZE, TINY, make_engine, run_greedy, tiny_params
 
 
 def test_eight_devices_are_visible():
     assert jax.device_count() == 8, "run this module through tests/test_tensor_parallel.py (it sets XLA_FLAGS)"
 
 
-class _SilentTokenizer:
-    eos_token_id = None
-
-    class _Detokenizer:
-        def __getattr__(self, name):
-            return lambda *args, **kwargs: ""
-
-    def detokenizer(self, *args, **kwargs):
-        return self._Detokenizer()
-
-    incremental_detokenizer = detokenizer
-
-
 @pytest.fixture(scope="module")
 def params():
-    return jax.tree.map(np.asarray, init_params(TINY, jax.random.key(0)))  # host arrays, as a loader gives
+    return tiny_params()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    # Lengths around the page size and past the 16-token budget (chunked prefill).
-    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in (1, 7, 8, 9, 23, 40)]
+    return tp_fixtures.prompts()
 
 
 class CompileCounter:
@@ -82,18 +56,13 @@ _COUNTER = CompileCounter()
 
 def generate(params, prompts, *, tp, attention_fn=chunked_paged_attention_from_buffer):
     """Greedy tokens of every prompt; returns (tokens, engine, compile events after warm-up)."""
-    config = EngineConfig(**ENGINE).resolved(on_gpu=False, model_max_len=TINY.max_position_embeddings)
-    engine = LLMEngine(TINY, params, _SilentTokenizer(), config, num_pages=NUM_PAGES, attention_fn=attention_fn,
-                       mesh=make_mesh(tp) if tp > 1 else None)
     _COUNTER.start()
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    engine = make_engine(params, mesh=make_mesh(tp) if tp > 1 else None, attention_fn=attention_fn)
+    assert _COUNTER.events, "warm-up compiled nothing that the counter saw: the counter is blind"
+    _COUNTER.start()
+    tokens = run_greedy(engine, prompts)
     _COUNTER.active = False
-    return [done[i] for i in ids], engine, list(_COUNTER.events)
+    return tokens, engine, list(_COUNTER.events)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +78,7 @@ def test_greedy_tokens_equal_one_device(params, prompts, one_device, tp):
     tokens, engine, compiles = generate(params, prompts, tp=tp)
     assert tokens == want_tokens
     assert compiles == [], f"compiled after warm-up: {compiles}"
+    assert engine.runner.num_compiles == 1  # the one bucket, at warm-up
 
     # The KV buffer is split on its KV-head axis; each device holds 4/tp heads, or one copy of one
     # head at tp=8 (8 > 4 KV heads: every head held twice).
