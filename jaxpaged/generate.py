@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
 
+    m = p.add_argument_group("several hosts (one process per host, all started alike; see README)")
+    m.add_argument("--coordinator-address", default=None, help="host:port of process 0; turns on jax.distributed")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
@@ -85,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jaxpaged").setLevel(logging.WARNING)
 
     from jaxpaged import LLM, SamplingParams  # after argument parsing: importing jax takes a moment
+
+    if args.coordinator_address:  # every process runs this same program on the same prompts
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if jax.process_index() != 0:  # one copy of the output, from process 0
+            sys.stdout = open(os.devnull, "w")
 
     try:
         params = SamplingParams(
