@@ -85,6 +85,22 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
 
 
+def replica_meshes(data_parallel_size: int, tensor_parallel_size: int) -> list[Mesh | None]:
+    """One mesh per data-parallel replica over consecutive devices; `[None]` (no mesh) for 1 x 1."""
+    if data_parallel_size == tensor_parallel_size == 1:
+        return [None]
+    devices = jax.devices()
+    needed = data_parallel_size * tensor_parallel_size
+    if len(devices) < needed:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
+            f"{needed} devices but only {len(devices)} are visible; lower them, or on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before importing jax"
+        )
+    step = tensor_parallel_size
+    return [make_mesh(step, devices[r * step:(r + 1) * step]) for r in range(data_parallel_size)]
+
+
 def tp_size(mesh: Mesh) -> int:
     return mesh.shape[TP]
 

@@ -26,17 +26,18 @@ def _run_multidevice(marker: str, timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_mesh_suite_on_eight_host_devices():
-    """tp 2/4/8 greedy equality, real shardings, activation-only collectives, no compiles after warm-up."""
+    """tp 2/4/8 greedy equality, real shardings, activation-only collectives, no compiles after warm-up,
+    and data_parallel_size=2 equal to one replica."""
     proc = _run_multidevice("not slow", timeout=400)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_on_host_devices():
+def test_slow_mesh_tests_on_eight_host_devices():
     proc = _run_multidevice("slow", timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "1 passed" in proc.stdout
+    assert "3 passed" in proc.stdout  # SmolLM2 tp=3, W1 on 2 replicas of tp 1 and of tp 2
 
 
 def _config(num_heads, num_kv_heads):
@@ -70,4 +71,4 @@ def test_cli_tensor_parallel_size_beyond_devices_is_a_clear_error():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert "tensor_parallel_size=2 but only 1 devices are visible" in proc.stderr
+    assert "tensor_parallel_size=2 needs 2 devices but only 1 are visible" in proc.stderr

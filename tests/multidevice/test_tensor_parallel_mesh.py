@@ -172,3 +172,60 @@ def test_smollm2_tp3_greedy_equals_one_device():
     assert len(set(per_device_bytes(kv).values())) == 1 and sum(per_device_bytes(kv).values()) == kv.nbytes
     q_proj = llm.params["params"]["layers"]["attn"]["q_proj"]
     assert set(per_device_bytes(q_proj).values()) == {q_proj.nbytes // 3}
+
+
+# ---------------------------------------------------------------- data parallelism
+
+
+def _w1_requests(num_seqs=16, min_len=16, max_len=64):
+    """benchmarks/README.md's W1 on the CPU preset, with prompt ids in the tiny vocabulary."""
+    import random
+
+    random.seed(0)
+    prompts = [[random.randint(0, TINY.vocab_size - 1) for _ in range(random.randint(min_len, max_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, max_tokens=random.randint(min_len, max_len), ignore_eos=True, seed=i)
+              for i in range(num_seqs)]
+    return prompts, params
+
+
+def _serve(engine, prompts, params):
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize(
+    "tp, w1_size",
+    [(1, (8, 8, 24)),  # W1's shape, smaller: 8 sequences of 8-24 tokens
+     pytest.param(1, (16, 16, 64), marks=pytest.mark.slow),  # W1's CPU preset exactly
+     pytest.param(2, (16, 16, 64), marks=pytest.mark.slow)],  # two replicas of a tp=2 engine
+)
+def test_data_parallel_w1_equals_one_replica(params, tp, w1_size):
+    """Two replicas serve a W1 batch (temperature 0.6, seeded per request) with one replica's outputs."""
+    from jaxpaged.data_parallel import DataParallelEngine, build_engine
+    from jaxpaged.engine_config import EngineConfig
+
+    prompts, sampling = _w1_requests(*w1_size)
+    engine_args = dict(page_size=8, num_pages=160, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160)
+
+    def build(dp):
+        config = EngineConfig(**engine_args, data_parallel_size=dp, tensor_parallel_size=tp).resolved(
+            on_gpu=False, model_max_len=TINY.max_position_embeddings)
+        return build_engine(TINY, params, tp_fixtures.SilentTokenizer(), config, num_pages=160,
+                            attention_fn=chunked_paged_attention_from_buffer)
+
+    want = _serve(build(1), prompts, sampling)
+    engine = build(2)
+    assert isinstance(engine, DataParallelEngine)
+    replica_devices = [set(e.runner.kv_pages.sharding.device_set) for e in engine.engines]
+    assert replica_devices[0].isdisjoint(replica_devices[1]) and all(len(d) == tp for d in replica_devices)
+    got = _serve(engine, prompts, sampling)
+    assert got == want
+    per_replica = [s["num_generated_tokens"] for s in engine.stats()["replicas"]]
+    assert all(n > 0 for n in per_replica) and sum(per_replica) == sum(len(t) for t in want)
+    assert engine.stats()["num_used_pages"] == 0  # nothing leaked on either replica
