@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas"], default="auto")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
 
     m = p.add_argument_group("several hosts (one process per host, all started alike; see README)")
     m.add_argument("--coordinator-address", default=None, help="host:port of process 0; turns on jax.distributed")
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
             attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
         )
         load_s = time.perf_counter() - t_load
         prompts = read_prompts(args)

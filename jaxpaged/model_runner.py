@@ -57,6 +57,9 @@ class ModelRunner:
     The step is `(params, kv_pages, step_input) -> (logits, kv_pages)` with `kv_pages` donated:
     the buffer is updated in place and `self.kv_pages` always names the live one. Parameters are an
     argument (not a constant), so `update_params` swaps weights without recompiling.
+
+    `mesh`: a `jax.sharding.Mesh` with a `tp` axis (`jaxpaged.sharding.make_mesh`) splits the model
+    over its devices (tensor parallelism); None runs on the default device.
     """
 
     def __init__(

@@ -114,6 +114,18 @@ def test_greedy_tokens_equal_one_device(params, prompts, one_device, tp):
         split = spec != P(None)
         assert set(per_device_bytes(leaf).values()) == {leaf.nbytes // tp if split else leaf.nbytes}, path
 
+    # No device holds the whole model: each holds 1/tp of every split leaf plus the small replicated ones.
+    leaves = jax.tree.leaves(runner.params)
+    held = {d.id: 0 for d in jax.devices()[:tp]}
+    for leaf in leaves:
+        for device_id, num_bytes in per_device_bytes(leaf).items():
+            held[device_id] += num_bytes
+    replicated = sum(leaf.nbytes for leaf in leaves if leaf.sharding.is_fully_replicated)
+    split = sum(leaf.nbytes for leaf in leaves if not leaf.sharding.is_fully_replicated)
+    assert set(held.values()) == {split // tp + replicated}
+    whole_model = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params))
+    assert split // tp + replicated < whole_model / (tp / 2 if tp > 2 else 1.5)
+
 
 def test_reference_backend_per_layer_path_tp4(params, prompts, one_device):
     """The reference backend takes per-layer pools (the DESIGN.md contract), wrapped the same way."""
@@ -154,7 +166,7 @@ def test_undividable_dimension_stays_replicated():
 
 @pytest.mark.slow
 def test_smollm2_tp3_greedy_equals_one_device():
-    """The bundled SmolLM2-135M (9 query / 3 KV heads) split over its 3 KV heads."""
+    """The bundled SmolLM2-135M (9 query / 3 KV heads) split over its 3 KV heads, then 2 replicas of that."""
     from jaxpaged import LLM
 
     small = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -172,6 +184,10 @@ def test_smollm2_tp3_greedy_equals_one_device():
     assert len(set(per_device_bytes(kv).values())) == 1 and sum(per_device_bytes(kv).values()) == kv.nbytes
     q_proj = llm.params["params"]["layers"]["attn"]["q_proj"]
     assert set(per_device_bytes(q_proj).values()) == {q_proj.nbytes // 3}
+    # The same through LLM's data-parallel path: two replicas of the tp=3 engine on devices 0-2 and 3-5.
+    replicated = LLM(tensor_parallel_size=3, data_parallel_size=2, **small)
+    assert [o.outputs[0].token_ids for o in replicated.generate(questions, sampling)] == want
+    assert replicated.stats()["num_used_pages"] == 0
 
 
 # ---------------------------------------------------------------- data parallelism
