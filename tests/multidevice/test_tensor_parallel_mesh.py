@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import tp_fixtures
 from jaxpaged.attention import chunked_paged_attention_from_buffer, reference_paged_attention
 from jaxpaged.model_runner import ModelRunner
+from jaxpaged.models.llama import init_params
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sharding import kv_head_replicas, logical_to_spec, make_mesh, per_device_bytes
 from tp_fixtures import NUM_PAGES, PAGE_SIZE, TINY, make_engine, run_greedy, tiny_params
@@ -245,3 +246,28 @@ def test_data_parallel_w1_equals_one_replica(params, tp, w1_size):
     per_replica = [s["num_generated_tokens"] for s in engine.stats()["replicas"]]
     assert all(n > 0 for n in per_replica) and sum(per_replica) == sum(len(t) for t in want)
     assert engine.stats()["num_used_pages"] == 0  # nothing leaked on either replica
+
+
+def test_update_params_places_new_weights_split_without_recompiling(params, fake_step):
+    """Weights swapped into a tp=2 runner land split like the first ones, reuse the compiled step, and
+    give the logits a one-device runner gives with the new weights."""
+    make_seq, make_scheduler_output = fake_step
+    new_params = jax.tree.map(np.asarray, init_params(TINY, jax.random.key(1)))
+
+    def runner(mesh, weights):
+        return ModelRunner(TINY, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4,
+                           max_num_batched_tokens=16, max_model_len=64,
+                           attention_fn=chunked_paged_attention_from_buffer, mesh=mesh)
+
+    def prefill_logits(r):  # one sequence of 11 tokens on pages 3 and 5
+        out = make_scheduler_output([make_seq(list(range(10, 21)), 0, [3, 5])], [11])
+        return np.asarray(r.run(out))[0]
+
+    split = runner(make_mesh(2), params)
+    before = prefill_logits(split)
+    split.update_params(new_params)
+    assert split.params["params"]["layers"]["mlp"]["down_proj"].sharding.spec == P(None, "tp", None)
+    after = prefill_logits(split)
+    assert split.num_compiles == 1
+    np.testing.assert_allclose(after, prefill_logits(runner(None, new_params)), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(before, after)  # the weights really changed
