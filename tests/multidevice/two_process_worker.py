@@ -17,7 +17,7 @@ import jax  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]  # this checkout's jaxpaged, and tests/tp_fixtures.py
-from tp_fixtures import TINY, greedy, prompts, tiny_params  # noqa: E402
+from tp_fixtures import greedy, prompts, tiny_params  # noqa: E402
 
 
 def main(port: int, process_id: int) -> None:
