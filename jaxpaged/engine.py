@@ -79,7 +79,8 @@ class _Dispatched:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. `jaxpaged.LLM` wraps it for users."""
 
-    def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn):
+    def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn,
+                 mesh=None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -100,6 +101,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             attention_fn=attention_fn,
+            mesh=mesh,  # tensor parallelism: jaxpaged/sharding.py
         )
         self.processor = OutputProcessor(tokenizer)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
@@ -325,7 +327,7 @@ class LLMEngine:
         # likelier, so those counts are compiled too.
         row_counts |= {_next_pow2(r) for r in row_counts}
         for num_rows in sorted(row_counts):
-            logits = jnp.zeros((num_rows, self.model_config.vocab_size), jnp.float32)
+            logits = self.runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
             rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
             jax.block_until_ready(
                 _sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=max(num_rows, num_out))

@@ -27,6 +27,8 @@ class EngineConfig:
     # Plan and prepare step n+1 while the device runs step n (tokens reach the host one step late).
     # False: each step waits for its own tokens (debugging; the benchmark's comparison).
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1  # devices one model is split over (a `tp` mesh axis; jaxpaged/sharding.py)
+    data_parallel_size: int = 1  # whole engine replicas, each on its own tensor_parallel_size devices
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -44,6 +46,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
                 f"{self.max_num_seqs}: every scheduled sequence computes at least one token")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1: no parallelism)")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:

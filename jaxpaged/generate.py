@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_args(p)
 
+    m = p.add_argument_group("several hosts (one process per host, all started alike; see README)")
+    m.add_argument("--coordinator-address", default=None, help="host:port of process 0; turns on jax.distributed")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
@@ -63,6 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas", "mosaic"], default="auto")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
 
 
 def engine_args(args) -> dict:
@@ -72,6 +80,7 @@ def engine_args(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
         attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )
 
 
@@ -101,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jaxpaged").setLevel(logging.WARNING)
 
     from jaxpaged import LLM, SamplingParams  # after argument parsing: importing jax takes a moment
+
+    if args.coordinator_address:  # every process runs this same program on the same prompts
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if jax.process_index() != 0:  # one copy of the output, from process 0
+            sys.stdout = open(os.devnull, "w")
 
     try:
         params = SamplingParams(

@@ -14,12 +14,13 @@ from collections.abc import Iterator, Sequence
 import jax
 from tqdm.auto import tqdm
 
-from jaxpaged.engine import LLMEngine
+from jaxpaged.data_parallel import build_engine
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sharding import replica_meshes
 
 _CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 
@@ -107,11 +108,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         config = EngineConfig(**engine_args)
+        # Before loading: too few devices is an error the user should see at once.
+        replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
         dtype = config.dtype or ("bfloat16" if _on_gpu() else "float32")
         model_config, params, tokenizer = load_model(model, dtype=dtype)
         config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
         attention_fn = _attention_fn(config.attention_backend)
-        self.engine = LLMEngine(
+        # An LLMEngine, or data_parallel_size of them behind the same interface (jaxpaged/data_parallel.py).
+        self.engine = build_engine(
             model_config, params, tokenizer, config,
             num_pages=_num_pages(config, model_config, params, attention_fn), attention_fn=attention_fn,
         )

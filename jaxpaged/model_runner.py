@@ -26,6 +26,7 @@ from jaxpaged.attention import reference_paged_attention
 from jaxpaged.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
+from jaxpaged.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
 # are leaves; `decode_only` is metadata, part of the tree structure, hence static under jit.
@@ -68,6 +69,9 @@ class ModelRunner:
     The step is `(params, kv_pages, step_input) -> (logits, kv_pages)` with `kv_pages` donated:
     the buffer is updated in place and `self.kv_pages` always names the live one. Parameters are an
     argument (not a constant), so `update_params` swaps weights without recompiling.
+
+    `mesh`: a `jax.sharding.Mesh` with a `tp` axis (`jaxpaged.sharding.make_mesh`) splits the model
+    over its devices (tensor parallelism); None runs on the default device.
     """
 
     def __init__(
@@ -83,11 +87,19 @@ class ModelRunner:
         attention_fn: AttentionFn | None = None,
         buckets: Sequence[int] | None = None,
         decode_buckets: Sequence[int] | None = None,
+        mesh=None,
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError(f"{max_num_seqs=} must be <= {max_num_batched_tokens=}: each sequence has >= 1 token")
+        # Tensor parallelism (jaxpaged/sharding.py): parameters and the KV buffer split over `mesh`,
+        # attention run per device on its own heads. self.config is the model as the devices see
+        # it (KV heads replicated when the mesh is wider than num_kv_heads).
+        self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
+        if self.tp is not None:
+            model_config = self.tp.config
+            attention_fn = self.tp.shard_attention(attention_fn or reference_paged_attention)
         self.config = model_config
         self.num_pages, self.page_size = num_pages, page_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -108,9 +120,15 @@ class ModelRunner:
         self.params = self._to_device(params)
         self._param_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self.params)
         c = model_config
-        self.kv_pages = jnp.zeros(
-            (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim), c.dtype
-        )
+        kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
+        if self.tp is None:
+            self.kv_pages = jnp.zeros(kv_shape, c.dtype)
+            step_shardings = copy_shardings = {}
+        else:
+            self.kv_pages = self.tp.zeros_kv_pages(kv_shape, c.dtype)
+            kv_sharding = self.tp.kv_pages_sharding(kv_shape)
+            step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
+            copy_shardings = dict(out_shardings=kv_sharding)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
@@ -121,10 +139,14 @@ class ModelRunner:
         # a decode whose input token is still on the device reads it from there (asynchronous stepping).
         self.num_prev_token_rows = max_num_seqs
         self._no_prev_tokens = jnp.zeros(self.num_prev_token_rows, jnp.int32)
-        self._step = jax.jit(self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"))
-        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",))
+        self._step = jax.jit(
+            self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
+        )
+        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",), **copy_shardings)
 
     def _to_device(self, params):
+        if self.tp is not None:
+            return self.tp.place_params(params)
         dtype = jnp.dtype(self.config.dtype)
         return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
@@ -170,6 +192,8 @@ class ModelRunner:
         packed, layout = pack_step_input(step_input)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
+        if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
+            packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         logits, self.kv_pages = self._step(
             self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
         )
@@ -182,6 +206,8 @@ class ModelRunner:
             src = np.zeros(self.max_num_copies, np.int32)
             dst = np.full(self.max_num_copies, self.num_pages, np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+            if self.tp is not None:
+                src, dst = self._place_replicated((src, dst))
             self.kv_pages = self._copy(self.kv_pages, src, dst)
 
     def run(self, scheduler_output) -> Float[Array, "num_seqs vocab_size"]:
@@ -189,6 +215,14 @@ class ModelRunner:
         if scheduler_output.copies:
             self.copy_pages(scheduler_output.copies)
         return self.execute(self.prepare(scheduler_output))
+
+    def _place_replicated(self, tree):
+        return jax.device_put(tree, self.tp.replicated)
+
+    def zeros_logits(self, num_rows: int) -> Float[Array, "num_rows vocab_size"]:
+        """Zero logits placed as `execute` returns them (the engine warms its sampler up on these)."""
+        logits = jnp.zeros((num_rows, self.config.vocab_size), jnp.float32)
+        return logits if self.tp is None else jax.device_put(logits, self.tp.replicated)
 
     @property
     def num_step_programs(self) -> int:

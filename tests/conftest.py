@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Hugging Face models (the float32 torch oracle) and stand-in
 scheduler outputs for the device side."""
 
+import os
 import types
 
 import numpy as np
@@ -19,6 +20,10 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs a CUDA GPU; JAX's backend here is {jax.default_backend()!r}")
     for item in gpu_items:
         item.add_marker(skip)
+
+# tests/multidevice/ needs 8 forced host devices, fixed when jax is first imported: it runs in its
+# own process (tests/test_tensor_parallel.py starts it with JAXPAGED_MULTIDEVICE=1), never in this one.
+collect_ignore = [] if os.environ.get("JAXPAGED_MULTIDEVICE") else ["multidevice"]
 
 # Tiny configs, one per supported variant. Every one has GQA (4 query heads per 2 KV heads) and
 # 2 layers, so the layer scan really loops.
