@@ -270,6 +270,8 @@ class ModelRunner:
         the compiled program (`.jaxpr`, `.lower(lowering_platforms=("cuda",))`); runs nothing."""
         packed, layout = pack_step_input(step_input)
         prev_tokens = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        if self.tp is not None:  # placed as execute places them
+            packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(
             self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
         )

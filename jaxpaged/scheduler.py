@@ -294,24 +294,28 @@ class Scheduler:
                 reason = "stop"
             else:
                 continue
-            if seq.status is RUNNING:
-                prune_running = True
-            else:
-                self.waiting.remove(seq)  # preempted while its token was in flight
-            self._release(seq, reason)
-            finished.append(seq)
-        if prune_running:
-            self.running = [seq for seq in self.running if seq.status is RUNNING]
+            finished.append((seq, reason))
 
         block_manager = self.block_manager
         if block_manager.enable_prefix_caching:
             # Every token below num_computed_tokens is known now (the next step's input placeholder
             # was filled above), so pages filled by this step, or by the one already dispatched, hash.
+            # Before the finished sequences release their pages: a request that ends in this step
+            # (max_tokens=1, say) still leaves its prompt's full pages to the prefix cache.
             page_size = block_manager.page_size
             for seq, num_before in zip(output.seqs, output.num_computed_before):
                 if seq.status is RUNNING and num_before // page_size != seq.num_computed_tokens // page_size:
                     block_manager.cache_computed_pages(seq, num_before)
-        return UpdateOutput(appended=appended, finished=finished, forked=[], rows=rows)
+
+        for seq, reason in finished:
+            if seq.status is RUNNING:
+                prune_running = True
+            else:
+                self.waiting.remove(seq)  # preempted while its token was in flight
+            self._release(seq, reason)
+        if prune_running:
+            self.running = [seq for seq in self.running if seq.status is RUNNING]
+        return UpdateOutput(appended=appended, finished=[seq for seq, _ in finished], forked=[], rows=rows)
 
     def update(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
         """advance() and commit() back to back, for synchronous callers.

@@ -79,7 +79,7 @@ def test_greedy_tokens_equal_one_device(params, prompts, one_device, tp):
     tokens, engine, compiles = generate(params, prompts, tp=tp)
     assert tokens == want_tokens
     assert compiles == [], f"compiled after warm-up: {compiles}"
-    assert engine.runner.num_compiles == 1  # the one bucket, at warm-up
+    assert engine.runner.num_compiles == engine.runner.num_step_programs  # each bucket once, at warm-up
 
     # The KV buffer is split on its KV-head axis; each device holds 4/tp heads, or one copy of one
     # head at tp=8 (8 > 4 KV heads: every head held twice).
@@ -141,8 +141,7 @@ def test_compiled_step_communicates_only_activations(params):
     runner = ModelRunner(TINY, params, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4,
                          max_num_batched_tokens=16, max_model_len=64,
                          attention_fn=chunked_paged_attention_from_buffer, mesh=make_mesh(4))
-    step_input = runner._place_replicated(runner.dummy_step_input(16))
-    hlo = runner._step.lower(runner.params, runner.kv_pages, step_input).compile().as_text()
+    hlo = runner.trace_step(runner.dummy_step_input(16)).lower().compile().as_text()
     collectives = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|reduce-scatter|"
                              r"collective-permute)\(", hlo)
     assert collectives, "no collective at all: the step is not split"

@@ -33,6 +33,7 @@ def main(port: int, process_id: int) -> None:
     if process_id == 0:
         print("RESULT " + json.dumps({"tokens": tokens, "local_kv_bytes": list(local.values()),
                                       "num_compiles": engine.runner.num_compiles,
+                                      "num_step_programs": engine.runner.num_step_programs,
                                       "kv_heads": engine.runner.kv_pages.shape[2]}), flush=True)
     jax.distributed.shutdown()
 
