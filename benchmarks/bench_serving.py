@@ -73,9 +73,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: fl
     sent = time.perf_counter()
     chunk_times, num_tokens, error = [], None, None
     try:
-        async with client.stream("POST", url, json={**body, "stream": True,
-                                                    "stream_options": {"include_usage": True}},
-                                 timeout=timeout_s) as resp:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with asyncio.timeout(timeout_s), client.stream("POST", url, json=body, timeout=timeout_s) as resp:
             if resp.status_code != 200:
                 error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             else:
@@ -90,6 +89,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: fl
                             chunk_times.append(time.perf_counter())
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         error = repr(err)
+    except TimeoutError:
+        error = f"no complete answer within {timeout_s} s"
     end = time.perf_counter()
     num_tokens = num_tokens if num_tokens is not None else len(chunk_times)
     ttft = chunk_times[0] - sent if chunk_times else None
