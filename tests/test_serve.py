@@ -48,7 +48,6 @@ def served():
         "sampled": llm.generate(chats[0], SAMPLED)[0].outputs,
         "stopped": llm.generate(chats[0], STOPPED)[0].outputs[0],
         "plain": llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8))[0],
-        "load": [o.outputs[0] for o in llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=10))],
     }
     app, bridge = build_server(llm.engine, served_model_name=MODEL, api_key=API_KEY, max_waiting_requests=80,
                                max_body_bytes=64 * 1024)
@@ -171,8 +170,9 @@ def test_cache_salt_keeps_tenants_apart(served, client):
 
 # ------------------------------------------------------------------------ 2. load: 64 streams, 16 walk away
 
+@pytest.mark.slow  # 17 s on a lightly loaded machine, 47 s at load average 10
 def test_64_concurrent_streams_with_a_quarter_disconnecting(served):
-    base, expected = served["base"], served["expected"]["load"]
+    base, expected = served["base"], served["expected"]["greedy"]
     num_clients, budget_s = 64, 240
 
     async def one(i, aclient):
@@ -189,7 +189,7 @@ def test_64_concurrent_streams_with_a_quarter_disconnecting(served):
             await stream.close()
             return None
         stream = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                       max_tokens=10, stream=True)
+                                                       max_tokens=16, stream=True)
         parts, finish = [], None
         async for chunk in stream:
             parts.append(chunk.choices[0].delta.content or "")
@@ -219,7 +219,7 @@ def test_64_concurrent_streams_with_a_quarter_disconnecting(served):
     client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     want = expected[0]
     again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
-                                           temperature=0, max_tokens=10)
+                                           temperature=0, max_tokens=16)
     assert again.choices[0].message.content == want.text
 
 

@@ -83,3 +83,17 @@ def test_full_queue_answers_503_and_an_abort_frees_a_slot():
             assert bridge.num_in_flight == 1  # the refused request gave its slot back
     finally:
         bridge.shutdown()
+
+
+def test_cli_defaults_serve_the_bundled_model_locally_and_take_the_engine_flags():
+    from jaxpaged.generate import engine_args
+    from jaxpaged.serve.__main__ import build_parser, served_name
+
+    args = build_parser().parse_args([])
+    assert (args.model, args.host, args.port, args.api_key) == (None, "127.0.0.1", 8000, None)
+    assert served_name(args.model) == "SmolLM2-135M-Instruct"
+    args = build_parser().parse_args(["--model", "/models/tiny.gguf", "--max-num-seqs", "4", "--no-prefix-caching",
+                                      "--page-size", "32"])
+    assert served_name(args.model) == "tiny"
+    kwargs = engine_args(args)
+    assert kwargs["max_num_seqs"] == 4 and kwargs["page_size"] == 32 and kwargs["enable_prefix_caching"] is False

