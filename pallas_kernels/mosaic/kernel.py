@@ -41,7 +41,6 @@ Per-tile metadata (computed by the wrappers with a few jnp ops, read here as sca
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
