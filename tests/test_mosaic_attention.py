@@ -15,6 +15,9 @@ Tolerance: bfloat16 only (wgmma has no float32 path here), 2e-2 absolute and rel
 are rounded to bf16 before the PV matmul and the output is bf16.
 """
 
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +66,7 @@ def mixed_batch(p: int) -> tuple[list[int], list[int]]:
     return [n for n, _ in batch], [q for _, q in batch]
 
 
-def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True):
+def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True, num_consumers=None):
     return ragged_paged_attention(
         case.q,
         whole_buffer(case),
@@ -73,11 +76,14 @@ def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True
         layer_idx=layer_idx,
         scale=head_dim**-0.5,
         soft_cap=soft_cap,
+        num_consumers=num_consumers,
         interpret=interpret,
     )
 
 
-def check_ragged(*, page_size, head_dim, group, num_kv_heads=2, soft_cap=None, batch=None, seed=0, interpret=True):
+def check_ragged(
+    *, page_size, head_dim, group, num_kv_heads=2, soft_cap=None, batch=None, seed=0, interpret=True, num_consumers=None
+):
     seq_lens, q_lens = batch or mixed_batch(page_size)
     case = make_case(
         np.random.default_rng(seed),
@@ -90,7 +96,7 @@ def check_ragged(*, page_size, head_dim, group, num_kv_heads=2, soft_cap=None, b
         dtype=jnp.bfloat16,
         num_padding_tokens=NUM_PADDING_TOKENS,
     )
-    got = run_ragged(case, head_dim=head_dim, soft_cap=soft_cap, interpret=interpret)
+    got = run_ragged(case, head_dim=head_dim, soft_cap=soft_cap, interpret=interpret, num_consumers=num_consumers)
     want = oracle(
         case.q,
         case.oracle_k_pages,
@@ -246,9 +252,10 @@ def test_kernels_lower_to_the_mosaic_gpu_custom_call_for_cuda(head_dim, page_siz
     lens = jax.ShapeDtypeStruct((4,), jnp.int32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def ragged(q, kv, tables, lens, starts, layer):
+    def ragged(q, kv, tables, lens, starts, layer, num_consumers=None):
         return ragged_paged_attention(
-            q, kv, tables, lens, starts, layer_idx=layer, scale=0.1, soft_cap=30.0, interpret=False
+            q, kv, tables, lens, starts, layer_idx=layer, scale=0.1, soft_cap=30.0,
+            num_consumers=num_consumers, interpret=False,
         )
 
     def decode(q, kv, tables, lens, layer):
@@ -257,6 +264,9 @@ def test_kernels_lower_to_the_mosaic_gpu_custom_call_for_cuda(head_dim, page_siz
     q = jax.ShapeDtypeStruct((24, num_kv_heads * group, head_dim), jnp.bfloat16)
     starts = jax.ShapeDtypeStruct((5,), jnp.int32)
     lowered = jax.jit(ragged).trace(q, kv, tables, lens, starts, layer).lower(lowering_platforms=("cuda",))
+    assert "custom_call @mosaic_gpu" in lowered.as_text()  # 2 consumer warpgroups (the compiled default)
+    one_consumer = functools.partial(ragged, num_consumers=1)  # the interpreted default, as tested above
+    lowered = jax.jit(one_consumer).trace(q, kv, tables, lens, starts, layer).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()
     q = jax.ShapeDtypeStruct((4, num_kv_heads * group, head_dim), jnp.bfloat16)
     lowered = jax.jit(decode).trace(q, kv, tables, lens, layer).lower(lowering_platforms=("cuda",))
@@ -311,3 +321,14 @@ def test_compiled_kernels_match_reference_on_hopper(page_size, head_dim, group):
         page_size=page_size, head_dim=head_dim, group=group, seq_lens=decode_lens(page_size), num_splits=3,
         interpret=False,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4,
+    reason="3 interpreted warpgroups need a host thread each that can block; XLA's CPU runtime gives one per core",
+)
+@pytest.mark.parametrize("page_size,head_dim,group", [(16, 64, 1), (32, 128, 4)])
+def test_ragged_with_two_consumer_warpgroups_in_interpret_mode(page_size, head_dim, group):
+    # The compiled default: 128-row tiles, two consumers sharing each K/V step and the V-tail barrier.
+    check_ragged(page_size=page_size, head_dim=head_dim, group=group, num_consumers=2)

@@ -3,12 +3,13 @@
 `ragged_paged_attention` serves any mix of decode rows and prefill chunks; `decode_attention` serves
 decode-only buckets (one token per sequence) and splits long contexts across CUDA blocks.
 
-Ragged tiles. A tile is 64 rows = B tokens of ONE sequence x Gp query heads (B = 64 // Gp), so one
-read of a KV head's pages serves every query head of its group. Tiles never straddle sequences:
+Ragged tiles. A tile is C * 64 rows = B tokens of ONE sequence x Gp query heads (B = C * 64 // Gp),
+C consumer warpgroups of 64 rows each (C = 2 compiled, 1 interpreted: see RAGGED_CONSUMERS), so one read of a KV head's pages serves every query head of its
+group and 128 query rows. Tiles never straddle sequences:
 sequence s gets the tile ids starting at `query_start_loc[s] // B + s` (the Triton kernel's scheme,
 pallas_kernels/ragged.py), so `num_tokens // B + num_seqs` tiles fit any batch; some are empty.
 
-    B = 4 (Gp = 16), query_start_loc [0, 8, 9, 11]
+    B = 4 (Gp = 32), query_start_loc [0, 8, 9, 11]
     token:    0 1 2 3 | 4 5 6 7 | 8 | 9 10
     tile id:  0       | 1       | 3 | 4          tile 2 is empty (num_keys 0) and writes zeros
 
@@ -26,6 +27,12 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import next_power_of_2
 from pallas_kernels.mosaic.kernel import STEP_KEYS, TILE_ROWS, KernelShape, attention_tiles
+
+# Consumer warpgroups per ragged tile when compiled: 128 query rows share each K/V step. GPU interpret
+# mode runs each warpgroup as a host thread blocked in XLA callbacks, and XLA's CPU runtime gives at
+# most one such thread per core: a producer plus two consumers hang on a 2-core machine, so the
+# interpreted default is one consumer (64-row tiles).
+RAGGED_CONSUMERS = 2
 
 # Legend: T=num_tokens S=num_seqs K=num_kv_heads G=query heads per KV head Gp=G padded to a power of
 #         two B=tokens per tile Q=tiles H=head_dim L=num_layers R=TILE_ROWS (64) X=splits
@@ -49,7 +56,7 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
         raise ValueError(f"{page_size=} must be 8, 16, 32 or 64 (a divisor of the {STEP_KEYS}-key step)")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    if next_power_of_2(num_heads // num_kv_heads) > TILE_ROWS:
+    if next_power_of_2(num_heads // num_kv_heads) > TILE_ROWS:  # decode packs one group per 64-row tile
         raise ValueError(f"at most {TILE_ROWS} query heads per KV head, got {num_heads // num_kv_heads}")
     if jnp.dtype(kv_pages.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"kv_pages must be bfloat16 or float16 for wgmma, got {kv_pages.dtype}")
@@ -65,7 +72,7 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
 
 
 def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, *,
-         group_rows, num_splits, num_slots, scale, soft_cap, out_dtype, interpret):
+         group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret):
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
     pages_per_step = STEP_KEYS // page_size
     num_seqs, pages_per_seq = block_tables.shape
@@ -81,6 +88,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         num_q_tiles=tile_seq_idx.shape[0],
         num_splits=num_splits,
         num_slots=num_slots,
+        num_consumers=num_consumers,
         scale=scale,
         soft_cap=soft_cap,
         interpret=interpret,
@@ -94,7 +102,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_slots", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_slots", "num_consumers", "interpret"))
 def ragged_paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
     kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
@@ -106,6 +114,7 @@ def ragged_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     num_slots: int = 2,
+    num_consumers: int | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """Causal paged attention for a flat batch of query chunks, reading the model's whole KV buffer.
@@ -121,6 +130,8 @@ def ragged_paged_attention(
       layer_idx: int32 scalar, may be traced (the model's layer scan).
       scale, soft_cap: softmax scale; optional `soft_cap * tanh(logits / soft_cap)`.
       num_slots: pipeline depth in 64-key steps (>= 2).
+      num_consumers: consumer warpgroups per tile (64 query rows each); None: 2 compiled, 1 when
+        interpreting (see RAGGED_CONSUMERS).
       interpret: None = compiled on a GPU, GPU interpret mode elsewhere.
 
     Returns:
@@ -132,9 +143,15 @@ def ragged_paged_attention(
     num_seqs = block_tables.shape[0]
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must have shape ({num_seqs + 1},), got {query_start_loc.shape}")
+    interpret = _resolve_interpret(interpret)
+    if num_consumers is None:
+        num_consumers = 1 if interpret else RAGGED_CONSUMERS
+    if num_consumers not in (1, 2):
+        raise ValueError(f"{num_consumers=} must be 1 or 2 (consumer warpgroups of 64 rows)")
     group = num_heads // num_kv_heads
     group_rows = next_power_of_2(group)
-    tokens_per_tile = TILE_ROWS // group_rows  # B
+    tile_rows = num_consumers * TILE_ROWS
+    tokens_per_tile = tile_rows // group_rows  # B
     query_start_loc = query_start_loc.astype(jnp.int32)
     seq_lens = seq_lens.astype(jnp.int32)
 
@@ -154,13 +171,14 @@ def ragged_paged_attention(
     q_grouped = jnp.pad(q_grouped, ((0, tokens_per_tile), (0, 0), (0, group_rows - group), (0, 0)))
     row_tokens = token_start[:, None] + jnp.arange(tokens_per_tile, dtype=jnp.int32)  # [Q, B]
     q_tiles = q_grouped[row_tokens]  # [Q, B, K, Gp, H]; rows past a chunk hold finite neighbours/zeros
-    q_tiles = q_tiles.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads * num_tiles, TILE_ROWS, head_dim)
+    # [Q, B, K, Gp, H] -> [K, Q, B, Gp, H] -> [K * Q * C, 64, H]: consumer c of tile i takes rows c * 64...
+    q_tiles = q_tiles.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads * num_tiles * num_consumers, TILE_ROWS, head_dim)
 
     out_tiles, _ = _run(
         q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, first_pos, num_keys,
-        group_rows=group_rows, num_splits=1, num_slots=num_slots, scale=scale, soft_cap=soft_cap,
-        out_dtype=kv_pages.dtype, interpret=_resolve_interpret(interpret),
-    )  # [K * Q, R, H]
+        group_rows=group_rows, num_consumers=num_consumers, num_splits=1, num_slots=num_slots, scale=scale,
+        soft_cap=soft_cap, out_dtype=kv_pages.dtype, interpret=interpret,
+    )  # [K * Q * C, R, H]
     out_tiles = out_tiles.reshape(num_kv_heads, num_tiles, tokens_per_tile, group_rows, head_dim)
 
     # Each token's row: tile first_tile[s] + local // B, token local % B, local = t - query_start_loc[s].
@@ -215,7 +233,7 @@ def decode_attention(
     # group_rows = R: every row of a decode tile is the sequence's last position.
     out, lse = _run(
         q_tiles, kv_pages, block_tables, layer_idx, jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - 1,
-        seq_lens, group_rows=TILE_ROWS, num_splits=num_splits, num_slots=num_slots, scale=scale,
+        seq_lens, group_rows=TILE_ROWS, num_consumers=1, num_splits=num_splits, num_slots=num_slots, scale=scale,
         soft_cap=soft_cap, out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype,
         interpret=_resolve_interpret(interpret),
     )  # out [K * S * X, R, H], lse [K * S * X, R]

@@ -1,29 +1,34 @@
 """The Mosaic GPU (Hopper) paged-attention kernel body shared by the ragged and the decode wrappers.
 
-One CUDA block = one query tile of one KV head (and, for decode, one split of its keys); two
-warpgroups, warp-specialised as in JAX's `ops/gpu/attention_mgpu.py` (FlashAttention-3):
+One CUDA block = one query tile of one KV head (and, for decode, one split of its keys); C consumer
+warpgroups (2 for ragged tiles, 1 for decode) and one producer, warp-specialised as in JAX's
+`ops/gpu/attention_mgpu.py` (FlashAttention-3):
 
-    wg 1 (producer)                          wg 0 (consumer)
-    for step in my key steps:                 q tile -> SMEM (TMA), wait
+    wg C (producer)                          wg c < C (consumers, 64 query rows each)
+    for step in my key steps:                 q rows -> SMEM (TMA), wait
       slot = step % D                         for step in my key steps:
       wait k/v_consumed[slot] (after D)         wait k_ready[slot]; S = Q K^T (wgmma)    [64, 64] f32
       for each page of the step:                arrive k_consumed[slot]
         page_id = block_tables[seq, page]       mask (causal, length); online softmax
-        TMA K page -> k_smem[slot] rows         wait v_ready[slot]; zero V rows past the length
-        TMA V page -> v_smem[slot] rows         O += P V (wgmma)                          [64, H] f32
+        TMA K page -> k_smem[slot] rows         wait v_ready[slot]; last step: zero V rows past the
+        TMA V page -> v_smem[slot] rows           length (consumer 0; all meet at v_clean[slot])
+    wait the last D releases                    O += P V (wgmma)                          [64, H] f32
                                                 arrive v_consumed[slot]
                                               O / l -> SMEM -> GMEM (TMA)
 
 Tile shapes (SMEM, bf16, (8, 64) tiling + 128-byte swizzle as wgmma wants):
-    q_smem  [64, H]        one query tile: 64 rows = tokens_per_tile tokens x Gp query heads
+    q_smem  [C, 64, H]     the query tile: C * 64 rows = tokens_per_tile tokens x Gp query heads
     k_smem  [D, 64, H]     D slots of one key step = 64 // page_size pages, filled page by page
     v_smem  [D, 64, H]
+    o_smem  [C, 64, H]     the output rows (bf16, or f32 partials when decode splits)
 A key step is always 64 keys (a multiple of the wgmma K tile for P V and of the swizzle), so page
 sizes 8..64 all give whole steps; pages are copied one TMA each, straight from the block table.
+With D = 2, C = 2, H = 128: 32 + 64 + 32 KiB of SMEM, well inside Hopper's 227 KiB.
 
 Rows of a tile (GQA packing, Gp = query heads per KV head padded to a power of two):
 
     row r = token_in_tile * Gp + head_in_group        position(r) = first_pos + r // Gp
+    consumer c holds rows c * 64 .. c * 64 + 63
 
 NaN safety: keys past the tile's causal limit `num_keys` are masked before the max, their
 probabilities are zeroed, and the V rows of those keys are overwritten with zeros in SMEM before the
@@ -36,7 +41,6 @@ Per-tile metadata (computed by the wrappers with a few jnp ops, read here as sca
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +71,7 @@ class KernelShape:
     num_q_tiles: int
     num_splits: int  # key splits per tile (decode); 1 = each block sees all its keys
     num_slots: int  # D: pipeline depth in key steps
+    num_consumers: int  # C: consumer warpgroups, 64 rows of the tile each (tile = C * 64 rows)
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
@@ -131,20 +136,21 @@ def _attention_kernel(
     tile_first_pos_ref,  # GMEM int32 [Q]
     tile_num_keys_ref,  # GMEM int32 [Q]
     block_tables_ref,  # GMEM int32 [S, padded_pages]
-    q_ref,  # GMEM [K * Q, 64, H]: query tiles
+    q_ref,  # GMEM [K * Q * C, 64, H]: query tiles, 64 rows per consumer
     kv_ref,  # GMEM [L * 2 * K * num_pages, page_size, H]: the whole KV buffer, one row per page
-    out_ref,  # GMEM [K * Q * splits, 64, H]
-    lse_ref,  # GMEM f32 [K * Q * splits, 64] (splits > 1) or None
-    q_smem,  # SMEM [64, H]: the query tile, then the output tile
+    out_ref,  # GMEM [K * Q * splits * C, 64, H]
+    lse_ref,  # GMEM f32 [K * Q * splits * C, 64] (splits > 1) or None
+    q_smem,  # SMEM [C, 64, H]: each consumer's query rows
     k_smem,  # SMEM [D, 64, H]
     v_smem,  # SMEM [D, 64, H]
-    o_smem,  # SMEM [64, H] in out_ref's dtype
-    lse_smem,  # SMEM f32 [64] or None
-    q_barrier,  # 1 arrival
+    o_smem,  # SMEM [C, 64, H] in out_ref's dtype
+    lse_smem,  # SMEM f32 [C, 64] or None
+    q_barrier,  # C barriers, 1 arrival each
     k_ready,  # D barriers, pages_per_step arrivals each (one TMA per page)
     v_ready,
-    k_consumed,  # D barriers, 1 arrival each (the consumer)
+    k_consumed,  # D barriers, C arrivals each (every consumer)
     v_consumed,
+    v_clean,  # D barriers, C arrivals each: the V tail is zeroed (only on a tile's last key step)
     *,
     shape: KernelShape,
 ):
@@ -152,7 +158,7 @@ def _attention_kernel(
     tile_idx = lax.axis_index("q_tile")
     split_idx = lax.axis_index("split")
     wg_idx = lax.axis_index("wg")
-    D = shape.num_slots
+    D, C = shape.num_slots, shape.num_consumers
     dtype = q_smem.dtype
 
     seq_idx = tile_seq_idx_ref[tile_idx]
@@ -165,12 +171,16 @@ def _attention_kernel(
     step_end = jnp.minimum(step_begin + steps_per_split, num_steps)
     num_my_steps = step_end - step_begin
 
-    @pl.when(wg_idx == 0)
+    @pl.when(wg_idx < C)
     def _consumer():
-        plgpu.copy_gmem_to_smem(q_ref.at[kv_head * shape.num_q_tiles + tile_idx], q_smem, q_barrier.at[0])
-        plgpu.barrier_wait(q_barrier.at[0])
+        # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
+        # a consumer whose rows end earlier masks the extra keys out.
+        q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
+        q_tile = (kv_head * shape.num_q_tiles + tile_idx) * C + wg_idx
+        plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem_wg, q_barrier.at[wg_idx])
+        plgpu.barrier_wait(q_barrier.at[wg_idx])
         # Position of each row's token, for the causal mask: [64, 64] in the wgmma layout.
-        row = _iota((TILE_ROWS, STEP_KEYS), 0, shape)
+        row = wg_idx * TILE_ROWS + _iota((TILE_ROWS, STEP_KEYS), 0, shape)  # row of the C * 64-row tile
         col = _iota((TILE_ROWS, STEP_KEYS), 1, shape)
         row_pos = first_pos + lax.div(row, jnp.int32(shape.group_rows))
 
@@ -180,7 +190,7 @@ def _attention_kernel(
             key_start = (step_begin + local_step) * STEP_KEYS
 
             plgpu.barrier_wait(k_ready.at[slot])
-            logits = _qk_matmul(q_smem, k_smem.at[slot], shape)  # [64, 64] f32
+            logits = _qk_matmul(q_smem_wg, k_smem.at[slot], shape)  # [64, 64] f32
             plgpu.barrier_arrive(k_consumed.at[slot])
             logits = logits * shape.scale
             if shape.soft_cap is not None:
@@ -197,12 +207,18 @@ def _attention_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
 
             # The step holding the end of the keys: V rows past it may be NaN (stale or unowned pages).
+            # Consumer 0 zeroes them; every consumer waits for that before its P V.
             @pl.when(key_start + STEP_KEYS > num_keys)
             def _zero_v_tail():
-                v_rows = _iota((STEP_KEYS, shape.head_dim), 0, shape)
-                v = v_smem[slot]
-                v_smem[slot] = jnp.where(key_start + v_rows < num_keys, v, jnp.zeros_like(v))
-                plgpu.commit_smem()  # make the stores visible to wgmma (async proxy)
+                @pl.when(wg_idx == 0)
+                def _zero():
+                    v_rows = _iota((STEP_KEYS, shape.head_dim), 0, shape)
+                    v = v_smem[slot]
+                    v_smem[slot] = jnp.where(key_start + v_rows < num_keys, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()  # make the stores visible to wgmma (async proxy)
+
+                plgpu.barrier_arrive(v_clean.at[slot])
+                plgpu.barrier_wait(v_clean.at[slot])
 
             acc = _pv_matmul(acc, probs.astype(dtype), v_smem.at[slot], shape)  # [64, H] f32
             plgpu.barrier_arrive(v_consumed.at[slot])
@@ -216,17 +232,17 @@ def _attention_kernel(
         # Rows that saw no key (empty tile or split, rows past the chunk) have l = 0: zeros, not 0/0.
         has_keys = l > 0.0
         inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
-        o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
-        block = (kv_head * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx
+        o_smem_wg[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
+        block = ((kv_head * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
         if lse_smem is not None:
-            lse_smem[...] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
+            lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[block])
+        plgpu.copy_smem_to_gmem(o_smem_wg, out_ref.at[block])
         if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[block])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg_idx], lse_ref.at[block])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg_idx == 1)
+    @pl.when(wg_idx == C)
     def _producer():
         layer_idx = layer_idx_ref[0]
         k_base = (layer_idx * 2 * shape.num_kv_heads + kv_head) * shape.num_pages
@@ -278,11 +294,13 @@ def attention_tiles(
 ):
     """Runs the kernel over (KV head, query tile, split).
 
-    Returns out [K * Q * splits, 64, H] (rows normalised per block) and, when splits > 1, the
-    log-sum-exp [K * Q * splits, 64] f32 of each block's rows for the wrapper's combine.
+    q_tiles holds C = num_consumers row groups of 64 per tile. Returns out [K * Q * splits * C, 64, H]
+    (rows normalised per block) and, when splits > 1, the log-sum-exp [K * Q * splits * C, 64] f32 of
+    each block's rows for the wrapper's combine.
     """
     dtype = q_tiles.dtype
-    num_blocks = shape.num_kv_heads * shape.num_q_tiles * shape.num_splits
+    C = shape.num_consumers
+    num_blocks = shape.num_kv_heads * shape.num_q_tiles * shape.num_splits * C
     with_lse = shape.num_splits > 1
     swizzled = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
     out_types = [jax.ShapeDtypeStruct((num_blocks, TILE_ROWS, shape.head_dim), out_dtype)]
@@ -297,18 +315,19 @@ def attention_tiles(
             (plgpu.TilingTransform((8, 128 // jnp.dtype(out_dtype).itemsize)), plgpu.SwizzleTransform(128))
         )
         scratch = [
-            plgpu.SMEM((TILE_ROWS, shape.head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((C, TILE_ROWS, shape.head_dim), dtype, transforms=swizzled),
             plgpu.SMEM((shape.num_slots, STEP_KEYS, shape.head_dim), dtype, transforms=swizzled),
             plgpu.SMEM((shape.num_slots, STEP_KEYS, shape.head_dim), dtype, transforms=swizzled),
-            plgpu.SMEM((TILE_ROWS, shape.head_dim), out_dtype, transforms=o_transforms),
-            plgpu.SMEM((TILE_ROWS,), jnp.float32) if with_lse else None,
+            plgpu.SMEM((C, TILE_ROWS, shape.head_dim), out_dtype, transforms=o_transforms),
+            plgpu.SMEM((C, TILE_ROWS), jnp.float32) if with_lse else None,
         ]
         barriers = [
-            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=C),
             plgpu.Barrier(num_arrivals=shape.pages_per_step, num_barriers=shape.num_slots),
             plgpu.Barrier(num_arrivals=shape.pages_per_step, num_barriers=shape.num_slots),
-            plgpu.Barrier(num_barriers=shape.num_slots),
-            plgpu.Barrier(num_barriers=shape.num_slots),
+            plgpu.Barrier(num_arrivals=C, num_barriers=shape.num_slots),
+            plgpu.Barrier(num_arrivals=C, num_barriers=shape.num_slots),
+            plgpu.Barrier(num_arrivals=C, num_barriers=shape.num_slots),
         ]
         pl.run_scoped(
             lambda *scoped: _attention_kernel(*inputs, out_ref, lse_ref, *scoped, shape=shape),
@@ -322,7 +341,7 @@ def attention_tiles(
         out_type=out_types,
         grid=(shape.num_kv_heads, shape.num_q_tiles, shape.num_splits),
         grid_names=("kv_head", "q_tile", "split"),
-        num_threads=2,
+        num_threads=C + 1,
         thread_name="wg",
         interpret=InterpretGPUParams() if shape.interpret else None,
     )
