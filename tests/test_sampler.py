@@ -249,6 +249,42 @@ def test_ranking_and_noise_happen_only_inside_conditionals():
     assert top_ks == {NUM_CANDIDATES: 2, vocab_size: 3}
 
 
+# --- banned ids (min_tokens) ----------------------------------------------------------------------
+
+
+def test_banned_ids_are_never_drawn_and_padding_bans_nothing():
+    """Rows under min_tokens ban eos (2) and a stop id (5), the two most likely tokens here: greedy
+    rows take the third, sampling rows never draw them, and a row without bans is unchanged. The
+    most likely token of the last row is the last id, where a -1 pad would land if it wrapped."""
+    logits = np.full((2, 8), -1.0, np.float32)
+    logits[0, [2, 5, 6]] = [5.0, 4.0, 3.0]
+    logits[1, 7] = 5.0
+    rows = [
+        RowSpec(0, banned_ids=(2, 5)),  # greedy: 6
+        RowSpec(0),  # greedy, no bans: 2
+        RowSpec(1, banned_ids=(2,)),  # greedy: 7 (the -1 padding must not ban id 7)
+    ] + [RowSpec(0, temperature=1.0, seed=s, banned_ids=(5, 2)) for s in range(61)]
+    arrays = make_sampling_arrays(rows, 64)
+    assert arrays.banned_ids.shape == (64, 4)  # MIN_BANNED_WIDTH columns
+    token_ids, logprobs = (np.asarray(x) for x in sample(jnp.asarray(logits), arrays))
+    assert token_ids[:3].tolist() == [6, 2, 7]
+    drawn = token_ids[3:64]
+    assert not np.isin(drawn, [2, 5]).any()
+    assert (drawn == 6).mean() > 0.5  # e^3 against seven tokens at e^-1: ~0.84 of the mass
+    # logprobs stay those of the unmodified distribution
+    expected = logits[0, 6] - np.log(np.exp(logits[0].astype(np.float64)).sum())
+    np.testing.assert_allclose(logprobs[0], expected, atol=1e-5)
+    processed = np.asarray(sampling_logits(jnp.asarray(logits), arrays))
+    assert np.isneginf(processed[0, [2, 5]]).all() and np.isfinite(processed[1]).all()
+
+
+def test_banned_ids_width_grows_in_powers_of_two():
+    arrays = make_sampling_arrays([RowSpec(0, banned_ids=tuple(range(5)))], 2)
+    assert arrays.banned_ids.shape == (2, 8)
+    np.testing.assert_array_equal(np.asarray(arrays.banned_ids)[0], [0, 1, 2, 3, 4, -1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(arrays.banned_ids)[1], [-1] * 8)
+
+
 # --- distributions --------------------------------------------------------------------------------
 
 # Chi-square 99.9% quantile with 7 degrees of freedom (8 tokens): a correct sampler passes with
