@@ -33,13 +33,19 @@ Ranges assumed (SamplingParams validates them; nothing is checked here):
   banned_ids: token ids in [0, vocab_size); -1 pads. The host fills them only for rows that are
     still under min_tokens, so the ban ends without anything here knowing min_tokens.
 
-Cost (each step chosen on device with `jax.lax.cond`): an all-greedy batch draws no random numbers and ranks
-nothing; a batch where no sampling row uses top-k or top-p draws one uniform per row but ranks nothing; otherwise
-every row takes its NUM_CANDIDATES largest logits (`lax.top_k`), and only if some row needs more
-(top-k above NUM_CANDIDATES, or a top-p those candidates do not reach) is every row fully sorted.
+Cost, and branches. On CPU (`branch_free=False`, the default there) each step chooses its work
+with `jax.lax.cond`: an all-greedy batch draws no random numbers and ranks nothing; a batch where no
+sampling row uses top-k or top-p draws one uniform per row but ranks nothing; otherwise every row
+takes its NUM_CANDIDATES largest logits (`lax.top_k`), and only if some row needs more (top-k above
+NUM_CANDIDATES, or a top-p those candidates do not reach) is every row fully sorted.
+On an accelerator (`branch_free=True`, the default off CPU) a data-dependent `cond` makes XLA read
+its predicate back to the host every step, stalling the asynchronous engine's overlap; there every
+path is computed and selected per row with `jnp.where` (the full sort included, which on a 2-core
+CPU costs ~40x the greedy step, hence the split). Both modes draw the same tokens.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -176,14 +182,19 @@ def _top_k_top_p_keep_mask(
     scaled: Float[Array, "num_rows vocab_size"],
     params: SamplingArrays,
     needs_rank: Bool[Array, "num_rows"],
+    branch_free: bool,
 ) -> Bool[Array, "num_rows vocab_size"]:
-    """The rank filters on the NUM_CANDIDATES largest logits, or on fully sorted rows if some row
-    needs more (a top-k above NUM_CANDIDATES, or a top-p beyond their mass). A full sort costs
-    20x more on CPU. Both paths keep the same tokens, up to float rounding exactly at a boundary."""
+    """The rank filters on the NUM_CANDIDATES largest logits, or on fully sorted rows where those
+    do not decide a row (a top-k above NUM_CANDIDATES, or a top-p beyond their mass): for every row
+    if one needs it, or (branch_free) per row with both computed. A full sort costs 20x more on
+    CPU. Both keep the same tokens, up to float rounding exactly at a boundary."""
     vocab_size = scaled.shape[1]
     if vocab_size <= NUM_CANDIDATES:
         return _rank_keep_mask(scaled, params, needs_rank, vocab_size)[0]
     keep, decided = _rank_keep_mask(scaled, params, needs_rank, NUM_CANDIDATES)
+    if branch_free:
+        full_keep, _ = _rank_keep_mask(scaled, params, needs_rank, vocab_size)
+        return jnp.where(decided[:, None], keep, full_keep)
     return jax.lax.cond(
         jnp.all(decided),
         lambda: keep,
@@ -192,7 +203,7 @@ def _top_k_top_p_keep_mask(
 
 
 def _processed_logits(
-    raw: Float[Array, "num_rows vocab_size"], params: SamplingArrays
+    raw: Float[Array, "num_rows vocab_size"], params: SamplingArrays, branch_free: bool
 ) -> Float[Array, "num_rows vocab_size"]:
     """Temperature, top-k, top-p and min-p applied: scaled logits, -inf outside the kept tokens."""
     vocab_size = raw.shape[1]
@@ -202,11 +213,14 @@ def _processed_logits(
 
     top_k_on = (params.top_k > 0) & (params.top_k < vocab_size)
     needs_rank = is_random & (top_k_on | (params.top_p < 1.0))
-    keep = jax.lax.cond(
-        jnp.any(needs_rank),
-        lambda: _top_k_top_p_keep_mask(scaled, params, needs_rank),
-        lambda: jnp.ones(scaled.shape, jnp.bool_),
-    )
+    if branch_free:  # rows that need no rank come back all True
+        keep = _top_k_top_p_keep_mask(scaled, params, needs_rank, branch_free)
+    else:
+        keep = jax.lax.cond(
+            jnp.any(needs_rank),
+            lambda: _top_k_top_p_keep_mask(scaled, params, needs_rank, branch_free),
+            lambda: jnp.ones(scaled.shape, jnp.bool_),
+        )
     # min-p in log space: p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p). The most likely
     # token survives top-k and top-p, so filtering before or after renormalizing is the same.
     row_max = jnp.max(scaled, axis=1, keepdims=True)
@@ -252,9 +266,14 @@ def _inverse_cdf_draw(
     return jnp.minimum(drawn, processed.shape[1] - 1)
 
 
-@jax.jit
+def _branch_free(branch_free: bool | None) -> bool:
+    """None: branch-free everywhere but on CPU, where cond skips work and costs no host round trip."""
+    return jax.default_backend() != "cpu" if branch_free is None else branch_free
+
+
+@functools.partial(jax.jit, static_argnames=("branch_free",))
 def sampling_logits(
-    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None
 ) -> Float[Array, "num_rows vocab_size"]:
     """The logits each output row samples from: scaled by temperature, -inf outside the kept tokens.
 
@@ -262,12 +281,12 @@ def sampling_logits(
     `sample` computes the same thing inline.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]
-    return _processed_logits(_mask_banned(raw, params.banned_ids), params)
+    return _processed_logits(_mask_banned(raw, params.banned_ids), params, _branch_free(branch_free))
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("branch_free",))
 def sample(
-    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None
 ) -> tuple[Int[Array, "num_rows"], Float[Array, "num_rows"]]:
     """Draws one token per output row.
 
@@ -275,6 +294,9 @@ def sample(
       logits: float logits (cast to float32), one row per scheduled sequence, padding rows allowed.
       params: per-output-row parameters from `make_sampling_arrays`; row r samples from
         `logits[params.row_idx[r]]`.
+      branch_free: static; True computes every path and selects per row (no `cond`, so no device to
+        host predicate read on a GPU), False skips unneeded work with `cond`s; None (default) picks
+        False on CPU and True elsewhere. The tokens are the same.
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.
@@ -287,12 +309,13 @@ def sample(
     allowed = _mask_banned(raw, params.banned_ids)  # [R, V]
     greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
+    branch_free = _branch_free(branch_free)
 
     def random_ids():
-        drawn = _inverse_cdf_draw(_processed_logits(allowed, params), _row_uniforms(params))
+        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), _row_uniforms(params))
         return jnp.where(is_random, drawn, greedy_ids)
 
-    token_ids = jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
+    token_ids = random_ids() if branch_free else jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(raw, axis=1)
     return token_ids, logprobs

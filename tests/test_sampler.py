@@ -1,6 +1,8 @@
 """The batched sampler: greedy exactness, seeded reproducibility across batches, the filters'
 supports against a plain numpy oracle, empirical distributions, logprobs, and no retracing."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -233,10 +235,11 @@ def equation_paths(jaxpr, path=()):
             yield from equation_paths(sub, path + (eqn.primitive.name,))
 
 
-def test_ranking_and_noise_happen_only_inside_conditionals():
+def test_on_cpu_ranking_and_noise_happen_only_inside_conditionals():
     vocab_size = 2 * NUM_CANDIDATES
     logits = jnp.zeros((4, vocab_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(sample)(logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
+    jaxpr = jax.make_jaxpr(functools.partial(sample, branch_free=False))(
+        logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
     paths = list(equation_paths(jaxpr))
     assert not any(eqn.primitive.name == "sort" for eqn, _ in paths)
     top_ks = {
@@ -247,6 +250,51 @@ def test_ranking_and_noise_happen_only_inside_conditionals():
     assert noise and all(path.count("cond") == 1 for path in noise)
     # Candidates only when a sampling row uses top-k / top-p; full ranking only if they fall short.
     assert top_ks == {NUM_CANDIDATES: 2, vocab_size: 3}
+
+
+def test_branch_free_sampler_has_no_data_dependent_control_flow():
+    """Off CPU a cond or while makes XLA copy its predicate to the host each step, stalling the
+    asynchronous engine. The branch-free sampler (the default there) computes every path and
+    selects per row: the candidates' top_k, the full ranking and the noise all appear, outside
+    any control flow."""
+    vocab_size = 2 * NUM_CANDIDATES
+    logits = jnp.zeros((4, vocab_size), jnp.float32)
+    arrays = make_sampling_arrays([RowSpec(0), RowSpec(1, temperature=1.0, top_k=5, banned_ids=(2,))], 4)
+    for fn in (sample, sampling_logits):
+        jaxpr = jax.make_jaxpr(functools.partial(fn, branch_free=True))(logits, arrays).jaxpr
+        names = [eqn.primitive.name for eqn, _ in equation_paths(jaxpr)]
+        control = set(names) & {"cond", "while", "switch"}
+        assert not control, f"{fn.__name__} has data-dependent control flow: {control}"
+        assert "sort" in names or names.count("top_k") == 2  # candidates and the full ranking
+        if fn is sample:
+            assert {"random_bits", "threefry2x32"} & set(names)
+
+
+@pytest.mark.parametrize("path", ["candidates", "top_k_beyond_candidates", "top_p_beyond_candidates"])
+def test_branch_free_and_branching_samplers_draw_the_same_tokens(path):
+    """Random rows of every kind plus greedy ones, on each ranking path: same tokens, same logits."""
+    rng = np.random.default_rng(8)
+    num_rows, vocab_size = 16, NUM_CANDIDATES + 300
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 3.0).astype(np.float32)
+    rows = [
+        RowSpec(r, temperature=float(rng.choice([0.0, 0.5, 1.0])), top_k=int(rng.choice([0, 3, 40])),
+                top_p=float(rng.choice([1.0, 0.8])), min_p=float(rng.choice([0.0, 0.05])), seed=r, step=r,
+                banned_ids=(int(np.argmax(logits[r])),) if r % 3 == 0 else ())
+        for r in range(num_rows)
+    ]
+    if path == "top_k_beyond_candidates":
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_k=NUM_CANDIDATES + 10, seed=1)
+    if path == "top_p_beyond_candidates":
+        logits[-1] *= 0.01
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_p=0.9, seed=2)
+    arrays = make_sampling_arrays(rows, num_rows)
+    x = jnp.asarray(logits)
+    free_ids, free_lp = sample(x, arrays, branch_free=True)
+    cond_ids, cond_lp = sample(x, arrays, branch_free=False)
+    np.testing.assert_array_equal(np.asarray(free_ids), np.asarray(cond_ids))
+    np.testing.assert_array_equal(np.asarray(free_lp), np.asarray(cond_lp))
+    np.testing.assert_array_equal(np.asarray(sampling_logits(x, arrays, branch_free=True)),
+                                  np.asarray(sampling_logits(x, arrays, branch_free=False)))
 
 
 # --- banned ids (min_tokens) ----------------------------------------------------------------------
