@@ -332,7 +332,8 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Swaps the model weights (same shapes) without recompiling; drops K/V cached under the old ones."""
+        """Swaps in a copy of new weights (same tree and shapes, float) without recompiling; drops K/V
+        cached under the old ones. The caller may delete or donate its arrays afterwards."""
         if self.processor.requests:
             raise ValueError(
                 f"{len(self.processor.requests)} requests are in flight; finish or abort them before update_params "
