@@ -26,12 +26,14 @@ hashed once, when it fills (or at admission, for a prompt's full pages).
 
 from __future__ import annotations
 
+import array
 import collections
+import hashlib
 
 from jaxpaged.sequence import Sequence
 
-# (parent page's hash or None for page 0, cache_salt, this page's token ids): what a page's hash covers.
-PageKey = tuple[int | None, str | None, tuple[int, ...]]
+# (parent page's digest or None for page 0, cache_salt, this page's token ids): what a page's digest covers.
+PageKey = tuple[bytes | None, str | None, tuple[int, ...]]
 
 
 class BlockManager:
@@ -49,9 +51,9 @@ class BlockManager:
         self.free_page_ids: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
             range(1, num_pages)
         )
-        self.page_hash: list[int | None] = [None] * num_pages
-        self.page_key: list[PageKey | None] = [None] * num_pages  # what the hash covers, to confirm hits
-        self.hash_to_page: dict[int, int] = {}
+        self.page_hash: list[bytes | None] = [None] * num_pages  # blake2b digest of a registered page
+        self.page_key: list[PageKey | None] = [None] * num_pages  # what the digest covers, to confirm hits
+        self.hash_to_page: dict[bytes, int] = {}
 
         self.num_prefix_query_tokens = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, tokens whose K/V were found
@@ -62,9 +64,24 @@ class BlockManager:
     # ------------------------------------------------------------------ hashing
 
     @staticmethod
-    def hash_page(parent_hash: int | None, cache_salt: str | None, token_ids: tuple[int, ...]) -> int:
-        """Chained hash of one full page. A hit is always confirmed against the stored key."""
-        return hash((parent_hash, cache_salt, token_ids))
+    def hash_page(parent_hash: bytes | None, cache_salt: str | None, token_ids: tuple[int, ...]) -> bytes:
+        """Chained 32-byte blake2b digest of one full page; a hit is also confirmed against the stored key.
+
+        The stored key names the parent by digest, so the chain is only as safe as the digest: a
+        fast hash without a secret (Python's hash) lets two different parents collide, and a child
+        page computed after one would be served after the other. The input is unambiguous:
+
+            parent digest (32 bytes, or 1 byte 0x00 for page 0) | salt (0x00, or 0x01 + 8-byte
+            length + UTF-8) | token ids (8 bytes each, native byte order: keys never leave the process)
+        """
+        h = hashlib.blake2b(parent_hash if parent_hash is not None else b"\x00", digest_size=32)
+        if cache_salt is None:
+            h.update(b"\x00")
+        else:
+            salt = cache_salt.encode("utf-8", "surrogatepass")
+            h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+        h.update(array.array("q", token_ids).tobytes())
+        return h.digest()
 
     def _page_key(self, seq: Sequence, page_idx: int) -> PageKey:
         ps = self.page_size

@@ -238,10 +238,10 @@ class LLMEngine:
             step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
             if len(request.samples) < params.n:
                 entries[i] = list(range(len(rows), len(rows) + params.n))
-                rows += [self._row(i, request, j, step) for j in range(params.n)]
+                rows += [self._row(i, request, j, seq, step) for j in range(params.n)]
             else:
                 entries[i] = len(rows)
-                rows.append(self._row(i, request, sample_idx, step))
+                rows.append(self._row(i, request, sample_idx, seq, step))
 
         tokens = logprobs = None
         num_rows = 0
@@ -295,11 +295,14 @@ class LLMEngine:
         self.timings["postprocess"] += time.perf_counter() - t1
         return outputs
 
-    def _row(self, logits_row: int, request: RequestState, sample_idx: int, step: int) -> RowSpec:
+    def _row(self, logits_row: int, request: RequestState, sample_idx: int, seq: Sequence, step: int) -> RowSpec:
         p = request.params
+        # Under min_tokens the stop tokens are masked in the logits (as vLLM and HF do), so the
+        # sequence draws its most likely non-stop token instead of a stop that commit would ignore.
+        banned = sorted(seq.stop_token_set) if step < p.min_tokens else ()
         return RowSpec(
             row_idx=logits_row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
-            min_p=p.min_p, seed=seed_for(request.seed, sample_idx), step=step,
+            min_p=p.min_p, seed=seed_for(request.seed, sample_idx), step=step, banned_ids=tuple(banned),
         )
 
     def _log_step(self, out) -> None:
@@ -337,7 +340,8 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Swaps the model weights (same shapes) without recompiling; drops K/V cached under the old ones."""
+        """Swaps in a copy of new weights (same tree and shapes, float) without recompiling; drops K/V
+        cached under the old ones. The caller may delete or donate its arrays afterwards."""
         if self.processor.requests:
             raise ValueError(
                 f"{len(self.processor.requests)} requests are in flight; finish or abort them before update_params "

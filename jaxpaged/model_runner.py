@@ -117,8 +117,12 @@ class ModelRunner:
 
         self.model = CausalLM(model_config, attention_fn or reference_paged_attention)
         self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True)
+        # Shapes as the caller passes them (under tensor parallelism the placed KV projections may be
+        # wider: replicated KV heads); update_params checks new weights against these.
+        self._param_shapes = {
+            jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
         self.params = self._to_device(params)
-        self._param_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), self.params)
         c = model_config
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         if self.tp is None:
@@ -145,10 +149,27 @@ class ModelRunner:
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",), **copy_shardings)
 
     def _to_device(self, params):
-        if self.tp is not None:
-            return self.tp.place_params(params)
+        """The engine's own float copy of `params` in the model dtype.
+
+        Always a copy (`jnp.array(copy=True)`; `jnp.asarray` returns the caller's buffer when the
+        dtype matches): a training loop that later donates or deletes its arrays must not leave the
+        engine holding deleted buffers. Float leaves of another precision are cast; any other dtype
+        is refused, since casting integers to weights is never what was meant.
+        """
         dtype = jnp.dtype(self.config.dtype)
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+        def check(path, x):
+            x_dtype = getattr(x, "dtype", None)
+            if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
+                raise ValueError(
+                    f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating point "
+                    f"(they are cast to the model dtype {dtype})"
+                )
+
+        jax.tree_util.tree_map_with_path(check, params)
+        if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
+            return self.tp.place_params(params)
+        return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
                  layout, decode_only: bool = False):
@@ -252,15 +273,31 @@ class ModelRunner:
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
 
     def update_params(self, params) -> None:
-        """Swaps in new weights of the same shapes and dtypes; the compiled step is reused."""
-        params = self._to_device(params)
-        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), params)
-        if jax.tree.structure(params) != jax.tree.structure(self.params) or shapes != self._param_shapes:
+        """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.
+
+        Float leaves are cast to the model dtype and copied (the caller may delete or donate its
+        arrays afterwards); a non-float leaf, a missing or extra leaf, or a shape that differs
+        raises ValueError naming the leaf, and the current weights stay.
+        """
+        keystr = jax.tree_util.keystr
+        have = self._param_shapes
+        got = {keystr(k): x for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        missing, extra = sorted(have.keys() - got.keys()), sorted(got.keys() - have.keys())
+        if missing or extra:
             raise ValueError(
-                "new params differ in structure, shape or dtype from the current ones; "
-                "build a new ModelRunner for a different model"
+                f"new params do not have this model's parameter tree: missing {missing[:5]}, unexpected {extra[:5]}; "
+                "pass params with the same structure as `params` of this engine (load a new LLM for another model)"
             )
-        self.params = params
+        for path, shape in have.items():
+            got_shape = tuple(getattr(got[path], "shape", ()))
+            if got_shape != tuple(shape):
+                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}")
+        new = self._to_device(params)
+        if jax.tree.structure(new) != jax.tree.structure(self.params):  # e.g. a dict where a FrozenDict was
+            raise ValueError(
+                f"new params have tree {jax.tree.structure(new)}, expected {jax.tree.structure(self.params)}"
+            )
+        self.params = new
 
     def kv_cache_bytes(self) -> int:
         return self.kv_pages.nbytes

@@ -3,7 +3,9 @@
 Each output row r reads logits row `row_idx[r]`, so the engine can draw n samples from one prompt's
 logits (fan-out) without copying logits on the host. Per row, in the order of vLLM / Hugging Face:
 
-    raw logits x ─► greedy? (temperature 0) ──────────────────► argmax(x)   (ties: lowest id)
+    raw logits x ─► banned ids to -inf (eos and stop_token_ids while fewer than min_tokens outputs)
+         │
+    masked x ─────► greedy? (temperature 0) ──────────────────► argmax(x)   (ties: lowest id)
          │
          └─► x / temperature ─► top-k ─► top-p ─► min-p ─► inverse CDF at u(seed, step)
                                 (rank)   (nucleus  (>= min_p   (= a draw from the renormalized
@@ -11,7 +13,7 @@ logits (fan-out) without copying logits on the host. Per row, in the order of vL
                                           top k)     prob)
 
 The returned log-probability is always that of the model's unmodified distribution,
-`log_softmax(x)[token]`, whatever filters chose the token.
+`log_softmax(x)[token]`, whatever filters (min_tokens' ban included) chose the token.
 
 Reproducibility: row r's randomness is one uniform `u(fold_in(key(seed[r]), step[r]))`, and the
 token is a function of u and the row's own logits, so a seeded request draws the same tokens alone
@@ -28,14 +30,22 @@ Ranges assumed (SamplingParams validates them; nothing is checked here):
   seed: any Python int, taken modulo 2**32. step: >= 0, the number of tokens the sequence has
     generated so far.
   row_idx: in [0, num_seqs) of the logits it is used with (JAX clamps out-of-range gathers).
+  banned_ids: token ids in [0, vocab_size); -1 pads. The host fills them only for rows that are
+    still under min_tokens, so the ban ends without anything here knowing min_tokens.
 
-Cost (each step chosen on device with `jax.lax.cond`): an all-greedy batch draws no random numbers and ranks
-nothing; a batch where no sampling row uses top-k or top-p draws one uniform per row but ranks nothing; otherwise
-every row takes its NUM_CANDIDATES largest logits (`lax.top_k`), and only if some row needs more
-(top-k above NUM_CANDIDATES, or a top-p those candidates do not reach) is every row fully sorted.
+Cost, and branches. On CPU (`branch_free=False`, the default there) each step chooses its work
+with `jax.lax.cond`: an all-greedy batch draws no random numbers and ranks nothing; a batch where no
+sampling row uses top-k or top-p draws one uniform per row but ranks nothing; otherwise every row
+takes its NUM_CANDIDATES largest logits (`lax.top_k`), and only if some row needs more (top-k above
+NUM_CANDIDATES, or a top-p those candidates do not reach) is every row fully sorted.
+On an accelerator (`branch_free=True`, the default off CPU) a data-dependent `cond` makes XLA read
+its predicate back to the host every step, stalling the asynchronous engine's overlap; there every
+path is computed and selected per row with `jnp.where` (the full sort included, which on a 2-core
+CPU costs ~40x the greedy step, hence the split). Both modes draw the same tokens.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -48,6 +58,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt
 GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM's _SAMPLING_EPS)
 PRNG_IMPL = "threefry2x32"  # fixed so that seeded outputs do not depend on jax_default_prng_impl
 NUM_CANDIDATES = 1024  # top-k / top-p first look at this many largest logits per row
+MIN_BANNED_WIDTH = 4  # banned_ids columns: this, or the next power of two that fits (few compiles)
 
 
 class RowSpec(NamedTuple):
@@ -60,6 +71,7 @@ class RowSpec(NamedTuple):
     min_p: float = 0.0
     seed: int = 0  # the request's seed; for an unseeded request the engine draws one at arrival
     step: int = 0  # tokens this sequence has generated so far; with seed, fixes the draw
+    banned_ids: tuple[int, ...] = ()  # token ids this row must not draw (min_tokens not reached)
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +89,7 @@ class SamplingArrays:
     min_p: Float[Array, "num_rows"]  # float32, 0 = off
     seed: UInt[Array, "num_rows"]  # uint32, the request's seed
     step: Int[Array, "num_rows"]  # int32, tokens generated so far (folded into the seed's key)
+    banned_ids: Int[Array, "num_rows num_banned"]  # int32, ids whose logits become -inf; -1 pads
 
 
 def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> SamplingArrays:
@@ -89,6 +102,11 @@ def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> Sampling
     specs = [row if isinstance(row, RowSpec) else RowSpec(*row) for row in rows]
     padding = [RowSpec(row_idx=0)] * (num_rows - len(specs))
     specs += padding
+    num_banned = max(MIN_BANNED_WIDTH, *(len(s.banned_ids) for s in specs))
+    num_banned = 1 << (num_banned - 1).bit_length()
+    banned_ids = np.full((num_rows, num_banned), -1, np.int32)
+    for r, spec in enumerate(specs):
+        banned_ids[r, : len(spec.banned_ids)] = spec.banned_ids
     arrays = SamplingArrays(
         row_idx=np.array([s.row_idx for s in specs], np.int32),
         temperature=np.array([s.temperature for s in specs], np.float32),
@@ -97,6 +115,7 @@ def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> Sampling
         min_p=np.array([s.min_p for s in specs], np.float32),
         seed=np.array([s.seed % 2**32 for s in specs], np.uint32),
         step=np.array([s.step for s in specs], np.int32),
+        banned_ids=banned_ids,
     )
     return jax.device_put(arrays)
 
@@ -163,14 +182,19 @@ def _top_k_top_p_keep_mask(
     scaled: Float[Array, "num_rows vocab_size"],
     params: SamplingArrays,
     needs_rank: Bool[Array, "num_rows"],
+    branch_free: bool,
 ) -> Bool[Array, "num_rows vocab_size"]:
-    """The rank filters on the NUM_CANDIDATES largest logits, or on fully sorted rows if some row
-    needs more (a top-k above NUM_CANDIDATES, or a top-p beyond their mass). A full sort costs
-    20x more on CPU. Both paths keep the same tokens, up to float rounding exactly at a boundary."""
+    """The rank filters on the NUM_CANDIDATES largest logits, or on fully sorted rows where those
+    do not decide a row (a top-k above NUM_CANDIDATES, or a top-p beyond their mass): for every row
+    if one needs it, or (branch_free) per row with both computed. A full sort costs 20x more on
+    CPU. Both keep the same tokens, up to float rounding exactly at a boundary."""
     vocab_size = scaled.shape[1]
     if vocab_size <= NUM_CANDIDATES:
         return _rank_keep_mask(scaled, params, needs_rank, vocab_size)[0]
     keep, decided = _rank_keep_mask(scaled, params, needs_rank, NUM_CANDIDATES)
+    if branch_free:
+        full_keep, _ = _rank_keep_mask(scaled, params, needs_rank, vocab_size)
+        return jnp.where(decided[:, None], keep, full_keep)
     return jax.lax.cond(
         jnp.all(decided),
         lambda: keep,
@@ -179,7 +203,7 @@ def _top_k_top_p_keep_mask(
 
 
 def _processed_logits(
-    raw: Float[Array, "num_rows vocab_size"], params: SamplingArrays
+    raw: Float[Array, "num_rows vocab_size"], params: SamplingArrays, branch_free: bool
 ) -> Float[Array, "num_rows vocab_size"]:
     """Temperature, top-k, top-p and min-p applied: scaled logits, -inf outside the kept tokens."""
     vocab_size = raw.shape[1]
@@ -189,16 +213,29 @@ def _processed_logits(
 
     top_k_on = (params.top_k > 0) & (params.top_k < vocab_size)
     needs_rank = is_random & (top_k_on | (params.top_p < 1.0))
-    keep = jax.lax.cond(
-        jnp.any(needs_rank),
-        lambda: _top_k_top_p_keep_mask(scaled, params, needs_rank),
-        lambda: jnp.ones(scaled.shape, jnp.bool_),
-    )
+    if branch_free:  # rows that need no rank come back all True
+        keep = _top_k_top_p_keep_mask(scaled, params, needs_rank, branch_free)
+    else:
+        keep = jax.lax.cond(
+            jnp.any(needs_rank),
+            lambda: _top_k_top_p_keep_mask(scaled, params, needs_rank, branch_free),
+            lambda: jnp.ones(scaled.shape, jnp.bool_),
+        )
     # min-p in log space: p_i >= min_p * p_max  <=>  x_i - x_max >= log(min_p). The most likely
     # token survives top-k and top-p, so filtering before or after renormalizing is the same.
     row_max = jnp.max(scaled, axis=1, keepdims=True)
     keep &= scaled - row_max >= jnp.log(params.min_p)[:, None]
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _mask_banned(
+    raw: Float[Array, "num_rows vocab_size"], banned_ids: Int[Array, "num_rows num_banned"]
+) -> Float[Array, "num_rows vocab_size"]:
+    """raw with -inf at each row's banned ids; the -1 padding points past the vocabulary and is dropped."""
+    vocab_size = raw.shape[1]
+    columns = jnp.where(banned_ids < 0, vocab_size, banned_ids)  # [R, B]
+    rows = jax.lax.broadcasted_iota(jnp.int32, columns.shape, 0)  # [R, B]
+    return raw.at[rows, columns].set(-jnp.inf, mode="drop")
 
 
 def _row_uniforms(params: SamplingArrays) -> Float[Array, "num_rows"]:
@@ -229,21 +266,27 @@ def _inverse_cdf_draw(
     return jnp.minimum(drawn, processed.shape[1] - 1)
 
 
-@jax.jit
+def _branch_free(branch_free: bool | None) -> bool:
+    """None: branch-free everywhere but on CPU, where cond skips work and costs no host round trip."""
+    return jax.default_backend() != "cpu" if branch_free is None else branch_free
+
+
+@functools.partial(jax.jit, static_argnames=("branch_free",))
 def sampling_logits(
-    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None
 ) -> Float[Array, "num_rows vocab_size"]:
     """The logits each output row samples from: scaled by temperature, -inf outside the kept tokens.
 
-    Rows with temperature 0 are returned unscaled and unfiltered. For tests and inspection;
+    Rows with temperature 0 are returned unscaled and unfiltered (but banned ids are -inf). For tests and inspection;
     `sample` computes the same thing inline.
     """
-    return _processed_logits(logits.astype(jnp.float32)[params.row_idx], params)
+    raw = logits.astype(jnp.float32)[params.row_idx]
+    return _processed_logits(_mask_banned(raw, params.banned_ids), params, _branch_free(branch_free))
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("branch_free",))
 def sample(
-    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None
 ) -> tuple[Int[Array, "num_rows"], Float[Array, "num_rows"]]:
     """Draws one token per output row.
 
@@ -251,23 +294,28 @@ def sample(
       logits: float logits (cast to float32), one row per scheduled sequence, padding rows allowed.
       params: per-output-row parameters from `make_sampling_arrays`; row r samples from
         `logits[params.row_idx[r]]`.
+      branch_free: static; True computes every path and selects per row (no `cond`, so no device to
+        host predicate read on a GPU), False skips unneeded work with `cond`s; None (default) picks
+        False on CPU and True elsewhere. The tokens are the same.
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.
       logprobs: float32 [num_rows], `log_softmax(logits[row_idx])` at the chosen token, i.e. under
         the model's unmodified distribution.
 
-    Compiles once per (num_seqs, num_rows, vocab_size); parameter values never retrace.
+    Compiles once per (num_seqs, num_rows, vocab_size, num_banned); parameter values never retrace.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
-    greedy_ids = jnp.argmax(raw, axis=1).astype(jnp.int32)
+    allowed = _mask_banned(raw, params.banned_ids)  # [R, V]
+    greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
+    branch_free = _branch_free(branch_free)
 
     def random_ids():
-        drawn = _inverse_cdf_draw(_processed_logits(raw, params), _row_uniforms(params))
+        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), _row_uniforms(params))
         return jnp.where(is_random, drawn, greedy_ids)
 
-    token_ids = jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
+    token_ids = random_ids() if branch_free else jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(raw, axis=1)
     return token_ids, logprobs

@@ -68,7 +68,7 @@ class Sequence:
         "num_computed_tokens",  # tokens whose K/V are in this sequence's pages
         "num_cached_tokens",  # of those, tokens found in the prefix cache at the last admission
         "block_table",  # list[int]: logical page i -> physical page id
-        "page_hashes",  # list[int]: chained hash of full page i of token_ids (a cache of the block manager)
+        "page_hashes",  # list[bytes]: chained digest of full page i of token_ids (a cache of the block manager)
         "sampling_params",  # SamplingParams
         "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
         "cache_salt",  # None | str: separates tenants in the prefix cache
@@ -99,7 +99,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
-        self.page_hashes: list[int] = []
+        self.page_hashes: list[bytes] = []
         self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
         self.arrival_idx = -1
         self.cache_salt = cache_salt

@@ -292,3 +292,36 @@ def test_metrics_counters_allocations_ref_counts_and_live_slots():
     for seq in (a, b, child):
         bm.free(seq)
     assert bm.ref_count_histogram() == {} and bm.num_live_slots([]) == 0
+
+
+def test_a_collision_of_the_fast_hash_never_returns_a_wrong_page():
+    """Python's hash has no secret: hash(2**61 - 1) == hash(0), so pages X and Y below collide
+    under it. Keyed by the parent's *fast* hash, page Z computed after X was found again after Y
+    (a wrong K/V page; the class of vLLM's CVE-2025-25183). Keyed by a cryptographic digest of
+    the parent's digest, the salt and the tokens, Z-after-Y is a miss."""
+    x, y, z = [0, 0, 0, 0], [2**61 - 1, 0, 0, 0], [5, 6, 7, 8]
+    assert hash((None, None, tuple(x))) == hash((None, None, tuple(y)))  # a real collision
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE)
+    b = admit(bm, y + [9])  # Y registered first: pages [1, 2]
+    compute(bm, b)
+    a = admit(bm, x + z + [9])  # X misses (Y's page is not X), Z registered as computed after X
+    assert a.num_cached_tokens == 0 and a.block_table == [3, 4, 5]
+    compute(bm, a)
+    assert bm.page_hash[4] is not None
+    again = admit(bm, y + z + [9])  # Y hits page 1; Z after Y was never computed: must miss
+    assert again.block_table[0] == 1
+    assert again.num_cached_tokens == PAGE_SIZE
+    assert again.block_table[1] != 4, "page Z computed after X was returned after Y"
+    # Digests are bytes, and the same tokens after the same parent still hit.
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in a.page_hashes)
+    repeat = admit(bm, x + z + [9])
+    assert repeat.block_table[:2] == [3, 4] and repeat.num_cached_tokens == 2 * PAGE_SIZE
+
+
+def test_page_digests_separate_salt_and_tokens():
+    """The digest's input is unambiguous: a salt cannot pose as token ids, nor None as a salt."""
+    digest = BlockManager.hash_page
+    assert digest(None, None, (1, 2)) != digest(None, "", (1, 2))
+    assert digest(None, "a", (1, 2)) != digest(None, "a\x00", (1, 2))
+    assert digest(None, None, (1, 2)) != digest(digest(None, None, (1,)), None, (2,))
+    assert digest(None, None, (1, 2)) == digest(None, None, (1, 2))

@@ -55,8 +55,8 @@ def prompts(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompts):
-    """Hugging Face's greedy continuation of every prompt, one prompt at a time."""
+def hf_model():
+    """transformers' SmolLM2 from the bundled GGUF, float32."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
@@ -64,9 +64,17 @@ def hf_greedy(prompts):
 
     torch.set_num_threads(1)  # OpenMP spinning on shared cores makes small decode steps crawl
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompts, hf_model):
+    """Hugging Face's greedy continuation of every prompt, one prompt at a time."""
+    import torch
+
+    model = hf_model
     outputs = []
     with torch.no_grad():
         for ids in prompts:
@@ -100,6 +108,26 @@ def test_chat_answer_mentions_paris(llm):
                    SamplingParams(temperature=0.0, max_tokens=20))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+    assert_no_leak(llm)
+
+
+def test_min_tokens_masks_eos_like_hugging_face(llm, prompts, hf_model):
+    """The issue's prompt: greedy SmolLM2 emits eos after a few tokens; with min_tokens=20 eos is
+    masked until 20 tokens exist (HF's min_new_tokens), after which eos may stop the request."""
+    import torch
+
+    eos = llm.tokenizer.eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=20)
+    got = llm.generate([prompts[0]], params)[0].outputs[0]
+    with torch.no_grad():
+        want = hf_model.generate(
+            torch.tensor([prompts[0]]), do_sample=False, min_new_tokens=20, max_new_tokens=40,
+            eos_token_id=eos, pad_token_id=eos, temperature=None, top_p=None, top_k=None,
+        )[0, len(prompts[0]):].tolist()
+    free = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    assert len(free.token_ids) < 20, "without min_tokens this prompt must stop at eos early"
+    assert eos not in got.token_ids[:20]
+    assert got.token_ids == want
     assert_no_leak(llm)
 
 

@@ -2,6 +2,7 @@
 donation of the KV buffer, copy-on-write page copies, weight swaps."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -190,8 +191,39 @@ def test_update_params_changes_logits_without_recompiling(tiny_params):
     assert np.abs(logits_after - logits_before).max() > 1e-3
 
     wrong = init_params(dataclasses.replace(TINY, intermediate_size=32), jax.random.key(2))
-    with pytest.raises(ValueError, match="differ in structure, shape or dtype"):
+    with pytest.raises(ValueError, match=r"has shape \(.*32.*\), expected \(.*64.*\)"):
         runner.update_params(wrong)
+
+
+def test_update_params_owns_a_copy_and_names_the_bad_leaf(tiny_params):
+    """A training loop may delete or donate its arrays after update_params: the runner keeps its
+    own copy. Bad params name their leaf and leave the current weights in place."""
+    runner = _runner(tiny_params, buckets=(8,), max_num_batched_tokens=8)
+    seq = make_seq([3, 1, 4, 1, 5], block_table=[1, 2])
+    new = init_params(TINY, jax.random.key(1))
+    reference = np.asarray(_runner(jax.tree.map(jnp.copy, new), buckets=(8,), max_num_batched_tokens=8)
+                           .run(make_scheduler_output([seq], [5])))
+    runner.update_params(new)
+    for x in jax.tree.leaves(new):
+        x.delete()  # what a donating optimizer step does to the caller's buffers
+    np.testing.assert_array_equal(np.asarray(runner.run(make_scheduler_output([seq], [5]))), reference)
+
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(tiny_params)[0]]
+    leaves, treedef = jax.tree.flatten(tiny_params)
+    as_int = jax.tree.unflatten(treedef, [x.astype(jnp.int32) if i == 1 else x for i, x in enumerate(leaves)])
+    with pytest.raises(ValueError, match=rf"param {re.escape(paths[1])} has dtype int32; weights must be floating"):
+        runner.update_params(as_int)
+    reshaped = jax.tree.unflatten(treedef, [x[..., :1] if i == 2 else x for i, x in enumerate(leaves)])
+    with pytest.raises(ValueError, match=rf"param {re.escape(paths[2])} has shape .*, expected {re.escape(str(leaves[2].shape))}"):
+        runner.update_params(reshaped)
+    missing = jax.tree.unflatten(treedef, leaves)
+    if isinstance(missing, dict):
+        missing = dict(missing)
+        dropped = sorted(missing)[0]
+        missing.pop(dropped)
+        with pytest.raises(ValueError, match="missing"):
+            runner.update_params(missing)
+    np.testing.assert_array_equal(np.asarray(runner.run(make_scheduler_output([seq], [5]))), reference)
 
 
 def test_num_pages_for_budget():

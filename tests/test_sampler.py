@@ -1,6 +1,8 @@
 """The batched sampler: greedy exactness, seeded reproducibility across batches, the filters'
 supports against a plain numpy oracle, empirical distributions, logprobs, and no retracing."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -233,10 +235,11 @@ def equation_paths(jaxpr, path=()):
             yield from equation_paths(sub, path + (eqn.primitive.name,))
 
 
-def test_ranking_and_noise_happen_only_inside_conditionals():
+def test_on_cpu_ranking_and_noise_happen_only_inside_conditionals():
     vocab_size = 2 * NUM_CANDIDATES
     logits = jnp.zeros((4, vocab_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(sample)(logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
+    jaxpr = jax.make_jaxpr(functools.partial(sample, branch_free=False))(
+        logits, make_sampling_arrays([RowSpec(0)], 4)).jaxpr
     paths = list(equation_paths(jaxpr))
     assert not any(eqn.primitive.name == "sort" for eqn, _ in paths)
     top_ks = {
@@ -247,6 +250,87 @@ def test_ranking_and_noise_happen_only_inside_conditionals():
     assert noise and all(path.count("cond") == 1 for path in noise)
     # Candidates only when a sampling row uses top-k / top-p; full ranking only if they fall short.
     assert top_ks == {NUM_CANDIDATES: 2, vocab_size: 3}
+
+
+def test_branch_free_sampler_has_no_data_dependent_control_flow():
+    """Off CPU a cond or while makes XLA copy its predicate to the host each step, stalling the
+    asynchronous engine. The branch-free sampler (the default there) computes every path and
+    selects per row: the candidates' top_k, the full ranking and the noise all appear, outside
+    any control flow."""
+    vocab_size = 2 * NUM_CANDIDATES
+    logits = jnp.zeros((4, vocab_size), jnp.float32)
+    arrays = make_sampling_arrays([RowSpec(0), RowSpec(1, temperature=1.0, top_k=5, banned_ids=(2,))], 4)
+    for fn in (sample, sampling_logits):
+        jaxpr = jax.make_jaxpr(functools.partial(fn, branch_free=True))(logits, arrays).jaxpr
+        names = [eqn.primitive.name for eqn, _ in equation_paths(jaxpr)]
+        control = set(names) & {"cond", "while", "switch"}
+        assert not control, f"{fn.__name__} has data-dependent control flow: {control}"
+        assert "sort" in names or names.count("top_k") == 2  # candidates and the full ranking
+        if fn is sample:
+            assert {"random_bits", "threefry2x32"} & set(names)
+
+
+@pytest.mark.parametrize("path", ["candidates", "top_k_beyond_candidates", "top_p_beyond_candidates"])
+def test_branch_free_and_branching_samplers_draw_the_same_tokens(path):
+    """Random rows of every kind plus greedy ones, on each ranking path: same tokens, same logits."""
+    rng = np.random.default_rng(8)
+    num_rows, vocab_size = 16, NUM_CANDIDATES + 300
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 3.0).astype(np.float32)
+    rows = [
+        RowSpec(r, temperature=float(rng.choice([0.0, 0.5, 1.0])), top_k=int(rng.choice([0, 3, 40])),
+                top_p=float(rng.choice([1.0, 0.8])), min_p=float(rng.choice([0.0, 0.05])), seed=r, step=r,
+                banned_ids=(int(np.argmax(logits[r])),) if r % 3 == 0 else ())
+        for r in range(num_rows)
+    ]
+    if path == "top_k_beyond_candidates":
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_k=NUM_CANDIDATES + 10, seed=1)
+    if path == "top_p_beyond_candidates":
+        logits[-1] *= 0.01
+        rows[-1] = RowSpec(num_rows - 1, temperature=1.0, top_p=0.9, seed=2)
+    arrays = make_sampling_arrays(rows, num_rows)
+    x = jnp.asarray(logits)
+    free_ids, free_lp = sample(x, arrays, branch_free=True)
+    cond_ids, cond_lp = sample(x, arrays, branch_free=False)
+    np.testing.assert_array_equal(np.asarray(free_ids), np.asarray(cond_ids))
+    np.testing.assert_array_equal(np.asarray(free_lp), np.asarray(cond_lp))
+    np.testing.assert_array_equal(np.asarray(sampling_logits(x, arrays, branch_free=True)),
+                                  np.asarray(sampling_logits(x, arrays, branch_free=False)))
+
+
+# --- banned ids (min_tokens) ----------------------------------------------------------------------
+
+
+def test_banned_ids_are_never_drawn_and_padding_bans_nothing():
+    """Rows under min_tokens ban eos (2) and a stop id (5), the two most likely tokens here: greedy
+    rows take the third, sampling rows never draw them, and a row without bans is unchanged. The
+    most likely token of the last row is the last id, where a -1 pad would land if it wrapped."""
+    logits = np.full((2, 8), -1.0, np.float32)
+    logits[0, [2, 5, 6]] = [5.0, 4.0, 3.0]
+    logits[1, 7] = 5.0
+    rows = [
+        RowSpec(0, banned_ids=(2, 5)),  # greedy: 6
+        RowSpec(0),  # greedy, no bans: 2
+        RowSpec(1, banned_ids=(2,)),  # greedy: 7 (the -1 padding must not ban id 7)
+    ] + [RowSpec(0, temperature=1.0, seed=s, banned_ids=(5, 2)) for s in range(61)]
+    arrays = make_sampling_arrays(rows, 64)
+    assert arrays.banned_ids.shape == (64, 4)  # MIN_BANNED_WIDTH columns
+    token_ids, logprobs = (np.asarray(x) for x in sample(jnp.asarray(logits), arrays))
+    assert token_ids[:3].tolist() == [6, 2, 7]
+    drawn = token_ids[3:64]
+    assert not np.isin(drawn, [2, 5]).any()
+    assert (drawn == 6).mean() > 0.5  # e^3 against seven tokens at e^-1: ~0.84 of the mass
+    # logprobs stay those of the unmodified distribution
+    expected = logits[0, 6] - np.log(np.exp(logits[0].astype(np.float64)).sum())
+    np.testing.assert_allclose(logprobs[0], expected, atol=1e-5)
+    processed = np.asarray(sampling_logits(jnp.asarray(logits), arrays))
+    assert np.isneginf(processed[0, [2, 5]]).all() and np.isfinite(processed[1]).all()
+
+
+def test_banned_ids_width_grows_in_powers_of_two():
+    arrays = make_sampling_arrays([RowSpec(0, banned_ids=tuple(range(5)))], 2)
+    assert arrays.banned_ids.shape == (2, 8)
+    np.testing.assert_array_equal(np.asarray(arrays.banned_ids)[0], [0, 1, 2, 3, 4, -1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(arrays.banned_ids)[1], [-1] * 8)
 
 
 # --- distributions --------------------------------------------------------------------------------

@@ -228,3 +228,17 @@ def test_finish_and_abort_free_pages_at_once_and_update_skips_them():
     assert sched.abort(waiting.seq_id) is waiting and not sched.waiting
     sched.abort(c.seq_id)
     assert not sched.has_unfinished() and bm.stats()["num_used_pages"] == 0
+
+
+def test_the_last_budget_token_admits_a_one_token_chunk_of_a_waiting_prompt():
+    """Budget 6: a's 5-token prompt leaves exactly one token, which admits b with a 1-token chunk
+    (its first page now, no sample yet); b's other 3 tokens run next step."""
+    bm, sched = make(max_num_batched_tokens=6)
+    a = request([1, 2, 3, 4, 5], max_tokens=3)
+    b = request([7, 8, 9, 10], max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    out, batch = plan(sched)
+    assert batch == [(a.seq_id, 5), (b.seq_id, 1)] and out.num_batched_tokens == 6
+    assert out.samples == [True, False]
+    assert b.status is SequenceStatus.RUNNING and b.block_table == [3]
