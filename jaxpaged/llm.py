@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.engine import LLMEngine
@@ -126,7 +127,10 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages or isinstance(messages, (str, dict)):
+            raise ValueError(
+                f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -156,11 +160,7 @@ class LLM:
                 self.engine.abort_request(request_id)
 
     def _normalize(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts given; pass a string, a list of strings or a list of token-id lists")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -169,16 +169,23 @@ class LLM:
             raise ValueError(
                 f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
         requests = []
-        for prompt, params in zip(prompts, sampling_params):
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
             if isinstance(prompt, str):
                 if not prompt:
                     raise ValueError("prompt is an empty string; give some text")
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as err:  # a lone surrogate, e.g. half of a badly split emoji
+                    raise ValueError(
+                        f"prompt {i} is not valid Unicode: {err.object[err.start:err.end]!r} at character "
+                        f"{err.start} is a lone surrogate; fix the text (e.g. decode it with errors='replace')"
+                    ) from None
                 token_ids = self.tokenizer.encode(prompt)
                 text = prompt
             else:
-                token_ids, text = list(prompt), None
+                token_ids, text = _token_id_list(prompt, i), None
             self.engine.validate_prompt(token_ids)
             requests.append((text, token_ids, params))
         return requests
@@ -196,3 +203,56 @@ class LLM:
     @property
     def params(self):
         return self.engine.runner.params
+
+
+_PROMPTS_HELP = ("pass a string, a list of strings, a list of token ids, a list of token-id lists, "
+                 "or a 1-D / 2-D integer numpy or JAX array of token ids")
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _prompt_list(prompts) -> list:
+    """One list entry per prompt: a str, or something `_token_id_list` takes."""
+    if prompts is None:
+        raise ValueError(f"prompts is None; {_PROMPTS_HELP}")
+    if isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts is {type(prompts).__name__}; decode it to str first, or {_PROMPTS_HELP}")
+    if isinstance(prompts, str):
+        return [prompts]
+    if _is_array(prompts):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)  # one row per prompt
+        raise ValueError(f"a token-id array must be 1-D (one prompt) or 2-D (one row per prompt), got shape {prompts.shape}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"no prompts given; {_PROMPTS_HELP}")
+    first = prompts[0]
+    if isinstance(first, (int, np.integer)) or (_is_array(first) and first.ndim == 0):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _token_id_list(prompt, i: int) -> list[int]:
+    """Prompt `i`, given as token ids (a list, tuple or 1-D integer array), as a list of Python ints."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(f"prompt {i} is {type(prompt).__name__}; decode it to str first, or {_PROMPTS_HELP}")
+    if _is_array(prompt):
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt {i} is an array of shape {prompt.shape}; a prompt of token ids must be 1-D")
+        array = np.asarray(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        for t in prompt:
+            if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or _is_array(t) and t.ndim == 0):
+                raise ValueError(f"prompt {i} holds {t!r} ({type(t).__name__}); token ids must be ints")
+            if _is_array(t) and not np.issubdtype(t.dtype, np.integer):
+                raise ValueError(f"prompt {i} holds {t!r}; token ids must be integers")
+        array = np.asarray([int(t) for t in prompt], dtype=np.int64)
+    else:
+        raise ValueError(f"prompt {i} is a {type(prompt).__name__}; {_PROMPTS_HELP}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"prompt {i} has dtype {array.dtype}; token ids must be integers")
+    return array.tolist()
