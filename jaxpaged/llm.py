@@ -12,6 +12,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import no_type_check
 
 import jax
 import numpy as np
@@ -23,6 +24,11 @@ from jaxpaged.model_runner import kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+
+# What `generate` / `stream` take as prompts: text, token ids, or integer arrays of token ids
+# (1-D: one prompt, 2-D: one row per prompt). Checked by `_prompt_list` / `_token_id_list`.
+Prompts = (str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | np.ndarray | jax.Array
+           | Sequence[np.ndarray | jax.Array])
 
 _CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 
@@ -114,9 +120,10 @@ class LLM:
 
     # ---------------------------------------------------------------- generation
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
@@ -141,9 +148,10 @@ class LLM:
             bar.close()
         return [final[i] for i in ids]
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def stream(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`).
@@ -156,6 +164,7 @@ class LLM:
         """
         yield from self._run(prompts, sampling_params, [])
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

@@ -7,8 +7,12 @@ sampling fields when it builds its per-row arrays.
 from __future__ import annotations
 
 import dataclasses
+from typing import no_type_check
 
 
+# no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
+# tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
+@no_type_check
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
