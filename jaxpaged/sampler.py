@@ -74,22 +74,26 @@ class RowSpec(NamedTuple):
     banned_ids: tuple[int, ...] = ()  # token ids this row must not draw (min_tokens not reached)
 
 
+HostOrDevice = Array | np.ndarray
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per-output-row sampling parameters on device, padded to the bucket size `num_rows`.
+    """Per-output-row sampling parameters, padded to the bucket size `num_rows`: built as numpy
+    arrays on the host, jax arrays inside the jitted sampler.
 
     Padding rows are greedy reads of logits row 0; the engine ignores their tokens.
     """
 
-    row_idx: Int[Array, "num_rows"]  # int32, logits row each output row samples from
-    temperature: Float[Array, "num_rows"]  # float32, 0 = greedy argmax of the raw logits
-    top_k: Int[Array, "num_rows"]  # int32, <= 0 = off
-    top_p: Float[Array, "num_rows"]  # float32, 1 = off
-    min_p: Float[Array, "num_rows"]  # float32, 0 = off
-    seed: UInt[Array, "num_rows"]  # uint32, the request's seed
-    step: Int[Array, "num_rows"]  # int32, tokens generated so far (folded into the seed's key)
-    banned_ids: Int[Array, "num_rows num_banned"]  # int32, ids whose logits become -inf; -1 pads
+    row_idx: Int[HostOrDevice, "num_rows"]  # int32, logits row each output row samples from
+    temperature: Float[HostOrDevice, "num_rows"]  # float32, 0 = greedy argmax of the raw logits
+    top_k: Int[HostOrDevice, "num_rows"]  # int32, <= 0 = off
+    top_p: Float[HostOrDevice, "num_rows"]  # float32, 1 = off
+    min_p: Float[HostOrDevice, "num_rows"]  # float32, 0 = off
+    seed: UInt[HostOrDevice, "num_rows"]  # uint32, the request's seed
+    step: Int[HostOrDevice, "num_rows"]  # int32, tokens generated so far (folded into the seed's key)
+    banned_ids: Int[HostOrDevice, "num_rows num_banned"]  # int32, ids whose logits become -inf; -1 pads
 
 
 def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> SamplingArrays:

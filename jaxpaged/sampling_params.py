@@ -7,8 +7,12 @@ sampling fields when it builds its per-row arrays.
 from __future__ import annotations
 
 import dataclasses
+from typing import no_type_check
 
 
+# no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
+# tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
+@no_type_check
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
@@ -16,19 +20,29 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
     seed: int | None = None  # per-request seed; None = the engine's random stream
-    max_tokens: int = 16  # generate at most this many tokens ("length")
+    max_tokens: int | None = 16  # generate at most this many tokens ("length"); None = up to max_model_len
     min_tokens: int = 0  # eos / stop_token_ids do not stop before this many tokens
-    stop: str | list[str] | tuple[str, ...] = ()  # stop strings (the engine checks text); normalised to a tuple
-    stop_token_ids: list[int] | tuple[int, ...] = ()  # token ids that stop ("stop"); normalised to a tuple
+    stop: str | list[str] | tuple[str, ...] | None = ()  # stop strings (the engine checks text); a tuple, None = ()
+    stop_token_ids: list[int] | tuple[int, ...] | None = ()  # token ids that stop ("stop"); a tuple, None = ()
     ignore_eos: bool = False  # keep generating past the model's eos token
     n: int = 1  # number of samples of the same prompt (forks share the prompt's pages)
     logprobs: bool = False  # also return the chosen tokens' log-probabilities
 
     def __post_init__(self) -> None:
-        # Normalise the two list fields to tuples, so the object is hashable and immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        # Normalise the two list fields to tuples, so the object is hashable and immutable; None
+        # (as vLLM users write it) means none.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise ValueError(f"{name}={value!r} must be a list, a tuple or None")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        # Integer fields take ints only: 1.5 would be truncated somewhere, and True is not a count.
+        for name in ("top_k", "min_tokens", "n") + (() if self.max_tokens is None else ("max_tokens",)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an int")
 
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(
@@ -42,9 +56,9 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0.0 to turn min-p off")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r} must be an int or None")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1; ask for at least one token")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (or None: up to max_model_len)")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(
                 f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]; "
                 "lower min_tokens or raise max_tokens"

@@ -105,7 +105,7 @@ class Scheduler:
             )
         # The longest it may grow to must fit the whole pool, so that it can always finish alone.
         page_size = self.block_manager.page_size
-        max_len = min(num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
+        max_len = min(seq.max_num_tokens, self.max_model_len)  # prompt + max_tokens (None: unbounded)
         num_pages_needed = -(-max_len // page_size)
         num_usable_pages = self.block_manager.num_pages - 1
         if num_pages_needed > num_usable_pages:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -108,7 +109,8 @@ class Sequence:
         if eos_token_id is not None and not self.sampling_params.ignore_eos:
             stop_token_ids.add(eos_token_id)
         self.stop_token_set = frozenset(stop_token_ids)
-        self.max_num_tokens = len(self.prompt_token_ids) + self.sampling_params.max_tokens
+        max_tokens = self.sampling_params.max_tokens  # None: only max_model_len stops it (Scheduler.add caps)
+        self.max_num_tokens = len(self.prompt_token_ids) + (max_tokens if max_tokens is not None else sys.maxsize)
         self.num_placeholders = 0
 
     def __len__(self) -> int:

@@ -10,9 +10,15 @@ argument, and owns the device half.
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jaxtyping import Int
+
+
+# numpy arrays on the host; the jitted step rebuilds a StepInput from jax arrays (tracers), which
+# this module cannot name without importing jax: `Any` keeps the dtype and shape checks for both.
+_Arr = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,22 +31,22 @@ class StepInput:
     """
 
     # Flat tokens of all scheduled chunks, in batch order; padding 0.
-    token_ids: Int[np.ndarray, "num_tokens"]
+    token_ids: Int[_Arr, "num_tokens"]
     # Each token's position in its sequence (RoPE); padding 0.
-    positions: Int[np.ndarray, "num_tokens"]
+    positions: Int[_Arr, "num_tokens"]
     # Slot receiving each token's K/V (page_id * page_size + offset); padding num_pages * page_size.
-    slot_mapping: Int[np.ndarray, "num_tokens"]
+    slot_mapping: Int[_Arr, "num_tokens"]
     # Physical page ids of each sequence, at fixed width ceil(max_model_len / page_size); padding 0.
-    block_tables: Int[np.ndarray, "num_seqs pages_per_seq"]
+    block_tables: Int[_Arr, "num_seqs pages_per_seq"]
     # Context length of each sequence after this step (cached + new tokens); padding rows 0.
-    seq_lens: Int[np.ndarray, "num_seqs"]
+    seq_lens: Int[_Arr, "num_seqs"]
     # Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1]; padding rows repeat the total.
-    query_start_loc: Int[np.ndarray, "num_seqs_plus_1"]
+    query_start_loc: Int[_Arr, "num_seqs_plus_1"]
     # Flat index of each sequence's last scheduled token (where logits are taken); padding rows 0.
-    logits_indices: Int[np.ndarray, "num_seqs"]
+    logits_indices: Int[_Arr, "num_seqs"]
     # Per token, -1 if token_ids holds it; else the row of the previous step's sampled tokens (still
     # on the device) that holds it, and token_ids has 0 there. Asynchronous stepping only; padding -1.
-    prev_token_rows: Int[np.ndarray, "num_tokens"] | None = None
+    prev_token_rows: Int[_Arr, "num_tokens"] | None = None
     # Static (pytree metadata, not an array): every real sequence has exactly one token and
     # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
     # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.

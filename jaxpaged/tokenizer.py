@@ -244,6 +244,17 @@ class Tokenizer:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass a plain prompt instead of messages"
             )
+        for i, message in enumerate(messages):
+            # Templates read message['content'] unguarded: without this, a missing key is a jinja
+            # UndefinedError that names neither the message nor the fix. (An assistant turn that
+            # carries tool_calls may leave content out, as in OpenAI's format.)
+            if not isinstance(message, dict) or "role" not in message or (
+                "content" not in message and "tool_calls" not in message
+            ):
+                raise ValueError(
+                    f"chat message {i} ({message!r}) needs a 'role' and a 'content', "
+                    "e.g. {'role': 'user', 'content': 'Hello'}"
+                )
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         variables = dict(self._template_tokens)

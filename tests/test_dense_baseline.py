@@ -6,6 +6,7 @@ test, on the bundled SmolLM2); its schedule against the static-batch design it s
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -104,10 +105,9 @@ def test_dense_attention_equals_paged_reference(kind):
         v_pool[:, tables[b]] = rows_v[:, b].reshape(num_kv_heads, pages_per_row, page_size, head_dim)
     real = seq_lens > 0
     q_lens = np.where(real, q_len, 0)
-    want = reference_paged_attention(
-        q[: q_lens.sum()], k_pool, v_pool, tables[rows][real], seq_lens[real],
-        np.concatenate([[0], np.cumsum(q_lens[real])]).astype(np.int32), scale=0.25,
-    )
+    oracle_args = (q[: q_lens.sum()], k_pool, v_pool, tables[rows][real], seq_lens[real],
+                   np.concatenate([[0], np.cumsum(q_lens[real])]).astype(np.int32))
+    want = reference_paged_attention(*map(jnp.asarray, oracle_args), scale=0.25)  # annotated: jax arrays
     np.testing.assert_allclose(np.asarray(got[: q_lens.sum()]), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[q_lens.sum():]), 0.0)  # padding row: zeros, not NaN
 

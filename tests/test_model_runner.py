@@ -234,13 +234,15 @@ def test_num_pages_for_budget():
 
 
 def test_step_input_is_a_pytree_of_its_eight_arrays_and_packs_into_one():
-    step = StepInput(*(np.full(2, i, np.int32) for i in range(8)))
+    # Field i holds i; num_tokens = num_seqs = 2, block_tables is [num_seqs, pages_per_seq=1].
+    step = StepInput(*(np.full((2, 1) if i == 3 else 2, i, np.int32) for i in range(8)))
     leaves, treedef = jax.tree.flatten(step)
-    assert [int(x[0]) for x in leaves] == list(range(8))
+    assert [int(x.flat[0]) for x in leaves] == list(range(8))
     assert jax.tree.unflatten(treedef, leaves).prev_token_rows is leaves[7]
     packed, layout = pack_step_input(step)
     assert packed.tolist() == [i for i in range(8) for _ in range(2)]
-    assert [name for name, _ in layout][-1] == "prev_token_rows" and all(shape == (2,) for _, shape in layout)
+    assert [name for name, _ in layout][-1] == "prev_token_rows"
+    assert [shape for _, shape in layout] == [(2,)] * 3 + [(2, 1)] + [(2,)] * 4
 
 
 def test_placeholder_input_token_is_read_from_the_previous_steps_samples(tiny_params):

@@ -14,6 +14,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -184,7 +185,10 @@ def _inputs(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, 
         (dict(num_seqs=3), "block_tables has"),
     ],
 )
-def test_decode_rejects_bad_shapes(change, message):
+def test_decode_rejects_bad_shapes(change, message, monkeypatch):
+    # Production runs without the tests' jaxtyping checks (which would catch the block_tables
+    # mismatch first): the kernel's own trace-time checks must hold alone.
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
     arguments = _inputs(**change)
     if "num_seqs" in change:
         arguments["block_tables"] = arguments["block_tables"][:2]

@@ -14,6 +14,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -175,7 +176,10 @@ def _inputs(num_tokens=4, num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=64, 
     )
 
 
-def test_ragged_rejects_bad_arguments():
+def test_ragged_rejects_bad_arguments(monkeypatch):
+    # Production runs without the tests' jaxtyping checks (which would catch the v_pages mismatch
+    # first): the kernel's own trace-time checks must hold alone.
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
     with pytest.raises(ValueError, match="must be divisible by num_kv_heads"):
         paged_attention(**_inputs(num_heads=6, num_kv_heads=4), scale=0.125, interpret=True)
     bad = _inputs()

@@ -1,0 +1,106 @@
+"""What `python -m jaxpaged.generate` prints (issue 18 items 9, 10).
+
+In-process on a tiny random model (with SmolLM2's tokenizer) where output formatting is the
+point, so no real model loads; a subprocess where the user's view of a failure is the point.
+"""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jaxpaged
+from jaxpaged import SamplingParams
+from jaxpaged.generate import main
+from test_llm_inputs import tiny_llm
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llm()
+
+
+@pytest.fixture
+def cli(tiny, monkeypatch):
+    """main(argv) with `LLM(...)` giving the tiny model; logging restored afterwards."""
+    monkeypatch.setattr(jaxpaged, "LLM", lambda *args, **kwargs: tiny)
+    root, ours = logging.getLogger(), logging.getLogger("jaxpaged")
+    saved = root.level, root.handlers[:], ours.level, ours.handlers[:], ours.propagate
+    # Like a fresh process: pytest's own handlers on the root would make basicConfig a no-op.
+    root.handlers = []
+    yield main
+    root.setLevel(saved[0])
+    root.handlers = saved[1]
+    ours.setLevel(saved[2])
+    ours.handlers = saved[3]
+    ours.propagate = saved[4]
+
+
+def test_verbose_turns_on_jaxpaged_debug_only(cli, capsys):
+    assert cli(["--verbose", "--no-chat", "--prompt", "Hello there", "--max-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert logging.getLogger("jaxpaged.engine").isEnabledFor(logging.DEBUG)
+    for name in ("absl", "orbax", "jax._src.cache_key", "jax._src.compiler", "jax._src.dispatch"):
+        assert not logging.getLogger(name).isEnabledFor(logging.DEBUG), f"{name} logs DEBUG under --verbose"
+    assert re.search(r"step 1: .*\(seq_id, new_tokens, pages\)=\[\(\d+, \d+, \d+\)\]", err), err
+    page_lines = [line for line in err.splitlines() if "pages:" in line and "used" in line]
+    assert page_lines and all(re.search(r"pages: \d+/\d+ used \(\d+%\), \d+ free", line) for line in page_lines)
+    assert all(len(line) < 120 for line in page_lines)
+
+
+def test_logprobs_are_printed_without_json(cli, tiny, capsys):
+    assert cli(["--no-chat", "--prompt", "Hello there", "--max-tokens", "4", "--ignore-eos", "--logprobs"]) == 0
+    out = capsys.readouterr().out
+    want = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                      logprobs=True))[0].outputs[0].logprobs
+    assert f"logprobs (sum {sum(want):.3f} over 4 tokens): " + " ".join(f"{x:.3f}" for x in want) in out
+
+
+@pytest.mark.parametrize("extra", [["--prompt", "Tell me more"], ["--n", "2", "--temperature", "1", "--seed", "3"]],
+                         ids=["two-prompts", "n=2"])
+def test_stream_of_several_completions_prints_each_whole(cli, tiny, capsys, extra):
+    argv = ["--no-chat", "--stream", "--prompt", "Hello there", "--max-tokens", "6", "--ignore-eos", *extra]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    n = 2 if "--n" in extra else 1
+    params = SamplingParams(temperature=1.0 if n > 1 else 0.0, seed=3 if n > 1 else None, max_tokens=6,
+                            ignore_eos=True, n=n)
+    prompts = ["Hello there"] + (["Tell me more"] if n == 1 else [])
+    for prompt, result in zip(prompts, tiny.generate(prompts, params)):
+        for c in result.outputs:
+            tag = f"[{c.index}] " if n > 1 else ""
+            assert f">>> {prompt}\n{tag}{c.text}\n" in out
+    assert len(out.splitlines()) < 6 * len(prompts) * n  # not one line per token
+
+
+def test_single_stream_still_prints_as_it_goes(cli, tiny, capsys):
+    assert cli(["--no-chat", "--stream", "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos"]) == 0
+    text = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].text
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_missing_model_is_one_error_line(capsys):
+    assert main(["--model", "/nonexistent", "--prompt", "hi"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "/nonexistent" in err and "\n" not in err
+
+
+def test_missing_prompts_file_is_reported_before_the_model_loads(capsys):
+    # The model does not exist either: reading the prompts first means the file is what we hear about.
+    assert main(["--model", "/nonexistent", "--prompts-file", "/no/such/prompts.txt"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "/no/such/prompts.txt" in err and "\n" not in err
+
+
+def test_unreachable_hub_id_is_one_error_line_in_a_subprocess():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # as unreachable as a machine without network, but fast
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpaged.generate", "--model", "no-such-org/no-such-model", "--prompt", "hi"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "no-such-org/no-such-model" in proc.stderr and "Traceback" not in proc.stderr

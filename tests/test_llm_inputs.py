@@ -1,0 +1,118 @@
+"""What a JAX user passes to `LLM`: arrays of token ids, vLLM-style None, wrong types.
+
+The engine is a tiny random model with the bundled SmolLM2 tokenizer (so text prompts and the
+chat template are real); nothing here checks what the model says, only what the API accepts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.attention import reference_paged_attention
+from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_config import EngineConfig
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import init_params
+from jaxpaged.models.loading import default_model_path
+from jaxpaged.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49152  # SmolLM2's vocabulary
+
+
+def tiny_llm(**engine_args) -> LLM:
+    """An `LLM` over a tiny random model (no weight loading, no warm-up)."""
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    model_config = ModelConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    config = EngineConfig(
+        **{**dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                  warmup=False), **engine_args}
+    ).resolved(on_gpu=False, model_max_len=model_config.max_position_embeddings)
+    return LLM.from_engine(LLMEngine(
+        model_config, init_params(model_config, jax.random.key(0)), tokenizer, config,
+        num_pages=config.num_pages, attention_fn=reference_paged_attention,
+    ))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_llm()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
+IDS = [504, 3575, 282]
+IDS2 = [504, 3575, 17]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_numpy_and_jax_token_arrays_are_prompts(llm):
+    want = _tokens(llm.generate([IDS, IDS2], GREEDY))
+    assert len(want) == 2 and all(len(t) == 3 for t in want)
+    for one in (np.array(IDS), np.array(IDS, dtype=np.int32), jnp.array(IDS)):
+        outs = llm.generate(one, GREEDY)
+        assert len(outs) == 1 and outs[0].prompt_token_ids == IDS and _tokens(outs) == want[:1]
+    for batch in (np.array([IDS, IDS2]), jnp.array([IDS, IDS2]), [jnp.array(IDS), np.array(IDS2)],
+                  [list(map(np.int64, IDS)), IDS2]):
+        outs = llm.generate(batch, GREEDY)
+        assert [o.prompt_token_ids for o in outs] == [IDS, IDS2] and _tokens(outs) == want
+    assert all(type(t) is int for t in llm.generate(jnp.array(IDS), GREEDY)[0].prompt_token_ids)
+    assert llm.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        (b"hello", "bytes; decode it"),
+        ([b"hello"], "bytes; decode it"),
+        (None, "prompts is None"),
+        (np.array([1.0, 2.0]), "dtype float64"),
+        (jnp.zeros((1, 2, 3), jnp.int32), "1-D .* or 2-D"),
+        ([[1, 2.5]], "token ids must be ints"),
+        ([[True, 3]], "token ids must be ints"),
+        ("a \ud83d b", "lone surrogate"),
+        (["fine", "bad \udc00"], "prompt 1 is not valid Unicode"),
+    ],
+    ids=["bytes", "list-of-bytes", "None", "float-array", "3-D", "float-id", "bool-id", "surrogate", "surrogate-2nd"],
+)
+def test_bad_prompts_are_clear_value_errors(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, GREEDY)
+    assert not llm.engine.has_unfinished_requests()  # nothing was queued
+
+
+def test_chat_message_without_content_names_the_message(llm):
+    with pytest.raises(ValueError, match=r"chat message 1 \(\{'role': 'user'\}\) needs a 'role' and a 'content'"):
+        llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user"}], GREEDY)
+    with pytest.raises(ValueError, match="needs a 'role'"):
+        llm.chat([{"content": "hi"}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_none_means_the_default():
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == () and params.stop_token_ids == ()
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    # vLLM's meaning: no limit but the context. 3 prompt tokens + 61 outputs = max_model_len 64.
+    out = llm.generate(IDS, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 64 - len(IDS) and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(top_k=1.5), dict(top_k=True), dict(n=2.0), dict(n=True), dict(max_tokens=8.0), dict(min_tokens=1.0),
+     dict(stop=5), dict(stop_token_ids=7)],
+)
+def test_sampling_params_reject_non_int_counts(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
