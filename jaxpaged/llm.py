@@ -48,9 +48,9 @@ def _attention_fn(backend: str):
 
         return chunked_paged_attention_from_buffer
     if backend == "mosaic":  # Hopper wgmma/TMA kernels, whole-buffer form; GPU interpret mode elsewhere
-        from pallas_kernels.mosaic import ragged_paged_attention
+        from pallas_kernels.mosaic import paged_attention_from_buffer
 
-        return ragged_paged_attention
+        return paged_attention_from_buffer  # the decode kernel in decode-only steps, else the ragged one
     import pallas_kernels
 
     # The whole-buffer kernels (no per-layer pool copies), the decode kernel in decode-only steps;

@@ -296,7 +296,15 @@ def test_engine_selects_the_mosaic_kernels_and_requires_bfloat16():
     from jaxpaged.engine_config import EngineConfig
     from jaxpaged.llm import _attention_fn
 
-    assert _attention_fn("mosaic") is ragged_paged_attention
+    backend = _attention_fn("mosaic")
+    assert backend.reads_whole_kv_buffer and backend.has_decode_kernel
+    # Decode-bucket steps (the model passes decode_only) run the split decode kernel, others the ragged one.
+    args = (jnp.zeros((2, 4, 64), jnp.bfloat16), jnp.zeros((1, 2, 1, 4, 16, 64), jnp.bfloat16),
+            jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32), jnp.arange(3, dtype=jnp.int32))
+    decode_jaxpr = str(jax.make_jaxpr(lambda *a: backend(*a, layer_idx=0, scale=0.125, decode_only=True))(*args))
+    mixed_jaxpr = str(jax.make_jaxpr(lambda *a: backend(*a, layer_idx=0, scale=0.125))(*args))
+    assert "name=decode_attention" in decode_jaxpr and "name=ragged_paged_attention" not in decode_jaxpr
+    assert "name=ragged_paged_attention" in mixed_jaxpr and "name=decode_attention" not in mixed_jaxpr
     EngineConfig(attention_backend="mosaic", dtype="bfloat16")  # accepted
     with pytest.raises(ValueError, match="dtype='bfloat16'"):
         EngineConfig(attention_backend="mosaic")

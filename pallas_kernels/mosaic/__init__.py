@@ -14,4 +14,26 @@ from pallas_kernels.mosaic.attention import decode_attention, ragged_paged_atten
 
 paged_attention = ragged_paged_attention
 
-__all__ = ["paged_attention", "ragged_paged_attention", "decode_attention"]
+
+def paged_attention_from_buffer(
+    q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
+    decode_only: bool = False,
+):
+    """`attention_backend="mosaic"`: the split-context decode kernel in decode-only steps (static
+    `decode_only`: one query token per sequence, `num_tokens == num_seqs`), else the ragged kernel."""
+    if decode_only:
+        if q.shape[0] != block_tables.shape[0]:
+            raise ValueError(
+                f"decode_only needs one token per sequence, got {q.shape[0]} tokens for "
+                f"{block_tables.shape[0]} sequences; plan the step in a decode bucket"
+            )
+        return decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx, scale=scale,
+                                soft_cap=soft_cap)
+    return ragged_paged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx,
+                                  scale=scale, soft_cap=soft_cap)
+
+
+paged_attention_from_buffer.reads_whole_kv_buffer = True  # the model passes kv_pages and layer_idx
+paged_attention_from_buffer.has_decode_kernel = True  # and decode_only in decode-bucket steps
+
+__all__ = ["paged_attention", "paged_attention_from_buffer", "ragged_paged_attention", "decode_attention"]
