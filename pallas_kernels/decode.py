@@ -23,9 +23,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
+
+# Host (numpy) or device arrays: the public functions accept either, as jnp functions do.
+ArrayLike = Array | np.ndarray
 
 from pallas_kernels._common import (
     MASK_VALUE,
@@ -104,12 +108,12 @@ def _decode_kernel(
 
 
 def _decode_pallas_call(
-    q: Float[Array, "num_seqs num_kv_heads rows head_dim"],
-    k_rows: Float[Array, "num_rows page_size head_dim"],
-    v_rows: Float[Array, "num_rows page_size head_dim"],
-    bases: Int[Array, "2"],
-    block_tables: Int[Array, "num_seqs padded_pages"],
-    seq_lens: Int[Array, "num_seqs"],
+    q: Float[ArrayLike, "num_seqs num_kv_heads rows head_dim"],
+    k_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    v_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    bases: Int[ArrayLike, "2"],
+    block_tables: Int[ArrayLike, "num_seqs padded_pages"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
     *,
     scale: float,
     soft_cap: float | None,
@@ -182,11 +186,11 @@ _TUNING = ("pages_per_compute_block", "num_splits", "num_warps", "num_stages", "
 
 
 def decode_attention(
-    q: Float[Array, "num_seqs num_heads head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    block_tables: Int[Array, "num_seqs pages_per_seq"],
-    seq_lens: Int[Array, "num_seqs"],
+    q: Float[ArrayLike, "num_seqs num_heads head_dim"],
+    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
     *,
     scale: float,
     soft_cap: float | None = None,
@@ -234,13 +238,13 @@ def decode_attention(
 
 
 def decode_attention_from_buffer(
-    q: Float[Array, "num_seqs num_heads head_dim"],
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
-    block_tables: Int[Array, "num_seqs pages_per_seq"],
-    seq_lens: Int[Array, "num_seqs"],
-    query_start_loc: Int[Array, "num_seqs_plus_1"] | None = None,
+    q: Float[ArrayLike, "num_seqs num_heads head_dim"],
+    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
+    query_start_loc: Int[ArrayLike, "num_seqs_plus_1"] | None = None,
     *,
-    layer_idx: Int[Array, ""],
+    layer_idx: int | Int[ArrayLike, ""],
     scale: float,
     soft_cap: float | None = None,
     pages_per_compute_block: int = 4,

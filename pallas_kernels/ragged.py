@@ -38,9 +38,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
+
+# Host (numpy) or device arrays: the public functions accept either, as jnp functions do.
+ArrayLike = Array | np.ndarray
 
 from pallas_kernels._common import (
     MASK_VALUE,
@@ -128,15 +132,15 @@ def _ragged_kernel(
 
 
 def _ragged_pallas_call(
-    block_seq_idx: Int[Array, "num_q_blocks"],
-    block_token_start: Int[Array, "num_q_blocks"],
-    query_start_loc: Int[Array, "num_seqs_plus_1"],
-    seq_lens: Int[Array, "num_seqs"],
-    block_tables: Int[Array, "num_seqs padded_pages"],
-    q: Float[Array, "num_kv_heads padded_tokens rows head_dim"],
-    k_rows: Float[Array, "num_rows page_size head_dim"],
-    v_rows: Float[Array, "num_rows page_size head_dim"],
-    bases: Int[Array, "2"],
+    block_seq_idx: Int[ArrayLike, "num_q_blocks"],
+    block_token_start: Int[ArrayLike, "num_q_blocks"],
+    query_start_loc: Int[ArrayLike, "num_seqs_plus_1"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
+    block_tables: Int[ArrayLike, "num_seqs padded_pages"],
+    q: Float[ArrayLike, "num_kv_heads padded_tokens rows head_dim"],
+    k_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    v_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    bases: Int[ArrayLike, "2"],
     *,
     block_q: int,
     scale: float,
@@ -184,12 +188,12 @@ _TUNING = ("block_q", "pages_per_compute_block", "num_warps", "num_stages", "int
 
 
 def ragged_paged_attention(
-    q: Float[Array, "num_tokens num_heads head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    block_tables: Int[Array, "num_seqs pages_per_seq"],
-    seq_lens: Int[Array, "num_seqs"],
-    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    q: Float[ArrayLike, "num_tokens num_heads head_dim"],
+    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
+    query_start_loc: Int[ArrayLike, "num_seqs_plus_1"],
     *,
     scale: float,
     soft_cap: float | None = None,
@@ -237,13 +241,13 @@ def ragged_paged_attention(
 
 
 def ragged_paged_attention_from_buffer(
-    q: Float[Array, "num_tokens num_heads head_dim"],
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
-    block_tables: Int[Array, "num_seqs pages_per_seq"],
-    seq_lens: Int[Array, "num_seqs"],
-    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    q: Float[ArrayLike, "num_tokens num_heads head_dim"],
+    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
+    seq_lens: Int[ArrayLike, "num_seqs"],
+    query_start_loc: Int[ArrayLike, "num_seqs_plus_1"],
     *,
-    layer_idx: Int[Array, ""],
+    layer_idx: int | Int[ArrayLike, ""],
     scale: float,
     soft_cap: float | None = None,
     block_q: int = 16,

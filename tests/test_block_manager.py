@@ -121,10 +121,10 @@ def test_a_hit_on_a_free_page_takes_it_out_of_the_free_list():
 
 def test_a_hash_collision_is_never_a_hit():
     bm = BlockManager(NUM_PAGES, PAGE_SIZE)
-    bm.hash_page = lambda parent_hash, cache_salt, token_ids: 42  # every page collides
+    bm.hash_page = lambda parent_hash, cache_salt, token_ids: b"42"  # every page collides
     a = admit(bm, PREFIX + [9])
     compute(bm, a)
-    assert bm.hash_to_page == {42: 1}  # page 2 has the same hash: not registered
+    assert bm.hash_to_page == {b"42": 1}  # page 2 has the same hash: not registered
     b = admit(bm, [7, 7, 7, 7, 7])  # different tokens, same hash: must miss
     assert b.num_cached_tokens == 0 and b.block_table == [4, 5]
     c = admit(bm, PREFIX + [8])  # page 1 matches for real; page 2's key differs from page 1's: stop

@@ -70,8 +70,9 @@ def test_whole_buffer_kernels_read_only_their_layer(kernel):
         got = pallas_kernels.ragged_paged_attention_from_buffer(
             q, kv_pages, case.block_tables, case.seq_lens, query_start_loc, layer_idx=jnp.int32(1), scale=scale,
             block_q=4, pages_per_compute_block=2, interpret=True)
-    want = reference_paged_attention(q, case.oracle_k_pages, case.oracle_v_pages, case.oracle_block_tables,
-                                     case.seq_lens, query_start_loc, scale=scale)
+    want = reference_paged_attention(*map(jnp.asarray, (q, case.oracle_k_pages, case.oracle_v_pages,
+                                                         case.oracle_block_tables, case.seq_lens, query_start_loc)),
+                                     scale=scale)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 

@@ -175,7 +175,7 @@ class EngineBridge:
                 self._deliver(output, now)
             if self.metrics is not None:
                 self.metrics.step_done(now - t0)
-                self.metrics.publish(engine)
+                self.metrics.publish(engine, force=not engine.has_unfinished_requests())
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:

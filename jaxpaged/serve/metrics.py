@@ -16,6 +16,7 @@ Derived figures, each computed here and nowhere else:
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -31,6 +32,7 @@ class ServerMetrics:
         self.page_size = page_size
         self.bytes_per_page = bytes_per_page
         self._snapshot: dict = {}
+        self._published_at = float("-inf")
         self._lock = threading.Lock()
 
         r = self.registry
@@ -52,8 +54,20 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- engine thread
 
-    def publish(self, engine) -> None:
-        """Snapshot the engine's state for the next scrape (called by the engine thread only)."""
+    # Busy engines publish at most this often: the snapshot walks the page pool (ref-count histogram,
+    # live slots), O(num_pages), too much for every few-millisecond GPU step of a large pool.
+    publish_interval_s = 0.1
+
+    def publish(self, engine, *, force: bool = True) -> None:
+        """Snapshot the engine's state for the next scrape (called by the engine thread only).
+
+        `force=False` (after a busy step) skips the snapshot if the last one is younger than
+        `publish_interval_s`; the engine thread forces one whenever the engine falls idle.
+        """
+        now = time.monotonic()
+        if not force and now - self._published_at < self.publish_interval_s:
+            return
+        self._published_at = now
         snapshot = dict(engine.stats())
         snapshot["ref_count_histogram"] = engine.block_manager.ref_count_histogram()
         with self._lock:

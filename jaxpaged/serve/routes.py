@@ -100,7 +100,7 @@ class _EngineStreamResponse(StreamingResponse):
 
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20) -> FastAPI:
+              max_body_bytes: int = 1 << 20) -> _Guard:
     engine = bridge.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.config.max_model_len
