@@ -24,20 +24,21 @@ from jaxpaged.sequence import Sequence, SequenceStatus
 FINISHED = SequenceStatus.FINISHED
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Sample:
     """One sample of a request: its sequence, its text so far, and what was already reported."""
 
     seq: Sequence
-    detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str
-    text: str = ""  # detokenized output, cut before a stop string once one is found
+    detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str, .decode(ids)
+    text: str = ""  # detokenized output of seq.output_token_ids[:num_decoded], cut before a stop string
     finish_reason: str | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
     num_sent_chars: int = 0  # characters of `text` already reported
+    num_decoded: int = 0  # leading seq.output_token_ids the detokenizer has taken (`text` covers them)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt: str | None
@@ -46,6 +47,7 @@ class RequestState:
     seed: int  # sample j draws with engine.seed_for(seed, j)
     samples: list[Sample]  # starts with the parent alone; siblings join when it forks
     hold_back: int  # characters held back while streaming: max(len(stop)) - 1, or 0
+    num_finished: int = 0  # samples with a finish_reason
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -53,7 +55,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason is not None for s in self.samples)
+        return self.num_finished == len(self.samples) == self.params.n
 
 
 def find_stop(text: str, num_new_chars: int, stops) -> int:
@@ -92,7 +94,9 @@ class OutputProcessor:
     def add_sample(self, request: RequestState, seq: Sequence) -> None:
         """`seq` becomes sample len(request.samples) of `request` (forks join in order)."""
         self.owner[seq.seq_id] = (request, len(request.samples))
-        request.samples.append(Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids)))
+        sample = Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids))
+        sample.num_decoded = len(seq.output_token_ids)  # its text starts with the tokens it gets from now on
+        request.samples.append(sample)
 
     def pop(self, request_id: str) -> RequestState | None:
         request = self.requests.pop(request_id, None)
@@ -108,8 +112,14 @@ class OutputProcessor:
         the step's per-row log-probabilities (None if no request asked). Returns the outputs of every
         request that moved (only finished ones if `only_finished`) and the sequences a stop string
         finished, for the engine to hand to `Scheduler.finish`; finished requests are retired.
+
+        Only a request with stop strings needs its text on every token (to search it). Any other
+        detokenizes lazily: its new tokens stay in `seq.output_token_ids` until an output is made
+        (every step when streaming; once, when it finishes, under `only_finished`), then they are
+        decoded in one call (`_catch_up`). Both give the text incremental decoding gives.
         """
         moved: dict[str, RequestState] = {}
+        done: list[RequestState] = []  # requests whose last sample finished in this step
         stopped: list[Sequence] = []
         owners = self.owner
         for (seq, token_id), row in zip(appended, rows):
@@ -117,36 +127,49 @@ class OutputProcessor:
             if owner is None:
                 continue  # its request was aborted
             request, j = owner
-            sample = request.samples[j]
             params = request.params
             if params.logprobs:
-                sample.logprobs.append(logprobs[row])
-            new_text = sample.detokenizer.step(token_id)
-            if seq.status is FINISHED:
-                new_text += sample.detokenizer.flush()
-            elif not params.stop:  # the common case: nothing more to decide for this token
-                if new_text:
-                    sample.text += new_text
+                request.samples[j].logprobs.append(logprobs[row])
+            if params.stop:
+                self._step_with_stops(request, request.samples[j], seq, token_id, stopped, done)
+            elif seq.status is FINISHED:
+                sample = request.samples[j]
+                _catch_up(sample)
+                self._finish(request, sample, seq.finish_reason, done)
+            if not only_finished:
                 moved[request.request_id] = request
-                continue
-            if new_text and sample.finish_reason is None:
-                sample.text += new_text
-                if params.stop and seq.num_output_tokens >= params.min_tokens:
-                    idx = find_stop(sample.text, len(new_text), params.stop)
-                    if idx >= 0:
-                        sample.text = sample.text[:idx]
-                        sample.finish_reason = "stop"
-                        if not seq.is_finished:
-                            stopped.append(seq)
-            if seq.is_finished and sample.finish_reason is None:
-                sample.finish_reason = seq.finish_reason
-            moved[request.request_id] = request
+        for request in done:
+            self.pop(request.request_id)
+        if only_finished:
+            return [self.make_output(r) for r in done], stopped
+        return [self.make_output(r) for r in moved.values()], stopped
 
-        outputs = [self.make_output(r) for r in moved.values() if not only_finished or r.finished]
-        for request in moved.values():
-            if request.finished:
-                self.pop(request.request_id)
-        return outputs, stopped
+    def _step_with_stops(self, request: RequestState, sample: Sample, seq: Sequence, token_id: int,
+                         stopped: list[Sequence], done: list[RequestState]) -> None:
+        """One token of a request with stop strings: decode it now and search the new text."""
+        params = request.params
+        new_text = sample.detokenizer.step(token_id)
+        sample.num_decoded += 1
+        if seq.status is FINISHED:
+            new_text += sample.detokenizer.flush()
+        if new_text and sample.finish_reason is None:
+            sample.text += new_text
+            if seq.num_output_tokens >= params.min_tokens:
+                idx = find_stop(sample.text, len(new_text), params.stop)
+                if idx >= 0:
+                    sample.text = sample.text[:idx]
+                    self._finish(request, sample, "stop", done)
+                    if not seq.is_finished:
+                        stopped.append(seq)
+        if seq.status is FINISHED and sample.finish_reason is None:
+            self._finish(request, sample, seq.finish_reason, done)
+
+    @staticmethod
+    def _finish(request: RequestState, sample: Sample, reason: str, done: list[RequestState]) -> None:
+        sample.finish_reason = reason
+        request.num_finished += 1
+        if request.finished:
+            done.append(request)
 
     def make_output(self, request: RequestState) -> RequestOutput:
         """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
@@ -154,19 +177,33 @@ class OutputProcessor:
         hold_back = request.hold_back
         want_logprobs = request.params.logprobs
         for j, sample in enumerate(request.samples):
+            if sample.num_decoded != len(sample.seq.output_token_ids):
+                _catch_up(sample)
             text = sample.text
             if hold_back and sample.finish_reason is None:
                 text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
             tokens = sample.seq.output_token_ids[:]
             completions.append(CompletionOutput(
-                index=j, text=text, token_ids=tokens, finish_reason=sample.finish_reason,
-                logprobs=sample.logprobs[:] if want_logprobs else None,
-                delta_text=text[sample.num_sent_chars :], delta_token_ids=tokens[sample.num_sent_tokens :],
+                j, text, tokens, sample.finish_reason, sample.logprobs[:] if want_logprobs else None,
+                text[sample.num_sent_chars :], tokens[sample.num_sent_tokens :],
             ))
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)
             sample.num_sent_tokens = len(tokens)
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=completions, num_cached_tokens=request.samples[0].seq.num_cached_tokens,
+            request.request_id, request.prompt, request.prompt_token_ids, completions,
+            request.samples[0].seq.num_cached_tokens,
         )
+
+
+def _catch_up(sample: Sample) -> None:
+    """Decodes the sample's tokens not yet in its text (a lazily detokenized one: no stop strings);
+    flushes the detokenizer once its sequence has finished."""
+    token_ids = sample.seq.output_token_ids
+    if sample.num_decoded != len(token_ids):
+        new_ids = token_ids[sample.num_decoded :]
+        decode = getattr(sample.detokenizer, "decode", None)  # a detokenizer with only step() works too
+        sample.text += decode(new_ids) if decode is not None else "".join([sample.detokenizer.step(t) for t in new_ids])
+        sample.num_decoded = len(token_ids)
+    if sample.seq.status is FINISHED and sample.finish_reason is None:
+        sample.text += sample.detokenizer.flush()

@@ -333,6 +333,10 @@ class IncrementalDetokenizer:
         self.read_idx = len(self.token_ids)
         return after[len(before) :]
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Several tokens at once: the concatenation of `step` over them."""
+        return "".join([self.step(t) for t in token_ids])
+
     def flush(self) -> str:
         """Text still held back at the end of the sequence (an unfinished character decodes as U+FFFD)."""
         before = self.tokenizer.decode(self.token_ids[self.prefix_idx : self.read_idx], self.skip_special_tokens)
@@ -395,6 +399,13 @@ class ByteLevelDetokenizer:
         if token_id in self._skip_ids:
             return ""
         return self._utf8.decode(self._token_bytes[token_id])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Several tokens at once: the concatenation of `step` over them, in one UTF-8 decode."""
+        table, skip = self._token_bytes, self._skip_ids
+        if skip:
+            return self._utf8.decode(b"".join([table[t] for t in token_ids if t not in skip]))
+        return self._utf8.decode(b"".join([table[t] for t in token_ids]))
 
     def flush(self) -> str:
         """Text still held back at the end of the sequence (an unfinished character decodes as U+FFFD)."""
