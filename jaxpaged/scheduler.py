@@ -48,9 +48,8 @@ class SchedulerOutput:
     # The one place this rule is decided.
     samples: list[bool] = dataclasses.field(default_factory=list)
     # Set by advance(): (sequence, sampler row) for every token sampled this step, forked children
-    # included, in row-assignment order; and each scheduled sequence's num_computed_tokens before it.
+    # included, in row-assignment order.
     sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
-    num_computed_before: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +87,9 @@ class Scheduler:
 
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption (the prefix cache may save some)
+        # (sequence, num_computed_tokens before) for each advance() that completed a page: commit()
+        # registers those pages in the prefix cache once their tokens are known.
+        self._filled_pages: list[tuple[Sequence, int]] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -238,13 +240,16 @@ class Scheduler:
         finished or aborted since schedule() is skipped.
         """
         sampled = output.sampled = []
-        before = output.num_computed_before = []
+        filled = self._filled_pages
+        page_size = self.block_manager.page_size
         forked: list[Sequence] = []
         for seq, num_new, row in zip(output.seqs, output.num_new_tokens, rows):
-            before.append(seq.num_computed_tokens)
             if seq.status is not RUNNING:
                 continue
-            seq.num_computed_tokens += num_new
+            num_before = seq.num_computed_tokens
+            seq.num_computed_tokens = num_computed = num_before + num_new
+            if num_before // page_size != num_computed // page_size:
+                filled.append((seq, num_before))
             if row is None:
                 continue
             if type(row) is list:
@@ -301,11 +306,12 @@ class Scheduler:
             # Every token below num_computed_tokens is known now (the next step's input placeholder
             # was filled above), so pages filled by this step, or by the one already dispatched, hash.
             # Before the finished sequences release their pages: a request that ends in this step
-            # (max_tokens=1, say) still leaves its prompt's full pages to the prefix cache.
-            page_size = block_manager.page_size
-            for seq, num_before in zip(output.seqs, output.num_computed_before):
-                if seq.status is RUNNING and num_before // page_size != seq.num_computed_tokens // page_size:
+            # (max_tokens=1, say) still leaves its prompt's full pages to the prefix cache. Only the
+            # sequences advance() saw complete a page are looked at (not every scheduled one).
+            for seq, num_before in self._filled_pages:
+                if seq.status is RUNNING:
                     block_manager.cache_computed_pages(seq, num_before)
+        self._filled_pages.clear()
 
         for seq, reason in finished:
             if seq.status is RUNNING:

@@ -1,0 +1,177 @@
+"""Output processing's fast paths against the general ones, with the bundled (byte-level) tokenizer.
+
+- Lazy detokenizing (a request without stop strings decodes its new tokens only when an output is
+  made: once at its finish under `only_finished`) gives the text token-by-token decoding gives.
+- Stop strings (decoded eagerly) give the same outputs in both modes, and streaming never shows one.
+- `BlockTableRows`' fast path (same batch as the previous step) gives the rows the general path gives.
+"""
+
+import numpy as np
+import pytest
+
+from jaxpaged.models.loading import default_model_path
+from jaxpaged.output_processor import OutputProcessor
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.step_input import BlockTableRows
+from jaxpaged.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    tokenizer.detokenizer()  # builds the byte table the streams below pick from
+    return tokenizer
+
+
+def random_streams(tokenizer, rng, num: int) -> list[list[int]]:
+    """Token streams mixing ordinary ids, lone bytes of multi-byte characters and special ids."""
+    lone_bytes = [i for i, b in enumerate(tokenizer._token_bytes) if len(b) == 1 and b[0] >= 0x80]
+    special = sorted(tokenizer._special_ids)
+    streams = []
+    for _ in range(num):
+        ids = rng.integers(0, tokenizer.vocab_size, int(rng.integers(1, 30))).tolist()
+        ids += rng.choice(lone_bytes, int(rng.integers(0, 6))).tolist() + rng.choice(special, 2).tolist()
+        rng.shuffle(ids)
+        # A UTF-8 character split over tokens: 😀 is F0 9F 98 80.
+        emoji = [tokenizer._token_bytes.index(bytes([b])) for b in "😀".encode()]  # one byte per token
+        at = int(rng.integers(0, len(ids) + 1))
+        streams.append(ids[:at] + emoji + ids[at:])
+    return streams
+
+
+def streamed_text(tokenizer, ids: list[int], finished: bool) -> str:
+    """The reference: one token at a time through a fresh detokenizer."""
+    detokenizer = tokenizer.detokenizer()
+    text = "".join(detokenizer.step(t) for t in ids)
+    return text + detokenizer.flush() if finished else text
+
+
+def run(tokenizer, streams, stops, only_finished: bool):
+    """Feeds each stream one token per step, as Scheduler.commit does; returns the final outputs and
+    the concatenated streamed deltas per request."""
+    processor = OutputProcessor(tokenizer)
+    seqs = []
+    for i, (ids, stop) in enumerate(zip(streams, stops)):
+        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True)
+        seq = Sequence([1, 2, 3], params)
+        seq.status = SequenceStatus.RUNNING
+        processor.add_request(str(i), None, seq, params, seed=0)
+        seqs.append(seq)
+    finals, deltas, delta_ids = {}, {}, {}
+    step = 0
+    while processor.requests:
+        appended = []
+        for seq, ids in zip(seqs, streams):
+            if seq.is_finished:
+                continue
+            seq.append_token(ids[step])
+            if step + 1 == len(ids):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            appended.append((seq, ids[step]))
+        outputs, stopped = processor.process(appended, list(range(len(appended))), None, only_finished=only_finished)
+        for seq in stopped:  # what the engine does with Scheduler.finish
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+        for out in outputs:
+            completion = out.outputs[0]
+            deltas[out.request_id] = deltas.get(out.request_id, "") + completion.delta_text
+            delta_ids[out.request_id] = delta_ids.get(out.request_id, []) + completion.delta_token_ids
+            if out.finished:
+                finals[out.request_id] = completion
+        step += 1
+    return finals, deltas, delta_ids
+
+
+def test_lazy_detokenizing_equals_token_by_token(tokenizer):
+    rng = np.random.default_rng(0)
+    streams = random_streams(tokenizer, rng, 60)
+    no_stops = [()] * len(streams)
+    offline, offline_deltas, _ = run(tokenizer, streams, no_stops, only_finished=True)
+    streaming, deltas, delta_ids = run(tokenizer, streams, no_stops, only_finished=False)
+    for i, ids in enumerate(streams):
+        want = streamed_text(tokenizer, ids, finished=True)
+        assert want == tokenizer.decode(ids)
+        got = offline[str(i)]
+        assert got.text == want and got.token_ids == ids and got.finish_reason == "length"
+        assert offline_deltas[str(i)] == want  # one output, at the finish: its delta is the whole text
+        assert streaming[str(i)].text == want and deltas[str(i)] == want and delta_ids[str(i)] == ids
+
+
+def test_lazy_decode_in_chunks_equals_steps(tokenizer):
+    """ByteLevelDetokenizer.decode over any chunking of a stream equals step() over its tokens."""
+    rng = np.random.default_rng(1)
+    for ids in random_streams(tokenizer, rng, 100):
+        detokenizer = tokenizer.detokenizer()
+        cuts = sorted(rng.choice(len(ids) + 1, int(rng.integers(0, 5)), replace=False).tolist())
+        pieces = [detokenizer.decode(ids[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        assert "".join(pieces) + detokenizer.flush() == streamed_text(tokenizer, ids, finished=True)
+
+
+def test_stop_strings_same_in_both_modes_and_never_streamed(tokenizer):
+    rng = np.random.default_rng(2)
+    streams = random_streams(tokenizer, rng, 60)
+    stops = []
+    for ids in streams:  # stop strings that occur in the text, and some that do not
+        text = tokenizer.decode(ids)
+        start = int(rng.integers(0, max(1, len(text) - 3)))
+        stops.append([text[start : start + int(rng.integers(1, 4))] or "x", "\u2603never"])
+    offline, _, _ = run(tokenizer, streams, stops, only_finished=True)
+    streaming, deltas, _ = run(tokenizer, streams, stops, only_finished=False)
+    num_stopped = 0
+    for i, ids in enumerate(streams):
+        key = str(i)
+        a, b = offline[key], streaming[key]
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert deltas[key] == b.text
+        # Reference: the first token whose streamed text contains a stop string ends the text there.
+        for k in range(len(ids)):
+            text = streamed_text(tokenizer, ids[: k + 1], finished=k + 1 == len(ids))
+            hits = [text.find(s) for s in stops[i] if s in text]
+            if hits:
+                assert b.finish_reason == "stop" and b.text == text[: min(hits)] and b.token_ids == ids[: k + 1]
+                num_stopped += 1
+                break
+        else:
+            assert b.finish_reason == "length" and b.text == tokenizer.decode(ids)
+        assert not any(s in b.text for s in stops[i])
+    assert num_stopped > 30
+
+
+class FakeSeq:
+    def __init__(self, seq_id, block_table):
+        self.seq_id, self.block_table, self.num_computed_tokens = seq_id, block_table, 0
+
+
+def test_block_table_rows_fast_path_equals_general_path():
+    """Random steps: tables grow (mostly), sequences join and leave, lists are replaced (preemption),
+    a page is replaced in place (copy-on-write, with resync). Every step's rows hold each sequence's
+    block table, zero-padded, whichever path served it."""
+    rng = np.random.default_rng(3)
+    page_size, pages_per_seq = 4, 12
+    rows = BlockTableRows(16, pages_per_seq)
+    seqs = [FakeSeq(i, [int(p) for p in rng.integers(1, 100, 2)]) for i in range(5)]
+    next_id = 5
+    for _ in range(400):
+        copies = False
+        event = rng.random()
+        if event < 0.1 and len(seqs) > 1:
+            seqs.pop(int(rng.integers(len(seqs))))
+        elif event < 0.2 and len(seqs) < 8:
+            seqs.append(FakeSeq(next_id, [int(rng.integers(1, 100))]))
+            next_id += 1
+        elif event < 0.25:
+            seqs[int(rng.integers(len(seqs)))].block_table = [int(rng.integers(1, 100))]  # freed, readmitted
+        elif event < 0.3:
+            seq = seqs[int(rng.integers(len(seqs)))]
+            seq.num_computed_tokens = page_size * (len(seq.block_table) - 1)
+            seq.block_table[-1] = int(rng.integers(100, 200))  # copy-on-write of the page being written
+            copies = True
+        for seq in seqs:
+            if rng.random() < 0.3 and len(seq.block_table) < pages_per_seq:
+                seq.block_table.append(int(rng.integers(1, 100)))
+        got = rows.table[rows.rows(seqs, page_size, resync_write_page=copies)]
+        want = np.zeros((len(seqs), pages_per_seq), np.int32)
+        for i, seq in enumerate(seqs):
+            want[i, : len(seq.block_table)] = seq.block_table
+        np.testing.assert_array_equal(got, want)
+    assert 100 < rows.num_fast < 400  # both paths ran
