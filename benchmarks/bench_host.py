@@ -1,7 +1,7 @@
 """Host cost per decode step: everything the host does between two device steps.
 
-One asynchronous engine step without the device: Scheduler.schedule() -> prepare_step_input (with
-the previous step's tokens still placeholders) -> Scheduler.advance -> Scheduler.commit of the
+One asynchronous engine step without the device: Scheduler.schedule() -> prepare_step_input and
+pack_step_input (with the previous step's tokens still placeholders; the runner's decode buckets) -> Scheduler.advance -> Scheduler.commit of the
 previous step -> OutputProcessor.process (detokenizing with the bundled tokenizer, RequestOutputs).
 256 running sequences of ~4000 tokens, page_size 16, prefix caching on, no stop strings. Under async
 stepping this is the time the host needs to keep up with the device (target < 1 ms).
@@ -41,7 +41,7 @@ from jaxpaged.output_processor import OutputProcessor, _catch_up
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence
-from jaxpaged.step_input import BlockTableRows, default_buckets, prepare_step_input
+from jaxpaged.step_input import BlockTableRows, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.tokenizer import Tokenizer
 
 NUM_SEQS = 256
@@ -92,6 +92,7 @@ def one_run(num_steps: int, seed: int, tokenizer, mode: str) -> dict[str, float]
         processor.add_request(str(i), None, seq, params, seed=0)
     prepare_args = dict(page_size=PAGE_SIZE, num_pages=num_pages, pages_per_seq=-(-MAX_MODEL_LEN // PAGE_SIZE),
                         max_num_seqs=NUM_SEQS, buckets=default_buckets(MAX_NUM_BATCHED_TOKENS),
+                        decode_buckets=default_decode_buckets(NUM_SEQS),  # as ModelRunner.prepare
                         block_table_rows=BlockTableRows(2 * NUM_SEQS, -(-MAX_MODEL_LEN // PAGE_SIZE)))
 
     def rows_of(out):
@@ -123,7 +124,7 @@ def one_run(num_steps: int, seed: int, tokenizer, mode: str) -> dict[str, float]
             t0 = time.perf_counter()
             out = sched.schedule()
             t1 = time.perf_counter()
-            prepare_step_input(out, **prepare_args)
+            pack_step_input(prepare_step_input(out, **prepare_args))  # as ModelRunner.execute: one packed array
             t2 = time.perf_counter()
             rows, _ = rows_of(out)
             sched.advance(out, rows)

@@ -74,6 +74,8 @@ class RowSpec(NamedTuple):
     banned_ids: tuple[int, ...] = ()  # token ids this row must not draw (min_tokens not reached)
 
 
+_PADDING_ROW = RowSpec(row_idx=0)
+
 HostOrDevice = Array | np.ndarray
 
 
@@ -103,22 +105,24 @@ def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> Sampling
             f"{len(rows)} sampling rows do not fit in a bucket of {num_rows=}; "
             "pick a bucket with at least as many rows as sampled sequences"
         )
-    specs = [row if isinstance(row, RowSpec) else RowSpec(*row) for row in rows]
-    padding = [RowSpec(row_idx=0)] * (num_rows - len(specs))
-    specs += padding
-    num_banned = max(MIN_BANNED_WIDTH, *(len(s.banned_ids) for s in specs))
+    # Columns in one C-level transpose (this runs every step for every sampled row).
+    specs = [row if type(row) is RowSpec else RowSpec(*row) for row in rows]
+    specs += [_PADDING_ROW] * (num_rows - len(specs))
+    (row_idx, temperature, top_k, top_p, min_p, seed, step, banned) = zip(*specs)
+    num_banned = max(MIN_BANNED_WIDTH, max(map(len, banned)))
     num_banned = 1 << (num_banned - 1).bit_length()
     banned_ids = np.full((num_rows, num_banned), -1, np.int32)
-    for r, spec in enumerate(specs):
-        banned_ids[r, : len(spec.banned_ids)] = spec.banned_ids
+    for r, ids in enumerate(banned):
+        if ids:  # rows under min_tokens only
+            banned_ids[r, : len(ids)] = ids
     arrays = SamplingArrays(
-        row_idx=np.array([s.row_idx for s in specs], np.int32),
-        temperature=np.array([s.temperature for s in specs], np.float32),
-        top_k=np.array([s.top_k for s in specs], np.int32),
-        top_p=np.array([s.top_p for s in specs], np.float32),
-        min_p=np.array([s.min_p for s in specs], np.float32),
-        seed=np.array([s.seed % 2**32 for s in specs], np.uint32),
-        step=np.array([s.step for s in specs], np.int32),
+        row_idx=np.array(row_idx, np.int32),
+        temperature=np.array(temperature, np.float32),
+        top_k=np.array(top_k, np.int32),
+        top_p=np.array(top_p, np.float32),
+        min_p=np.array(min_p, np.float32),
+        seed=np.fromiter(map((2**32).__rmod__, seed), np.uint32, num_rows),  # any Python int seed
+        step=np.array(step, np.int32),
         banned_ids=banned_ids,
     )
     return jax.device_put(arrays)

@@ -264,7 +264,7 @@ class Scheduler:
                 row = row[0]
             else:
                 sampled.append((seq, row))
-            seq.token_ids.append(placeholder_token_id(row))
+            seq.token_ids.append(-1 - row)  # placeholder_token_id(row), inlined: runs for every sequence
             seq.num_placeholders += 1
         return forked
 

@@ -85,20 +85,23 @@ class BlockTableRows:
         self._last_lens = np.empty(0, np.int32)
         self.num_fast = 0  # calls served by the fast path (tests check both paths run)
 
-    def rows(self, seqs, page_size: int, resync_write_page: bool) -> np.ndarray:
-        """Each sequence's row in `table`, synced to its current block table.
+    def rows(self, seqs, page_size: int, resync_write_page: bool, tables=None, lens=None) -> np.ndarray:
+        """Each sequence's row in `table`, synced to its current block table (`tables` and their
+        lengths `lens`, int32, may be passed in if the caller has them).
 
         Fast path, the steady decode: the batch is the previous call's (same sequences in the same
         order, each with the same block table list) and no copy-on-write happened; then only the
         rows whose block table grew are touched (about 1 in page_size per step), found with numpy.
         """
-        tables = [seq.block_table for seq in seqs]
+        if tables is None:
+            tables = [seq.block_table for seq in seqs]
         if (
             not resync_write_page
             and seqs == self._last_seqs  # identity: Sequence defines no __eq__
             and all(map(operator.is_, tables, self._last_tables))
         ):
-            lens = np.fromiter(map(len, tables), np.int32, len(tables))
+            if lens is None:
+                lens = np.fromiter(map(len, tables), np.int32, len(tables))
             grown = np.flatnonzero(lens != self._last_lens)
             if grown.size:
                 rows, entries, table = self._last_rows, self._rows, self.table
@@ -112,7 +115,7 @@ class BlockTableRows:
             return self._last_rows
         rows = self._sync_all(seqs, page_size, resync_write_page)
         self._last_seqs, self._last_tables, self._last_rows = list(seqs), tables, rows
-        self._last_lens = np.fromiter(map(len, tables), np.int32, len(tables))
+        self._last_lens = np.fromiter(map(len, tables), np.int32, len(tables)) if lens is None else lens
         return rows
 
     def _sync_all(self, seqs, page_size: int, resync_write_page: bool) -> np.ndarray:
@@ -202,7 +205,7 @@ def prepare_step_input(
         raise ValueError("the step schedules no sequence; do not call the model for an empty step")
     if num_seqs > max_num_seqs:
         raise ValueError(f"{num_seqs} sequences exceed {max_num_seqs=}; the scheduler must cap them")
-    if np.any(num_new < 1):
+    if num_new.min() < 1:
         raise ValueError(f"every scheduled sequence needs >= 1 new token, got {num_new.tolist()}")
     decode_bucket = next((d for d in sorted(decode_buckets) if d >= num_seqs), None) if total == num_seqs else None
     if decode_bucket is not None:
@@ -219,20 +222,22 @@ def prepare_step_input(
     np.cumsum(num_new, out=query_start_loc[1:])
 
     # Block tables, each padded with page 0 to pages_per_seq: fill a row-major mask in one go.
-    table_lens = np.fromiter(map(len, map(_block_table, seqs)), np.int32, num_seqs)
-    if np.any(table_lens * page_size < seq_lens) or np.any(table_lens > pages_per_seq):
-        bad = int(np.argmax((table_lens * page_size < seq_lens) | (table_lens > pages_per_seq)))
+    tables = list(map(_block_table, seqs))
+    table_lens = np.fromiter(map(len, tables), np.int32, num_seqs)
+    too_short = (table_lens * page_size < seq_lens) | (table_lens > pages_per_seq)
+    if too_short.any():
+        bad = int(np.argmax(too_short))
         raise ValueError(
             f"sequence {bad} needs {seq_lens[bad]} slots but its block table has {table_lens[bad]} pages "
             f"(at most {pages_per_seq}); the block manager must allocate pages before the step"
         )
     block_tables = np.zeros((bucket_seqs, pages_per_seq), np.int32)
     if block_table_rows is not None:  # the engine's persistent copy: only new entries are copied
-        rows = block_table_rows.rows(seqs, page_size, resync_write_page=bool(scheduler_output.copies))
+        rows = block_table_rows.rows(seqs, page_size, bool(scheduler_output.copies), tables, table_lens)
         np.take(block_table_rows.table, rows, axis=0, out=block_tables[:num_seqs], mode="clip")  # rows are valid
     else:
         flat_pages = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs), np.int32, int(table_lens.sum())
+            itertools.chain.from_iterable(tables), np.int32, int(table_lens.sum())
         )
         block_tables[:num_seqs][np.arange(pages_per_seq) < table_lens[:, None]] = flat_pages
 

@@ -419,3 +419,29 @@ def test_make_sampling_arrays_pads_and_rejects_overfull_buckets():
     np.testing.assert_array_equal(np.asarray(arrays.step), [11, 0, 0])
     with pytest.raises(ValueError, match="do not fit in a bucket"):
         make_sampling_arrays([RowSpec(0)] * 3, 2)
+
+
+def test_make_sampling_arrays_columns_match_each_row():
+    """The column-wise packing against a row-by-row reference: random specs, banned ids of several
+    lengths on some rows only, tuples and RowSpecs mixed, seeds beyond 32 and 64 bits."""
+    rng = np.random.default_rng(0)
+    for num_rows in (1, 5, 64):
+        specs = []
+        for _ in range(int(rng.integers(1, num_rows + 1))):
+            banned = tuple(int(b) for b in rng.integers(0, 500, int(rng.choice([0, 0, 1, 3, 6]))))
+            spec = RowSpec(int(rng.integers(0, 64)), float(rng.random()), int(rng.integers(-1, 50)),
+                           float(rng.random()), float(rng.random()), int(rng.choice([3, 2**40 + 9, 2**70 + 5])),
+                           int(rng.integers(0, 1000)), banned)
+            specs.append(tuple(spec) if rng.random() < 0.3 else spec)
+        arrays = make_sampling_arrays(specs, num_rows)
+        full = [RowSpec(*s) for s in specs] + [RowSpec(0)] * (num_rows - len(specs))
+        width = np.asarray(arrays.banned_ids).shape[1]
+        assert width >= max(4, *(len(s.banned_ids) for s in full)) and width & (width - 1) == 0
+        for r, spec in enumerate(full):
+            assert int(arrays.row_idx[r]) == spec.row_idx and int(arrays.top_k[r]) == spec.top_k
+            assert float(arrays.temperature[r]) == np.float32(spec.temperature)
+            assert float(arrays.top_p[r]) == np.float32(spec.top_p) and float(arrays.min_p[r]) == np.float32(spec.min_p)
+            assert int(arrays.seed[r]) == spec.seed % 2**32 and int(arrays.step[r]) == spec.step
+            banned = np.asarray(arrays.banned_ids[r])
+            assert banned[: len(spec.banned_ids)].tolist() == list(spec.banned_ids)
+            assert (banned[len(spec.banned_ids) :] == -1).all()
