@@ -5,7 +5,8 @@
                                                         stop strings ──► sequences the engine finishes
 
 A request is n samples; sample j is one `Sequence`. The engine calls `process` once per committed
-step. Streaming never shows a stop string: while a sample runs, its last `max(len(s) for s in stop)
+step. A request without stop strings detokenizes lazily: its text is caught up (one decode call)
+only when an output is made, so offline generation (`only_finished`) decodes each text once. Streaming never shows a stop string: while a sample runs, its last `max(len(s) for s in stop)
 - 1` characters are held back (they may be the start of a stop string), as vLLM does; they are
 released when it finishes. Every new character is searched: a stop string is found wherever it ends
 in the text a token added, however long that text is.

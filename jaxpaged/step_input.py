@@ -104,7 +104,7 @@ class BlockTableRows:
                 lens = np.fromiter(map(len, tables), np.int32, len(tables))
             grown = np.flatnonzero(lens != self._last_lens)
             if grown.size:
-                rows, entries, table = self._last_rows, self._rows, self.table
+                entries, table = self._rows, self.table
                 for i in grown.tolist():
                     block_table = tables[i]
                     entry = entries[seqs[i].seq_id]
