@@ -178,12 +178,19 @@ class OutputProcessor:
         hold_back = request.hold_back
         want_logprobs = request.params.logprobs
         for j, sample in enumerate(request.samples):
-            if sample.num_decoded != len(sample.seq.output_token_ids):
+            output_ids = sample.seq.output_token_ids
+            num_new = len(output_ids) - sample.num_decoded
+            if num_new == 1:  # streaming: one new token per step (_catch_up, inlined)
+                new_text = sample.detokenizer.step(output_ids[-1])
+                sample.num_decoded += 1
+                if new_text:
+                    sample.text += new_text
+            elif num_new:
                 _catch_up(sample)
             text = sample.text
             if hold_back and sample.finish_reason is None:
                 text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
-            tokens = sample.seq.output_token_ids[:]
+            tokens = output_ids[:]
             completions.append(CompletionOutput(
                 j, text, tokens, sample.finish_reason, sample.logprobs[:] if want_logprobs else None,
                 text[sample.num_sent_chars :], tokens[sample.num_sent_tokens :],
