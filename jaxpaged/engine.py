@@ -332,7 +332,7 @@ class LLMEngine:
                 for j in range(1, len(entry)):
                     yield request, j
 
-    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput]:
+    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
         t0 = time.perf_counter()
         tokens = logprobs = None
