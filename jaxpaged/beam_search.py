@@ -68,6 +68,33 @@ class BeamSearchParams:
         return max(2, 1 + num_stop_ids) * self.beam_width
 
 
+def check_beam_request(params: BeamSearchParams, num_prompt_tokens: int, config, vocab_size: int,
+                       num_usable_pages: int, eos_token_id: int | None) -> tuple[int, frozenset[int]]:
+    """Raises ValueError for a search this engine cannot run; returns (max_tokens capped by
+    max_model_len, the stop ids). `config` is the EngineConfig."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+    k = params.beam_width
+    if k > config.max_num_seqs:
+        raise ValueError(
+            f"beam_width={k} needs {k} sequences in one step but max_num_seqs={config.max_num_seqs}; "
+            "raise max_num_seqs or lower beam_width"
+        )
+    stop_ids = frozenset() if params.ignore_eos or eos_token_id is None else frozenset([eos_token_id])
+    if params.num_candidates(len(stop_ids)) > vocab_size:
+        raise ValueError(f"beam_width={k} asks for more candidates than the {vocab_size} tokens; lower beam_width")
+    max_tokens = min(params.max_tokens, config.max_model_len - num_prompt_tokens)
+    max_len = num_prompt_tokens + max_tokens
+    num_pages_per_beam = -(-max_len // config.page_size)
+    # Every beam must fit at once: a preempted beam waits for pages its reported siblings hold.
+    if k * num_pages_per_beam > num_usable_pages:
+        raise ValueError(
+            f"{k} beams of up to {max_len} tokens need up to {k * num_pages_per_beam} pages but the pool holds "
+            f"{num_usable_pages}; give the KV cache more pages, lower beam_width or max_tokens, or shorten the prompt"
+        )
+    return max_tokens, stop_ids
+
+
 @dataclasses.dataclass
 class BeamOutput:
     """One finished hypothesis."""

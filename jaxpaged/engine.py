@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
+from jaxpaged.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model_runner import ModelRunner
@@ -176,28 +176,11 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
         self.validate_prompt(prompt_token_ids)
-        k, config = params.beam_width, self.config
-        if k > config.max_num_seqs:
-            raise ValueError(
-                f"beam_width={k} needs {k} sequences in one step but max_num_seqs={config.max_num_seqs}; "
-                "raise max_num_seqs or lower beam_width"
-            )
-        eos = self.tokenizer.eos_token_id
-        stop_ids = frozenset() if params.ignore_eos or eos is None else frozenset([eos])
-        if params.num_candidates(len(stop_ids)) > self.model_config.vocab_size:
-            raise ValueError(f"beam_width={k} asks for more candidates than the vocabulary holds; lower it")
-        max_tokens = min(params.max_tokens, config.max_model_len - len(prompt_token_ids))
-        num_pages_per_beam = -(-(len(prompt_token_ids) + max_tokens) // config.page_size)
-        num_usable_pages = self.block_manager.num_pages - 1
-        if k * num_pages_per_beam > num_usable_pages:
-            raise ValueError(
-                f"{k} beams of up to {len(prompt_token_ids) + max_tokens} tokens need up to "
-                f"{k * num_pages_per_beam} pages but the pool holds {num_usable_pages}; give the KV cache more "
-                "pages, lower beam_width or max_tokens, or shorten the prompt"
-            )
+        max_tokens, stop_ids = check_beam_request(
+            params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
+            self.tokenizer.eos_token_id,
+        )
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests or request_id in self.beams.searches:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
@@ -309,7 +292,8 @@ class LLMEngine:
                 logprobs = None
         candidates = None
         if beam_seqs:
-            candidates = beam_candidates(logits, num_candidates=self.beams.num_candidates([s for _, s in beam_seqs]))
+            num_candidates = min(self.beams.num_candidates([s for _, s in beam_seqs]), logits.shape[-1])
+            candidates = beam_candidates(logits, num_candidates=num_candidates)
             for array in candidates:
                 array.copy_to_host_async()
         if self.events is not None:
