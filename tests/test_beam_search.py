@@ -90,6 +90,7 @@ def test_beams_equal_hugging_face_with_eos_endings(llm, hf_model, beam_width):
     assert all(b.finish_reason == "length" for b in outputs[2].beams), "the third prompt must not stop early"
 
 
+@pytest.mark.slow  # the slow searches below cover length penalties 0.5 and 2.0 on more prompts
 def test_length_penalty_like_hugging_face(llm, hf_model):
     assert_same_as_hf(llm, hf_model, QUESTIONS[:2], BeamSearchParams(2, max_tokens=12, length_penalty=2.0))
 
