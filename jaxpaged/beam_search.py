@@ -142,7 +142,7 @@ class BeamSearch:
         self.num_generated = 0
         self.can_improve = True  # HF's is_early_stop_heuristic_unsatisfied (sticky)
         self.done = False
-        # Observations for tests and stats: the most sharers any page had, copies seen.
+        # For tests: the most sharers any page of a live beam had after a step.
         self.max_page_ref_count = 0
 
     def ready(self) -> bool:
@@ -186,7 +186,7 @@ class BeamSearch:
         return running
 
     def advance(self, scheduler: Scheduler) -> tuple[list[Sequence], list[Sequence]]:
-        """Applies `select()` to the sequences: forks, appends, frees. Returns (new beams, ended beams).
+        """Applies `select()` to the sequences: forks, appends, frees. Returns (forked children, ended beams).
 
         When the search is done every live beam ends (its pages freed)."""
         running = self.select()
