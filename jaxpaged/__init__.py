@@ -6,10 +6,14 @@ The host side (sequence, block manager, scheduler, sampling params) never import
 `LLM` and the engine are imported lazily: `import jaxpaged.scheduler` stays light.
 """
 
+from jaxpaged.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+    "BeamSearchParams", "BeamSearchOutput", "BeamOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -33,12 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model_runner import ModelRunner
 from jaxpaged.output_processor import OutputProcessor, RequestState
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampler import RowSpec, make_sampling_arrays, sample
+from jaxpaged.sampler import RowSpec, beam_candidates, make_sampling_arrays, sample
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
@@ -74,6 +75,10 @@ class _Dispatched:
     tokens: jax.Array | None  # int32 [num_rows padded], None if nothing sampled
     logprobs: jax.Array | None  # float32 [num_rows], None unless some row asked for logprobs
     next_can_read: bool  # its tokens fit the next step's prev_tokens input (else commit at once)
+    # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
+    # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).
+    beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
+    beam_candidates: tuple[jax.Array, jax.Array] | None = None
 
 
 class LLMEngine:
@@ -104,6 +109,7 @@ class LLMEngine:
             mesh=mesh,  # tensor parallelism: jaxpaged/sharding.py
         )
         self.processor = OutputProcessor(tokenizer)
+        self.beams = BeamSearches()  # beam search requests (jaxpaged/beam_search.py)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: _Dispatched | None = None
         self._request_counter = itertools.count()
@@ -165,10 +171,33 @@ class LLMEngine:
         self.processor.add_request(request_id, prompt, seq, params, seed)
         return request_id
 
+    def add_beam_request(
+        self, prompt_token_ids: list[int], params: BeamSearchParams, *, prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
+        self.validate_prompt(prompt_token_ids)
+        max_tokens, stop_ids = check_beam_request(
+            params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
+            self.tokenizer.eos_token_id,
+        )
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.processor.requests or request_id in self.beams.searches:
+            raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
+        seq = Sequence(
+            [int(t) for t in prompt_token_ids],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
+        )
+        self.scheduler.add(seq)
+        self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
+        return request_id
+
     def abort_request(self, request_id: str) -> None:
         """Stops a request now and frees its pages; unknown or finished ids are ignored.
 
         A token of it still on the device is discarded when it lands."""
+        if self.beams.abort(request_id, self.scheduler):
+            return
         request = self.processor.pop(request_id)
         if request is None:
             return
@@ -177,7 +206,7 @@ class LLMEngine:
                 self.scheduler.abort(sample.seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.processor.requests)
+        return bool(self.processor.requests) or bool(self.beams)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -185,7 +214,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the step
 
-    def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
+    def step(self, *, only_finished: bool = False) -> list[RequestOutput | BeamSearchOutput]:
         """Plans and dispatches one step, then commits the previous one; returns the outputs that
         became known (for every request that got tokens), one step late under async scheduling.
 
@@ -200,11 +229,11 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         outputs = self._commit(previous, only_finished) if previous is not None else []
         if dispatched is not None:
-            if self.config.async_scheduling and dispatched.next_can_read and self.processor.requests:
+            if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
                 self._in_flight = dispatched
-            else:  # synchronous, or nothing left to overlap with (the drain)
+            else:  # synchronous, beams, or nothing left to overlap with (the drain)
                 outputs += self._commit(dispatched, only_finished)
-        elif previous is None and self.processor.requests:
+        elif previous is None and self.has_unfinished_requests():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting; this is a bug")
         return outputs
 
@@ -218,6 +247,8 @@ class LLMEngine:
         self.timings["prepare"] += time.perf_counter() - t0
         if out.copies:
             self.runner.copy_pages(out.copies)
+        if out.preempted and self.beams:
+            self.beams.forget(out.preempted)
         previous = self._in_flight
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
@@ -229,8 +260,12 @@ class LLMEngine:
         entries: list[int | list[int] | None] = [None] * len(out.seqs)  # row(s) per scheduled sequence
         want_logprobs = False
         owner = self.processor.owner
+        beam_seqs: list[tuple[int, Sequence]] = []
         for i, seq in enumerate(out.seqs):
             if not out.samples[i]:
+                continue
+            if seq.seq_id in self.beams.owner:  # no placeholder: the search picks its next token
+                beam_seqs.append((i, seq))
                 continue
             request, sample_idx = owner[seq.seq_id]
             params = request.params
@@ -255,6 +290,12 @@ class LLMEngine:
                 logprobs.copy_to_host_async()
             else:
                 logprobs = None
+        candidates = None
+        if beam_seqs:
+            num_candidates = min(self.beams.num_candidates([s for _, s in beam_seqs]), logits.shape[-1])
+            candidates = beam_candidates(logits, num_candidates=num_candidates)
+            for array in candidates:
+                array.copy_to_host_async()
         if self.events is not None:
             self.events.append(("dispatch", self._num_steps))
 
@@ -263,7 +304,8 @@ class LLMEngine:
         self.timings["postprocess"] += time.perf_counter() - t1
         return _Dispatched(
             idx=self._num_steps, out=out, tokens=tokens, logprobs=logprobs,
-            next_can_read=num_rows <= self.runner.num_prev_token_rows,
+            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
+            beam_seqs=beam_seqs, beam_candidates=candidates,
         )
 
     def _fan_out_order(self, out: SchedulerOutput, entries):
@@ -274,7 +316,7 @@ class LLMEngine:
                 for j in range(1, len(entry)):
                     yield request, j
 
-    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput]:
+    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
         t0 = time.perf_counter()
         tokens = logprobs = None
@@ -292,6 +334,10 @@ class LLMEngine:
         outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
+        if dispatched.beam_seqs:
+            beam_logprobs, beam_token_ids = (np.asarray(a) for a in dispatched.beam_candidates)
+            for search in self.beams.commit(self.scheduler, dispatched.beam_seqs, beam_logprobs, beam_token_ids):
+                outputs.append(search.output(self.tokenizer.decode))
         self.timings["postprocess"] += time.perf_counter() - t1
         return outputs
 

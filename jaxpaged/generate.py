@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", action="store_true", help="report the chosen tokens' log-probabilities")
+    s.add_argument("--beam-width", type=int, default=None,
+                   help="beam search with this many beams (Hugging Face's semantics; sampling flags are ignored)")
+    s.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length ** this")
 
     add_engine_args(p)
 
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             formatted = prompts
         t0 = time.perf_counter()
+        if args.beam_width is not None:
+            return _beam_search(llm, prompts, formatted, args, t0)
         if args.stream:
             outputs = _stream(llm, prompts, formatted, params, args)
         else:
@@ -185,6 +190,31 @@ def main(argv: list[str] | None = None) -> int:
         f"load + compile {load_s:.1f} s",
         file=sys.stderr,
     )
+    return 0
+
+
+def _beam_search(llm, prompts, formatted, args, t0) -> int:
+    """--beam-width: every prompt's beams, best first, with their cumulative logprob and score."""
+    from jaxpaged.beam_search import BeamSearchParams
+
+    if args.stream:
+        raise ValueError("--stream does not apply to beam search (beams are known only at the end); drop one")
+    params = BeamSearchParams(args.beam_width, args.max_tokens, length_penalty=args.length_penalty,
+                              ignore_eos=args.ignore_eos)
+    outputs = llm.beam_search(formatted, params)
+    elapsed = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outputs):
+        if not args.json:
+            print(f">>> {prompt}")
+        for rank, beam in enumerate(out.beams):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "beam": rank, "text": beam.text, "token_ids": beam.token_ids,
+                                  "cumulative_logprob": beam.cumulative_logprob, "score": beam.score,
+                                  "finish_reason": beam.finish_reason}, ensure_ascii=False))
+            else:
+                print(f"[beam {rank}] (logprob {beam.cumulative_logprob:.3f}, score {beam.score:.3f}, "
+                      f"{beam.finish_reason}) {beam.text}")
+    print(f"{len(outputs)} prompts, beam width {args.beam_width}, in {elapsed:.2f} s", file=sys.stderr)
     return 0
 
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.data_parallel import build_engine
 from jaxpaged.engine_config import EngineConfig
 from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_page, num_pages_for_budget
@@ -152,6 +153,7 @@ class LLM:
         # request_id -> the call (generate / stream) that added it; whichever call steps the
         # engine hands each output to its owner, so no call loses another's outputs.
         self._owners: dict[str, _Call] = {}
+        self._beam_results: dict[str, BeamSearchOutput] = {}  # finished searches, until their call takes them
 
     @property
     def tokenizer(self):
@@ -223,6 +225,33 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
+    def beam_search(self, prompts: Prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (Hugging Face's semantics) for every prompt; one BeamSearchOutput per prompt, in
+        order, its beams best first. Beams share their common prefix's pages (jaxpaged/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+        if not hasattr(self.engine, "add_beam_request"):
+            raise ValueError("beam search runs on one engine; use data_parallel_size=1")
+        ids: list[str] = []
+        call = _Call(only_finished=True)
+        try:
+            with self._lock:
+                # Every prompt is validated before any is queued; one refused later is aborted below.
+                for text, token_ids, _ in self._normalize(prompts, None):
+                    ids.append(self.engine.add_beam_request(token_ids, params, prompt=text))
+            while not all(i in self._beam_results for i in ids):
+                with self._lock:
+                    lost = [i for i in ids if i not in self._beam_results and i not in self.engine.beams.searches]
+                    if lost:
+                        raise RuntimeError(f"beam searches {lost} were aborted outside this call; their outputs are lost")
+                    self._step_locked(call)
+            return [self._beam_results.pop(i) for i in ids]
+        finally:
+            self._abort(ids)
+            for i in ids:
+                self._beam_results.pop(i, None)
+
     def _run(self, prompts, sampling_params, ids: list[str], *, only_finished: bool = False,
              on_step=None) -> Iterator[RequestOutput]:
         """Validates everything first (nothing is queued if any input is bad), then steps to the end.
@@ -279,6 +308,9 @@ class LLM:
         finally:
             self._stepping = False
         for output in outputs:
+            if isinstance(output, BeamSearchOutput):
+                self._beam_results[output.request_id] = output
+                continue
             owner = self._owners.get(output.request_id)
             if owner is None:
                 continue  # a request added to the engine directly, not through this LLM

@@ -327,3 +327,20 @@ def sample(
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(raw, axis=1)
     return token_ids, logprobs
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates",))
+def beam_candidates(
+    logits: Float[Array, "num_seqs vocab_size"], num_candidates: int
+) -> tuple[Float[Array, "num_seqs num_candidates"], Int[Array, "num_seqs num_candidates"]]:
+    """Beam search's device half: per logits row, the `num_candidates` most likely next tokens.
+
+    Returns (log_softmax(logits) of those tokens, float32, best first; their token ids, int32), as
+    Hugging Face computes them (log_softmax of float32 logits). The host adds each beam's cumulative
+    log-probability and picks the step's top candidates over all beams (jaxpaged/beam_search.py): a
+    beam's best C candidates contain every candidate of it that can enter the global top C.
+    Compiles once per (num_seqs, num_candidates).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, token_ids = jax.lax.top_k(logprobs, num_candidates)
+    return values, token_ids.astype(jnp.int32)

@@ -162,9 +162,11 @@ class Scheduler:
             idx += 1
             num_computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
-            if num_tokens >= seq.max_num_tokens:
-                continue  # its last token is still on the device: it finishes when that lands
             num_new = num_tokens - num_computed
+            if num_tokens >= seq.max_num_tokens or num_new == 0:
+                # Its last token is still on the device (it finishes when that lands), or a beam that
+                # reported its candidates waits for its search's decision (jaxpaged/beam_search.py).
+                continue
             samples_now = True
             if num_new > budget:
                 num_new = budget  # a chunk of a long prompt; the rest runs next step

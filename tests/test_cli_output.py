@@ -4,6 +4,7 @@ In-process on a tiny random model (with SmolLM2's tokenizer) where output format
 point, so no real model loads; a subprocess where the user's view of a failure is the point.
 """
 
+import json
 import logging
 import os
 import re
@@ -104,3 +105,26 @@ def test_unreachable_hub_id_is_one_error_line_in_a_subprocess():
     assert proc.returncode != 0
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "no-such-org/no-such-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_beam_width_prints_every_beam_best_first(cli, tiny, capsys):
+    from jaxpaged.beam_search import BeamSearchParams
+
+    args = ["--no-chat", "--prompt", "Hello there", "--max-tokens", "5", "--beam-width", "3", "--length-penalty", "0.5"]
+    want = tiny.beam_search("Hello there", BeamSearchParams(3, max_tokens=5, length_penalty=0.5))[0].beams
+    assert cli(args + ["--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [r["beam"] for r in records] == [0, 1, 2]
+    assert [r["token_ids"] for r in records] == [b.token_ids for b in want]
+    assert [r["score"] for r in records] == [b.score for b in want]
+    assert records[0]["score"] >= records[1]["score"] >= records[2]["score"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(">>> Hello there\n[beam 0] (logprob ") and out.count("[beam ") == 3
+    assert tiny.stats()["num_used_pages"] == 0
+
+
+def test_beam_width_too_large_is_one_error_line(cli, capsys):
+    assert cli(["--no-chat", "--prompt", "Hi", "--beam-width", "9"]) == 2  # the tiny engine: max_num_seqs 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: beam_width=9 needs 9 sequences") and "raise max_num_seqs" in err
