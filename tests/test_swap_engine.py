@@ -80,3 +80,13 @@ def test_swap_and_host_tier_settings_are_validated():
         EngineConfig(host_cache_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no page"):
         tiny_llm(preemption_mode="swap", swap_space_bytes=10)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from jaxpaged.generate import build_parser, engine_args
+
+    args = build_parser().parse_args(
+        ["--preemption-mode", "swap", "--swap-space", "1048576", "--host-cache-bytes", "2097152"])
+    config = EngineConfig(**engine_args(args))
+    assert (config.preemption_mode, config.swap_space_bytes, config.host_cache_bytes) == ("swap", 1 << 20, 2 << 20)
+    assert EngineConfig(**engine_args(build_parser().parse_args([]))).preemption_mode == "recompute"
