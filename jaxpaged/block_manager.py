@@ -389,6 +389,11 @@ class BlockManager:
             self.page_hash[page_id] = None
             self.page_key[page_id] = None
         self.hash_to_page.clear()
+        host = self.host_cache  # the host tier too: its K/V were computed under the old weights
+        num_dropped += len(host.hash_to_page)
+        for host_page_id in list(host.hash_to_page.values()):
+            host._forget(host_page_id)
+            host.free_page_ids.move_to_end(host_page_id, last=False)
         return num_dropped
 
     def stats(self) -> dict[str, int | float]:

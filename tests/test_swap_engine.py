@@ -90,3 +90,20 @@ def test_cli_flags_reach_the_engine_config():
     config = EngineConfig(**engine_args(args))
     assert (config.preemption_mode, config.swap_space_bytes, config.host_cache_bytes) == ("swap", 1 << 20, 2 << 20)
     assert EngineConfig(**engine_args(build_parser().parse_args([]))).preemption_mode == "recompute"
+
+
+def test_reset_prefix_cache_empties_the_host_tier_too():
+    from jaxpaged.block_manager import BlockManager
+    from jaxpaged.sequence import Sequence
+
+    bm = BlockManager(4, 2, num_host_cache_pages=3)
+    first = Sequence([5, 6, 7, 8, 9])
+    bm.allocate(first)
+    first.num_computed_tokens = 4
+    bm.cache_computed_pages(first, 0)
+    bm.free(first)
+    bm.allocate(Sequence([1, 2, 3, 4, 1, 2]))  # takes all 3 pages: the 2 cached ones go to host
+    assert len(bm.host_cache.hash_to_page) == 2 and len(bm.take_transfers()[0]) == 2
+    assert bm.reset_prefix_cache() == 2
+    assert not bm.host_cache.hash_to_page and bm.host_cache.num_free_pages == 3
+    assert bm._cached_prefix(Sequence([5, 6, 7, 8, 9])) == []
