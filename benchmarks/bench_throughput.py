@@ -65,8 +65,8 @@ class Preset:
     w1: dict  # num_seqs, min_len, max_len (prompt and output lengths), temperature
     w2: dict  # num_seqs, prefix_len, suffix_min, suffix_max, output_len
     w3: dict  # num_seqs, prompt range, output range, kv_budget_tokens
-    w2_host: dict | None = None  # num_prefixes, num_seqs, prefix_len, suffix_len, output_len, kv_budget_tokens
     hf_peer: bool
+    w2_host: dict | None = None  # num_prefixes, num_seqs, prefix_len, suffix_len, output_len, kv_budget_tokens
 
 
 PRESETS = {
@@ -596,6 +596,8 @@ def main(argv=None) -> dict:
         done("W3-swap")
 
     if "w2host" in workloads:
+        if preset.w2_host is None:
+            raise SystemExit(f"preset {preset.name} defines no W2-host workload; use --preset cpu")
         w2h_args = dict(preset.w2_host)
         small_budget = w2h_args.pop("kv_budget_tokens")
         w2h = workload_w2_host(**w2h_args)
