@@ -12,6 +12,9 @@ compiled, then one small untimed call), under the same KV memory budget. Workloa
         also with synchronous stepping (`jaxpaged-sync`), to show what overlapping host and device buys
     W2  shared prefix: prefix caching on / off, and a run whose prompts share nothing (0% hits)
     W3  memory pressure: a pool too small for the batch; greedy outputs must equal an unconstrained run
+    W3-swap  (--workloads w3swap) W3's small pool, preemption by recompute vs by swap to host memory
+    W2-host  (--workloads w2host) W2 with several shared prefixes that do not fit the device pool,
+             requests cycling through them: the prefix cache's host tier on vs off
 
 Prints one table and writes `benchmarks/results/throughput_<preset>.json` and one PNG per workload
 (output throughput and KV utilisation over time, every system).
@@ -63,6 +66,7 @@ class Preset:
     w2: dict  # num_seqs, prefix_len, suffix_min, suffix_max, output_len
     w3: dict  # num_seqs, prompt range, output range, kv_budget_tokens
     hf_peer: bool
+    w2_host: dict | None = None  # num_prefixes, num_seqs, prefix_len, suffix_len, output_len, kv_budget_tokens
 
 
 PRESETS = {
@@ -75,6 +79,8 @@ PRESETS = {
         w2=dict(num_seqs=8, prefix_len=192, suffix_min=4, suffix_max=16, output_len=16),
         w3=dict(num_seqs=6, prompt_min=16, prompt_max=48, output_min=24, output_max=64, kv_budget_tokens=256),
         hf_peer=True,
+        # 4 prefixes of 192 tokens (48 pages) against 28 pages: about two requests fit at once.
+        w2_host=dict(num_prefixes=4, num_seqs=12, prefix_len=192, suffix_len=8, output_len=8, kv_budget_tokens=448),
     ),
     # BENCHMARKS.md W1 exactly: 256 sequences, lengths in [100, 1024], max_model_len 4096.
     "h100": Preset(
@@ -130,6 +136,18 @@ def workload_w3(num_seqs, prompt_min, prompt_max, output_min, output_max, **_) -
     ]
 
 
+def workload_w2_host(num_prefixes, num_seqs, prefix_len, suffix_len, output_len) -> list[Request]:
+    """Requests cycling through `num_prefixes` shared prefixes: a prefix comes back only after the
+    others have pushed it out of a pool that holds fewer than `num_prefixes` of them."""
+    rng = random.Random(2)
+    prefixes = [[rng.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [
+        (prefixes[i % num_prefixes] + [rng.randint(0, 10000) for _ in range(suffix_len)],
+         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len))
+        for i in range(num_seqs)
+    ]
+
+
 def warmup_requests(requests: list[Request]) -> list[Request]:
     """The untimed warm-up call: the first two requests, a few tokens each."""
     return [(p, dataclasses.replace(s, max_tokens=min(s.max_tokens, 4))) for p, s in requests[:2]]
@@ -177,6 +195,7 @@ def run_jaxpaged(engine, requests: list[Request], *, system: str, workload: str,
         return out
 
     stats0, sched0, compiles0 = block_manager.stats(), scheduler.stats(), engine.runner.num_compiles
+    host_bytes0 = engine.host_kv.num_bytes_out + engine.host_kv.num_bytes_in
     scheduler.schedule = recording_schedule
     steps: list[StepSample] = []
     try:
@@ -229,6 +248,9 @@ def run_jaxpaged(engine, requests: list[Request], *, system: str, workload: str,
             "recomputed_tokens": sched["num_recomputed_tokens"] - sched0["num_recomputed_tokens"],
             "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
             "prefix_hit_tokens": hits,
+            "prefix_hit_tokens_host": stats["prefix_hit_tokens_host"] - stats0["prefix_hit_tokens_host"],
+            "swaps_out": sched["num_swaps_out"] - sched0["num_swaps_out"],
+            "host_bytes_moved": engine.host_kv.num_bytes_out + engine.host_kv.num_bytes_in - host_bytes0,
         },
     )
     return run, [tokens[i] for i in ids]
@@ -362,7 +384,7 @@ def load_h100_model():
 
 
 def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: int, prefix_caching: bool = True,
-                async_scheduling: bool = True):
+                async_scheduling: bool = True, **engine_args):
     from jaxpaged.engine import LLMEngine
     from jaxpaged.engine_config import EngineConfig
 
@@ -371,7 +393,7 @@ def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: i
         page_size=preset.page_size, num_pages=num_pages, max_num_seqs=preset.max_num_seqs,
         max_num_batched_tokens=preset.max_num_batched_tokens, max_model_len=preset.max_model_len,
         enable_prefix_caching=prefix_caching, dtype=model_config.dtype,
-        attention_backend="pallas" if on_gpu else "reference", async_scheduling=async_scheduling,
+        attention_backend="pallas" if on_gpu else "reference", async_scheduling=async_scheduling, **engine_args,
     ).resolved(on_gpu=on_gpu, model_max_len=model_config.max_position_embeddings)
     if on_gpu:
         import pallas_kernels
@@ -413,7 +435,8 @@ def check_device(preset: Preset) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--workloads", default="w1,w2,w3", help="comma-separated subset of w1,w2,w3")
+    parser.add_argument("--workloads", default="w1,w2,w3",
+                        help="comma-separated subset of w1,w2,w3,w3swap,w2host")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer on the CPU preset")
     parser.add_argument("--no-dense", action="store_true", help="W1: skip the dense-cache baseline")
     parser.add_argument("--no-sync-peer", action="store_true",
@@ -545,6 +568,57 @@ def main(argv=None) -> dict:
         checks["W3 preemptions happened"] = paged_run.extra["preemptions"] > 0
         done("W3")
 
+    from jaxpaged.model_runner import kv_cache_bytes_per_page
+
+    if "w3swap" in workloads:
+        w3 = workload_w3(**preset.w3)
+        small_pages = preset.w3["kv_budget_tokens"] // preset.page_size
+        bytes_per_page = kv_cache_bytes_per_page(model_config, preset.page_size)
+        w3_runs, w3_tokens = [], []
+        for mode in ("recompute", "swap"):
+            swap_args = dict(swap_space_bytes=4 * small_pages * bytes_per_page) if mode == "swap" else {}
+            small_engine = make_engine(preset, model_config, params, tokenizer, num_pages=small_pages,
+                                       preemption_mode=mode, **swap_args)
+            run_jaxpaged(small_engine, warmup_requests(w3), system="warmup", workload="W3", capacity_tokens=0)
+            small_engine.reset_prefix_cache()
+            run, tokens = run_jaxpaged(small_engine, w3, system=f"jaxpaged (preempt by {mode})",
+                                       workload="W3-swap", capacity_tokens=preset.w3["kv_budget_tokens"])
+            w3_runs.append(run)
+            w3_tokens.append(tokens)
+            del small_engine
+        engine.reset_prefix_cache()
+        _, reference_tokens = run_jaxpaged(engine, w3, system="reference", workload="W3", capacity_tokens=budget)
+        runs["W3-swap"] = w3_runs
+        checks["W3-swap greedy outputs equal: recompute, swap, unconstrained"] = (
+            w3_tokens[0] == w3_tokens[1] == reference_tokens)
+        checks["W3-swap swaps happened, 0 tokens recomputed"] = (
+            w3_runs[1].extra["swaps_out"] > 0 and w3_runs[1].extra["recomputed_tokens"] == 0)
+        done("W3-swap")
+
+    if "w2host" in workloads:
+        if preset.w2_host is None:
+            raise SystemExit(f"preset {preset.name} defines no W2-host workload; use --preset cpu")
+        w2h_args = dict(preset.w2_host)
+        small_budget = w2h_args.pop("kv_budget_tokens")
+        w2h = workload_w2_host(**w2h_args)
+        small_pages = small_budget // preset.page_size
+        bytes_per_page = kv_cache_bytes_per_page(model_config, preset.page_size)
+        host_runs, host_tokens = [], []
+        for tier in (False, True):
+            tier_args = dict(host_cache_bytes=4 * small_pages * bytes_per_page) if tier else {}
+            small_engine = make_engine(preset, model_config, params, tokenizer, num_pages=small_pages, **tier_args)
+            run_jaxpaged(small_engine, warmup_requests(w2h), system="warmup", workload="W2", capacity_tokens=0)
+            small_engine.reset_prefix_cache()
+            run, tokens = run_jaxpaged(small_engine, w2h, system=f"jaxpaged (host tier {'on' if tier else 'off'})",
+                                       workload="W2-host", capacity_tokens=small_budget)
+            host_runs.append(run)
+            host_tokens.append(tokens)
+            del small_engine
+        runs["W2-host"] = host_runs
+        checks["W2-host greedy outputs equal, host tier on vs off"] = host_tokens[0] == host_tokens[1]
+        checks["W2-host host-tier hits happened"] = host_runs[1].extra["prefix_hit_tokens_host"] > 0
+        done("W2-host")
+
     stem = args.name or f"throughput_{preset.name}"
     summaries = {name: [summarize(r) for r in rs] for name, rs in runs.items()}
     for name, rs in runs.items():
@@ -595,7 +669,8 @@ TABLE_COLUMNS = [
     ("workload", "workload"), ("system", "system"), ("out tok/s", "output_tok_s"), ("total tok/s", "total_tok_s"),
     ("TTFT p50", "ttft_median_s"), ("TTFT p99", "ttft_p99_s"), ("TPOT p50", "tpot_median_s"),
     ("TPOT p99", "tpot_p99_s"), ("KV waste %", "kv_waste_pct"), ("peak seqs", "peak_running"),
-    ("preempt", "preemptions"), ("recomp tok", "recomputed_tokens"), ("hit rate", "prefix_hit_rate"),
+    ("preempt", "preemptions"), ("recomp tok", "recomputed_tokens"), ("swaps", "swaps_out"),
+    ("host MB", "host_mb"), ("hit rate", "prefix_hit_rate"), ("host hit tok", "prefix_hit_tokens_host"),
     ("compiles", "num_compiles_timed"), ("host %", "host_pct"), ("sched %", "sched_pct"),
     ("prep %", "prep_pct"), ("post %", "post_pct"), ("device %", "device_pct"),
 ]
@@ -605,6 +680,8 @@ def table(summaries: list[dict]) -> str:
     rows = []
     for s in summaries:
         row = dict(s)
+        if "host_bytes_moved" in s:
+            row["host_mb"] = s["host_bytes_moved"] / 1e6
         if s.get("host_share"):
             row["host_pct"] = 100 * s["host_share_total"]
             row["sched_pct"] = 100 * s["host_share"]["schedule"]

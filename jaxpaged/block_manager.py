@@ -30,6 +30,7 @@ import array
 import collections
 import hashlib
 
+from jaxpaged.host_pool import HostPagePool
 from jaxpaged.sequence import Sequence
 
 # (parent page's digest or None for page 0, cache_salt, this page's token ids): what a page's digest covers.
@@ -37,7 +38,8 @@ PageKey = tuple[bytes | None, str | None, tuple[int, ...]]
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, *,
+                 num_swap_pages: int = 0, num_host_cache_pages: int = 0) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} leaves no usable page (page 0 is padding); use num_pages >= 2")
         if page_size < 1:
@@ -60,6 +62,20 @@ class BlockManager:
         self.num_evictions = 0  # registered pages dropped from the cache to be reused
         self.num_cow_copies = 0  # copy-on-write page copies requested from the device
         self.num_page_allocations = 0  # fresh pages handed out (a counter: its rate is the allocation rate)
+
+        # Host memory (jaxpaged/host_pool.py): swap space for preempted sequences' pages, and a tier
+        # below the device prefix cache. Host ids: swap pages first, then cache pages.
+        self.swap_pool = HostPagePool(num_swap_pages, first_id=0)
+        self.host_cache = HostPagePool(num_host_cache_pages if enable_prefix_caching else 0, first_id=num_swap_pages)
+        # Transfers planned since the scheduler last took them (Scheduler.schedule -> SchedulerOutput):
+        # (device page, host page) copies to host, issued before this step's writes, and
+        # (host page, device page) copies to the device, issued before this step reads them.
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.num_prefix_hit_tokens_host = 0  # of num_prefix_hit_tokens, tokens found in the host tier
+        self.num_host_cache_stores = 0  # device evictions kept in the host tier
+        self.num_swapped_out_pages = 0
+        self.num_swapped_in_pages = 0
 
     # ------------------------------------------------------------------ hashing
 
@@ -97,6 +113,9 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Page ids holding the longest cached prefix of `seq.token_ids`, leaving >= 1 token to compute.
 
+        A page found only in the host tier is given as `-1 - host_page_id` (negative): it costs a
+        fresh device page and a swap-in, like a miss in pages but not in compute.
+
         Only pages that lie wholly within the first len-1 tokens may hit, so the last token is always
         computed (it yields the logits to sample from) and no hit page is ever written:
 
@@ -109,10 +128,14 @@ class BlockManager:
         self._hash_full_pages(seq, max_hit_pages)
         hit_page_ids = []
         for page_idx in range(max_hit_pages):
-            page_id = self.hash_to_page.get(seq.page_hashes[page_idx])
+            page_hash = seq.page_hashes[page_idx]
+            page_id = self.hash_to_page.get(page_hash)
             # Never trust the hash alone: the stored key (parent hash, salt, tokens) must match exactly.
             if page_id is None or self.page_key[page_id] != self._page_key(seq, page_idx):
-                break
+                host_page_id = self.host_cache.lookup(page_hash, self._page_key(seq, page_idx))
+                if host_page_id is None:
+                    break
+                page_id = -1 - host_page_id
             hit_page_ids.append(page_id)
         return hit_page_ids
 
@@ -124,6 +147,10 @@ class BlockManager:
         page_hash = self.page_hash[page_id]
         if page_hash is not None:
             del self.hash_to_page[page_hash]
+            host_page_id = self.host_cache.store(page_hash, self.page_key[page_id]) if self.host_cache.num_pages else None
+            if host_page_id is not None:  # kept one tier down: copied to host before this step writes here
+                self.swap_out.append((page_id, host_page_id))
+                self.num_host_cache_stores += 1
             self.page_hash[page_id] = None
             self.page_key[page_id] = None
             self.num_evictions += 1
@@ -152,7 +179,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate(seq)` would find enough pages (cache hits on used pages cost nothing)."""
         hit_page_ids = self._cached_prefix(seq)
-        num_shared_hits = sum(1 for page_id in hit_page_ids if self.ref_counts[page_id] > 0)
+        num_shared_hits = sum(1 for page_id in hit_page_ids if page_id >= 0 and self.ref_counts[page_id] > 0)
         return self._num_pages_for(len(seq.token_ids)) - num_shared_hits <= len(self.free_page_ids)
 
     def allocate(self, seq: Sequence) -> None:
@@ -163,24 +190,40 @@ class BlockManager:
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}; free it first")
         hit_page_ids = self._cached_prefix(seq)
+        device_hit_ids = [page_id for page_id in hit_page_ids if page_id >= 0]
         # Claim the hits before taking fresh pages, so that taking a fresh page cannot evict a hit.
-        for page_id in hit_page_ids:
+        for page_id in device_hit_ids:
             if self.ref_counts[page_id] == 0:
                 del self.free_page_ids[page_id]
             self.ref_counts[page_id] += 1
-        num_fresh = self._num_pages_for(len(seq.token_ids)) - len(hit_page_ids)
+        num_fresh = self._num_pages_for(len(seq.token_ids)) - len(device_hit_ids)
         if num_fresh > len(self.free_page_ids):
-            for page_id in hit_page_ids:  # undo, leaving the free list as it was (up to order)
+            for page_id in device_hit_ids:  # undo, leaving the free list as it was (up to order)
                 self._release(page_id)
             raise RuntimeError(
                 f"sequence {seq.seq_id} needs {num_fresh} fresh pages but {len(self.free_page_ids)} are free; "
                 "call can_allocate() first"
             )
-        seq.block_table = hit_page_ids + [self._take_fresh_page() for _ in range(num_fresh)]
+        host_hit_ids = [-1 - page_id for page_id in hit_page_ids if page_id < 0]
+        for host_page_id in host_hit_ids:  # out of the host index first: a store below cannot evict it
+            self.host_cache.claim_hit(host_page_id)
+        block_table = []
+        for page_idx, page_id in enumerate(hit_page_ids):
+            if page_id < 0:  # a host hit: back to a fresh device page, registered there again
+                host_page_id, page_id = -1 - page_id, self._take_fresh_page()
+                page_hash = seq.page_hashes[page_idx]
+                self.hash_to_page[page_hash] = page_id
+                self.page_hash[page_id] = page_hash
+                self.page_key[page_id] = self._page_key(seq, page_idx)
+                self.swap_in.append((host_page_id, page_id))
+            block_table.append(page_id)
+        num_fresh = self._num_pages_for(len(seq.token_ids)) - len(hit_page_ids)
+        seq.block_table = block_table + [self._take_fresh_page() for _ in range(num_fresh)]
         seq.num_cached_tokens = len(hit_page_ids) * self.page_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq.token_ids)
         self.num_prefix_hit_tokens += seq.num_cached_tokens
+        self.num_prefix_hit_tokens_host += len(host_hit_ids) * self.page_size
 
     # ------------------------------------------------------------------ growing by one token
 
@@ -263,12 +306,66 @@ class BlockManager:
             self.page_key[page_id] = key
 
     def free(self, seq: Sequence) -> None:
-        """Give back all of `seq`'s pages (finished, aborted or preempted). Its page hashes stay valid."""
+        """Give back all of `seq`'s pages, device and host (finished, aborted or preempted). Its page
+        hashes stay valid."""
         # Last page first: a prefix's tail pages are evicted before its head pages, which more
         # requests share (a tail page is useless without the pages before it).
         for page_id in reversed(seq.block_table):
             self._release(page_id)
         seq.block_table = []
+        for host_page_id in seq.host_block_table:
+            self.swap_pool.release(host_page_id)
+        seq.host_block_table = []
+
+    # ------------------------------------------------------------------ swapping a sequence out and in
+
+    def _num_swap_pages(self, seq: Sequence) -> int:
+        return self._num_pages_for(seq.num_computed_tokens)  # pages holding computed K/V
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < self._num_swap_pages(seq) <= self.swap_pool.num_free_pages
+
+    def swap_out_seq(self, seq: Sequence) -> None:
+        """Copy the pages holding `seq`'s computed K/V to host pages, then free its device pages.
+
+        The copies are planned in `swap_out`, issued before this step's writes; a step still in
+        flight that writes these pages is ordered before them on the device (same buffer)."""
+        host_block_table = [self.swap_pool.take() for _ in range(self._num_swap_pages(seq))]
+        self.swap_out += zip(seq.block_table, host_block_table)
+        self.num_swapped_out_pages += len(host_block_table)
+        for page_id in reversed(seq.block_table):
+            self._release(page_id)
+        seq.block_table = []
+        seq.host_block_table = host_block_table
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return self._num_pages_for(len(seq.token_ids)) <= len(self.free_page_ids)
+
+    def swap_in_seq(self, seq: Sequence) -> None:
+        """Fresh device pages for a swapped-out sequence: its host pages are copied back (`swap_in`)
+        before this step reads them, and more fresh pages cover its tokens not computed yet."""
+        if self._num_pages_for(len(seq.token_ids)) > len(self.free_page_ids):
+            raise RuntimeError(f"no room to swap sequence {seq.seq_id} in; call can_swap_in() first")
+        block_table = []
+        for host_page_id in seq.host_block_table:
+            page_id = self._take_fresh_page()
+            self.swap_in.append((host_page_id, page_id))
+            self.swap_pool.release_after_transfer(host_page_id)
+            block_table.append(page_id)
+        self.num_swapped_in_pages += len(block_table)
+        while len(block_table) * self.page_size < len(seq.token_ids):
+            block_table.append(self._take_fresh_page())
+        seq.block_table = block_table
+        seq.host_block_table = []
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (swap_out, swap_in) copies planned since the last call; host pages read by the last
+        call's swap-ins are free again from now on."""
+        self.swap_pool.end_transit()
+        self.host_cache.end_transit()
+        transfers = self.swap_out, self.swap_in
+        self.swap_out, self.swap_in = [], []
+        return transfers
 
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""
@@ -292,6 +389,11 @@ class BlockManager:
             self.page_hash[page_id] = None
             self.page_key[page_id] = None
         self.hash_to_page.clear()
+        host = self.host_cache  # the host tier too: its K/V were computed under the old weights
+        num_dropped += len(host.hash_to_page)
+        for host_page_id in list(host.hash_to_page.values()):
+            host._forget(host_page_id)
+            host.free_page_ids.move_to_end(host_page_id, last=False)
         return num_dropped
 
     def stats(self) -> dict[str, int | float]:
@@ -304,7 +406,14 @@ class BlockManager:
             "usage": (num_usable - num_free) / num_usable,
             "num_cached_pages": len(self.hash_to_page),  # registered, used or free
             "prefix_query_tokens": self.num_prefix_query_tokens,
-            "prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "prefix_hit_tokens": self.num_prefix_hit_tokens,  # both tiers
+            "prefix_hit_tokens_device": self.num_prefix_hit_tokens - self.num_prefix_hit_tokens_host,
+            "prefix_hit_tokens_host": self.num_prefix_hit_tokens_host,
+            "num_host_cache_pages": len(self.host_cache.hash_to_page),
+            "num_host_cache_stores": self.num_host_cache_stores,
+            "num_swap_pages_free": self.swap_pool.num_free_pages,
+            "num_swapped_out_pages": self.num_swapped_out_pages,
+            "num_swapped_in_pages": self.num_swapped_in_pages,
             "prefix_hit_rate": self.num_prefix_hit_tokens / max(1, self.num_prefix_query_tokens),
             "num_evictions": self.num_evictions,
             "num_cow_copies": self.num_cow_copies,

@@ -36,7 +36,8 @@ import numpy as np
 from jaxpaged.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model_runner import ModelRunner
+from jaxpaged.kv_transfer import HostKVStore
+from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_page
 from jaxpaged.output_processor import OutputProcessor, RequestState
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampler import RowSpec, beam_candidates, make_sampling_arrays, sample
@@ -89,13 +90,22 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
+        bytes_per_page = kv_cache_bytes_per_page(model_config, config.page_size)
+        num_swap_pages = (config.swap_space_bytes or 0) // bytes_per_page
+        num_host_cache_pages = (config.host_cache_bytes or 0) // bytes_per_page
+        for name, value, count in (("swap_space_bytes", config.swap_space_bytes, num_swap_pages),
+                                   ("host_cache_bytes", config.host_cache_bytes, num_host_cache_pages)):
+            if value is not None and count == 0:
+                raise ValueError(f"{name}={value} holds no page of {bytes_per_page} bytes; raise it")
         self.scheduler = Scheduler(
             BlockManager(
-                num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching
+                num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
             ),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            preemption_mode=config.preemption_mode,
         )
         self.runner = ModelRunner(
             model_config,
@@ -110,6 +120,7 @@ class LLMEngine:
         )
         self.processor = OutputProcessor(tokenizer)
         self.beams = BeamSearches()  # beam search requests (jaxpaged/beam_search.py)
+        self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: _Dispatched | None = None
         self._request_counter = itertools.count()
@@ -224,6 +235,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
+        if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
+            self.host_kv.swap_out(out.swap_out)
+        if out.swap_in:  # before this step reads them
+            self.host_kv.swap_in(out.swap_in)
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
@@ -411,4 +426,6 @@ class LLMEngine:
             "num_generated_tokens": self._num_generated_tokens,
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
+            "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
+            "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
         }

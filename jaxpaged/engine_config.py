@@ -8,6 +8,7 @@ token budget are kept moderate there).
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class EngineConfig:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1  # devices one model is split over (a `tp` mesh axis; jaxpaged/sharding.py)
     data_parallel_size: int = 1  # whole engine replicas, each on its own tensor_parallel_size devices
+    # Out of pages, a victim's K/V is recomputed later ("recompute") or copied to host memory and
+    # back ("swap", within swap_space_bytes of host pages; recompute when those are full).
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int | None = None  # host bytes for swapped pages; required by preemption_mode="swap"
+    host_cache_bytes: int | None = None  # host tier under the device prefix cache; None: no tier
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -49,6 +55,18 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1: no parallelism)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: use one of {PREEMPTION_MODES}")
+        for name in ("swap_space_bytes", "host_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 byte (or None for none)")
+        if self.preemption_mode == "swap" and self.swap_space_bytes is None:
+            raise ValueError("preemption_mode='swap' needs swap_space_bytes (host memory for swapped pages, e.g. 1<<30)")
+        if self.swap_space_bytes is not None and self.preemption_mode != "swap":
+            raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
+        if self.host_cache_bytes is not None and not self.enable_prefix_caching:
+            raise ValueError("host_cache_bytes is a tier of the prefix cache; set enable_prefix_caching=True")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:

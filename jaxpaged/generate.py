@@ -74,6 +74,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas", "mosaic"], default="auto")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
+    e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                   help="out of KV pages: recompute a victim later, or swap its pages to host memory and back")
+    e.add_argument("--swap-space", type=int, default=None, metavar="BYTES",
+                   help="host memory for swapped pages (with --preemption-mode swap)")
+    e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
+                   help="keep prefix-cache pages evicted from the device in this much host memory")
 
 
 def engine_args(args) -> dict:
@@ -84,6 +90,7 @@ def engine_args(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
         attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,
     )
 
 

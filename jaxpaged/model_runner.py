@@ -147,6 +147,12 @@ class ModelRunner:
             self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
         )
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",), **copy_shardings)
+        # Host transfers (swap, the prefix cache's host tier) move pages in fixed batches of this many,
+        # padded, so no call compiles: one sequence's pages fit one batch.
+        self.max_num_transfer_pages = self.pages_per_seq
+        self.num_transfer_compiles = 0
+        self._gather = jax.jit(self._gather_fn)
+        self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
 
     def _to_device(self, params):
         """The engine's own float copy of `params` in the model dtype.
@@ -194,6 +200,33 @@ class ModelRunner:
     def _copy_fn(self, kv_pages, src, dst):
         self.num_copy_compiles += 1  # runs only while tracing
         return apply_page_copies(kv_pages, src, dst)
+
+    def _gather_fn(self, kv_pages, page_ids):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf: leaf[:, :, :, page_ids], kv_pages)
+
+    def _scatter_fn(self, kv_pages, pages, page_ids):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf, new: leaf.at[:, :, :, page_ids].set(new, mode="drop"), kv_pages, pages)
+
+    def gather_pages(self, page_ids: Sequence[int]):
+        """Pages `page_ids` (at most `max_num_transfer_pages`) of every KV leaf, on the device, page
+        axis 3 padded to `max_num_transfer_pages` (padding reads page 0). Dispatched, not awaited:
+        ordered after every step already issued on the buffer, before every later one."""
+        ids = np.zeros(self.max_num_transfer_pages, np.int32)
+        ids[: len(page_ids)] = page_ids
+        if self.tp is not None:
+            ids = self._place_replicated(ids)
+        return self._gather(self.kv_pages, ids)
+
+    def scatter_pages(self, pages, page_ids: Sequence[int]) -> None:
+        """Writes host `pages` (a pytree like `kv_pages`, page axis 3 of size `max_num_transfer_pages`)
+        into pages `page_ids` of the buffer; rows past `len(page_ids)` are dropped."""
+        ids = np.full(self.max_num_transfer_pages, self.num_pages, np.int32)  # out of range: dropped
+        ids[: len(page_ids)] = page_ids
+        if self.tp is not None:
+            ids = self._place_replicated(ids)
+        self.kv_pages = self._scatter(self.kv_pages, pages, ids)
 
     def prepare(self, scheduler_output, block_table_rows=None) -> StepInput:
         """`prepare_step_input` with this runner's page pool and buckets."""
@@ -271,6 +304,8 @@ class ModelRunner:
         for bucket in self.decode_buckets:
             self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
+        pages = jax.block_until_ready(self.gather_pages([]))  # host transfers: one program each way
+        self.scatter_pages(jax.tree.map(np.asarray, pages), [])  # all rows dropped: changes nothing
 
     def update_params(self, params) -> None:
         """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.

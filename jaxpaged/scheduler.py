@@ -25,6 +25,8 @@ from jaxpaged.sequence import Sequence, SequenceStatus, new_seq_id, placeholder_
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
+SWAPPED = SequenceStatus.SWAPPED
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +52,12 @@ class SchedulerOutput:
     # Set by advance(): (sequence, sampler row) for every token sampled this step, forked children
     # included, in row-assignment order.
     sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    # Host transfers, issued by the engine before this step's copies and K/V writes, swap-outs first:
+    # (device page, host page) copies to host (swapped victims' pages, and device prefix-cache pages
+    # evicted into the host tier), and (host page, device page) copies back (swapped sequences
+    # readmitted, host-tier prefix hits). Planned even in a step that schedules no sequence.
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,7 +75,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        preemption_mode: str = "recompute",
     ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"{preemption_mode=}: use one of {PREEMPTION_MODES}")
         if max_num_seqs < 1:
             raise ValueError(f"{max_num_seqs=} must be >= 1")
         if max_num_batched_tokens < 1:
@@ -78,6 +89,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
 
         # Invariant: running + waiting, read in that order, is sorted by arrival_idx.
         self.waiting: collections.deque[Sequence] = collections.deque()  # FIFO; preempted at the front
@@ -90,6 +102,8 @@ class Scheduler:
         # (sequence, num_computed_tokens before) for each advance() that completed a page: commit()
         # registers those pages in the prefix cache once their tokens are known.
         self._filled_pages: list[tuple[Sequence, int]] = []
+        self.num_swaps_out = 0  # preemptions by swap (the rest recompute)
+        self.num_swaps_in = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -197,9 +211,17 @@ class Scheduler:
         waiting = self.waiting
         while waiting and not preempted and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
-            if seq.num_placeholders or not block_manager.can_allocate(seq):
+            if seq.num_placeholders:
                 break  # (a preempted sequence is admitted again only once its tokens have landed)
-            block_manager.allocate(seq)  # sets num_computed_tokens to the cached prefix
+            if seq.status is SWAPPED:
+                if not block_manager.can_swap_in(seq):
+                    break
+                block_manager.swap_in_seq(seq)  # keeps num_computed_tokens: nothing is recomputed
+                self.num_swaps_in += 1
+            elif block_manager.can_allocate(seq):
+                block_manager.allocate(seq)  # sets num_computed_tokens to the cached prefix
+            else:
+                break
             waiting.popleft()
             seq.status = RUNNING
             running.append(seq)
@@ -211,6 +233,7 @@ class Scheduler:
             num_new_tokens.append(num_new)
             budget -= num_new
 
+        swap_out, swap_in = block_manager.take_transfers()
         return SchedulerOutput(
             seqs=seqs,
             num_new_tokens=num_new_tokens,
@@ -218,10 +241,30 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             samples=samples,
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s pages and queue it again at the front; its tokens are recomputed as a prompt."""
+        """Free `seq`'s pages and queue it again at the front. In swap mode, when the host swap space
+        has room, its computed K/V go to host pages and come back at readmission (SWAPPED); else its
+        tokens are recomputed as a prompt (PREEMPTED).
+
+        A sequence whose token is still on the device may be swapped: the step in flight wrote its
+        last K/V into the same buffer the swap-out copies from (ordered on the device), and it is
+        readmitted only once its placeholders have landed, as after a recompute preemption.
+
+        A sequence with nothing left to compute (a beam that reported its candidates and waits for
+        its search) is recomputed, never swapped: readmitted with all its K/V it would have no token
+        to schedule, while its search drops the report of a preempted beam and waits for a new one."""
+        if (self.preemption_mode == "swap" and seq.num_computed_tokens < len(seq.token_ids)
+                and self.block_manager.can_swap_out(seq)):
+            self.block_manager.swap_out_seq(seq)
+            self.num_preemptions += 1
+            self.num_swaps_out += 1
+            seq.status = SWAPPED
+            self.waiting.appendleft(seq)
+            return
         self.block_manager.free(seq)
         self.num_preemptions += 1
         self.num_recomputed_tokens += seq.num_computed_tokens
@@ -402,6 +445,8 @@ class Scheduler:
             "num_running": len(self.running),
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
+            "num_swaps_out": self.num_swaps_out,
+            "num_swaps_in": self.num_swaps_in,
             # Slots of used pages holding a token: 1 - this / (used pages * page_size) is fragmentation.
             "num_live_slots": self.block_manager.num_live_slots(self.running),
         }

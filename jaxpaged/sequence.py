@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages
     RUNNING = "running"  # holds pages; scheduled on every step it fits in the budget
     PREEMPTED = "preempted"  # pages freed under memory pressure; queued again, recomputed from token 0
+    SWAPPED = "swapped"  # preempted, its computed K/V copied to host pages (host_block_table); queued again
     FINISHED = "finished"  # done; pages freed; finish_reason says why
 
 
@@ -69,6 +70,7 @@ class Sequence:
         "num_computed_tokens",  # tokens whose K/V are in this sequence's pages
         "num_cached_tokens",  # of those, tokens found in the prefix cache at the last admission
         "block_table",  # list[int]: logical page i -> physical page id
+        "host_block_table",  # list[int]: while SWAPPED, logical page i -> host page id (else empty)
         "page_hashes",  # list[bytes]: chained digest of full page i of token_ids (a cache of the block manager)
         "sampling_params",  # SamplingParams
         "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
@@ -100,6 +102,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.host_block_table: list[int] = []
         self.page_hashes: list[bytes] = []
         self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
         self.arrival_idx = -1
@@ -150,6 +153,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_table = []  # filled by BlockManager.fork
+        child.host_block_table = []
         child.page_hashes = list(self.page_hashes)
         child.sampling_params = self.sampling_params
         child.arrival_idx = self.arrival_idx

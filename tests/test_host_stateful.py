@@ -31,9 +31,14 @@ class FakeKVPool:
         self.page_size = page_size
         self.block_manager = block_manager
         self.pages = [[None] * page_size for _ in range(num_pages)]
+        self.host_pages = {}  # host page id -> slot contents (swap space and the prefix cache's host tier)
 
     def run(self, out):
         ps = self.page_size
+        for page_id, host_page_id in out.swap_out:  # before anything this step writes
+            self.host_pages[host_page_id] = list(self.pages[page_id])
+        for host_page_id, page_id in out.swap_in:
+            self.pages[page_id] = list(self.host_pages[host_page_id])
         for src_page_id, dst_page_id in out.copies:
             self.pages[dst_page_id] = list(self.pages[src_page_id])
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
@@ -85,10 +90,17 @@ ADD_ARGS = dict(
 
 
 class HostMachine(RuleBasedStateMachine):
+    preemption_mode = "recompute"
+
+    @staticmethod
+    def make_block_manager():
+        return BlockManager(NUM_PAGES, PAGE_SIZE)
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NUM_PAGES, PAGE_SIZE)
-        self.sched = Scheduler(self.bm, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=28)
+        self.bm = self.make_block_manager()
+        self.sched = Scheduler(self.bm, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=28,
+                               preemption_mode=self.preemption_mode)
         self.pool = FakeKVPool(NUM_PAGES, PAGE_SIZE, self.bm)
         self.pending = None  # a SchedulerOutput between schedule() and update()
         self.all_seqs = []
@@ -132,7 +144,8 @@ class HostMachine(RuleBasedStateMachine):
             assert seq.status is SequenceStatus.RUNNING
             assert seq.num_computed_tokens + num_new <= len(seq.token_ids)
             assert len(seq.block_table) * PAGE_SIZE >= len(seq.token_ids)
-        assert all(seq.status is SequenceStatus.PREEMPTED and not seq.block_table for seq in out.preempted)
+        assert all(seq.status in (SequenceStatus.PREEMPTED, SequenceStatus.SWAPPED) and not seq.block_table
+                   for seq in out.preempted)
         self.pool.run(out)
         self.pending = out
 
@@ -179,7 +192,7 @@ class HostMachine(RuleBasedStateMachine):
     def preempt_latest(self):
         # What schedule() does under memory pressure, forced at a random moment.
         victim = self.sched.running.pop()
-        self.sched._preempt(victim)
+        self.sched._preempt(victim)  # swap mode: the copies run at the next schedule(), before any write
         assert self.sched.waiting[0] is victim
 
     @invariant()
@@ -189,8 +202,12 @@ class HostMachine(RuleBasedStateMachine):
         arrival = [seq.arrival_idx for seq in unfinished]
         assert arrival == sorted(arrival)
         for seq in self.sched.waiting:
-            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED, SequenceStatus.SWAPPED)
+            assert seq.block_table == []
+            if seq.status is SequenceStatus.SWAPPED:  # keeps its progress, its K/V in host pages
+                assert len(seq.host_block_table) == -(-seq.num_computed_tokens // PAGE_SIZE) > 0
+            else:
+                assert seq.num_computed_tokens == 0 and seq.host_block_table == []
         for seq in self.sched.running:
             assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens <= len(seq.token_ids)
             assert len(seq.block_table) * PAGE_SIZE >= seq.num_computed_tokens

@@ -119,8 +119,12 @@ class _EngineStateCollector:
                       s.get("prefix_query_tokens", 0))
         yield counter("jaxpaged_prefix_cache_hit_tokens", "Prompt tokens whose K/V the prefix cache held",
                       s.get("prefix_hit_tokens", 0))
-        yield counter("jaxpaged_preemptions", "Sequences preempted (pages freed, recomputed later)",
+        yield counter("jaxpaged_prefix_cache_host_hit_tokens", "Of the hit tokens, those brought back from the host tier",
+                      s.get("prefix_hit_tokens_host", 0))
+        yield counter("jaxpaged_preemptions", "Sequences preempted (pages freed: recomputed, or swapped to host)",
                       s.get("num_preemptions", 0))
+        yield counter("jaxpaged_swaps_out", "Preemptions by swap: a sequence's KV pages copied to host memory",
+                      s.get("num_swaps_out", 0))
         yield gauge("jaxpaged_requests_running", "Sequences holding pages", s.get("num_running", 0))
         yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission", s.get("num_waiting", 0))
 

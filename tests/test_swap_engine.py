@@ -1,0 +1,109 @@
+"""Swap preemption and the prefix cache's host tier through the engine (tiny random model, CPU)."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.engine_config import EngineConfig
+from test_llm_inputs import tiny_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(num, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(300, 900, size=int(rng.integers(10, 20))).tolist() for _ in range(num)]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_swap_preemption_recomputes_nothing_and_matches_an_unconstrained_run(async_scheduling):
+    # 6 requests of up to 43 tokens (11 pages of 4) in 23 usable pages: they cannot all run at once.
+    batch = prompts(6)
+    reference = token_ids(tiny_llm(async_scheduling=async_scheduling).generate(batch, GREEDY))
+    llm = tiny_llm(async_scheduling=async_scheduling, num_pages=24, preemption_mode="swap",
+                   swap_space_bytes=1 << 20)
+    got = token_ids(llm.generate(batch, GREEDY))
+    stats = llm.stats()
+    assert got == reference
+    assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    assert stats["num_preemptions"] == stats["num_swaps_out"]  # no fallback to recompute: pool is large
+    assert stats["num_recomputed_tokens"] == 0
+    assert stats["num_swapped_in_pages"] == stats["num_swapped_out_pages"] > 0
+    assert stats["swap_bytes_out"] > 0 and stats["swap_bytes_in"] > 0
+    assert stats["num_used_pages"] == 0 and stats["num_swap_pages_free"] == llm.engine.block_manager.swap_pool.num_pages
+
+
+def test_a_full_swap_space_falls_back_to_recompute():
+    batch = prompts(6)
+    reference = token_ids(tiny_llm().generate(batch, GREEDY))
+    # One page of host swap space: no victim fits (each holds more), every preemption recomputes.
+    bytes_per_page = 2 * 2 * 2 * 4 * 8 * 4
+    llm = tiny_llm(num_pages=24, preemption_mode="swap", swap_space_bytes=bytes_per_page)
+    assert token_ids(llm.generate(batch, GREEDY)) == reference
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_swaps_out"] == 0 and stats["num_recomputed_tokens"] > 0
+
+
+def test_host_tier_serves_prefixes_the_device_pool_evicted():
+    # 4 shared prefixes of 24 tokens (6 pages each) against 15 usable pages: requests cycle through
+    # the prefixes, so each prefix is evicted from the device before it comes back.
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(300, 900, size=24).tolist() for _ in range(4)]
+    batch = [prefixes[i % 4] + rng.integers(300, 900, size=3).tolist() for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    args = dict(num_pages=16, max_num_seqs=2)
+    off = tiny_llm(**args)
+    reference = [token_ids(off.generate([p], params))[0] for p in batch]
+    on = tiny_llm(**args, host_cache_bytes=1 << 20)
+    got = [token_ids(on.generate([p], params))[0] for p in batch]
+    assert got == reference
+    stats_on, stats_off = on.stats(), off.stats()
+    assert stats_off["prefix_hit_tokens_host"] == 0
+    assert stats_on["prefix_hit_tokens_host"] > 0 and stats_on["num_host_cache_stores"] > 0
+    assert stats_on["prefix_hit_tokens"] > stats_off["prefix_hit_tokens"]
+    assert stats_on["prefix_hit_tokens"] == stats_on["prefix_hit_tokens_device"] + stats_on["prefix_hit_tokens_host"]
+    assert stats_on["swap_bytes_in"] > 0
+
+
+def test_swap_and_host_tier_settings_are_validated():
+    with pytest.raises(ValueError, match="swap_space_bytes"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(preemption_mode="spill")
+    with pytest.raises(ValueError, match="only with preemption_mode='swap'"):
+        EngineConfig(swap_space_bytes=1 << 20)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(host_cache_bytes=1 << 20, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="holds no page"):
+        tiny_llm(preemption_mode="swap", swap_space_bytes=10)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from jaxpaged.generate import build_parser, engine_args
+
+    args = build_parser().parse_args(
+        ["--preemption-mode", "swap", "--swap-space", "1048576", "--host-cache-bytes", "2097152"])
+    config = EngineConfig(**engine_args(args))
+    assert (config.preemption_mode, config.swap_space_bytes, config.host_cache_bytes) == ("swap", 1 << 20, 2 << 20)
+    assert EngineConfig(**engine_args(build_parser().parse_args([]))).preemption_mode == "recompute"
+
+
+def test_reset_prefix_cache_empties_the_host_tier_too():
+    from jaxpaged.block_manager import BlockManager
+    from jaxpaged.sequence import Sequence
+
+    bm = BlockManager(4, 2, num_host_cache_pages=3)
+    first = Sequence([5, 6, 7, 8, 9])
+    bm.allocate(first)
+    first.num_computed_tokens = 4
+    bm.cache_computed_pages(first, 0)
+    bm.free(first)
+    bm.allocate(Sequence([1, 2, 3, 4, 1, 2]))  # takes all 3 pages: the 2 cached ones go to host
+    assert len(bm.host_cache.hash_to_page) == 2 and len(bm.take_transfers()[0]) == 2
+    assert bm.reset_prefix_cache() == 2
+    assert not bm.host_cache.hash_to_page and bm.host_cache.num_free_pages == 3
+    assert bm._cached_prefix(Sequence([5, 6, 7, 8, 9])) == []
