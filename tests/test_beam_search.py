@@ -195,3 +195,35 @@ def test_a_pool_too_small_for_the_beams_is_refused():
     with pytest.raises(ValueError, match="give the KV cache more pages, lower beam_width or max_tokens"):
         small.beam_search([prompt], BeamSearchParams(4, max_tokens=200))
     assert small.stats()["num_used_pages"] == 0
+
+
+def test_beams_and_greedy_requests_under_swap_preemption_match_an_unconstrained_run(llm):
+    """A pool too small for two searches and four long greedy requests at once, preempting by swap:
+    every search gives the beams it gives alone, every greedy request its tokens alone, sequences
+    were swapped out and back, and no page is left in either pool. (A beam that reported and waits
+    for its search is recomputed instead: it has no token left to compute.)"""
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    params = BeamSearchParams(2, max_tokens=12)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    beams_alone = [[b.token_ids for b in out.beams] for out in llm.beam_search(prompts[:2], params)]
+    greedy_alone = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:1], greedy)]
+
+    page_bytes = _page_bytes(llm)
+    small = LLM(**SMALL, num_pages=20, preemption_mode="swap", swap_space_bytes=64 * page_bytes)
+    engine = small.engine
+    beam_ids = [engine.add_beam_request(p, params) for p in prompts[:2]]
+    greedy_ids = [engine.add_request(p, greedy) for p in prompts + prompts[:1]]
+    _, outputs = run_watching_pages(engine)
+    by_id = {o.request_id: o for o in outputs if o.finished}
+    assert [[b.token_ids for b in by_id[i].beams] for i in beam_ids] == beams_alone
+    assert [by_id[i].outputs[0].token_ids for i in greedy_ids] == greedy_alone
+    stats = engine.stats()
+    assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"], stats
+    assert_pool_empty(engine)
+    assert stats["num_swap_pages_free"] == 64
+
+
+def _page_bytes(llm):
+    from jaxpaged.model_runner import kv_cache_bytes_per_page
+
+    return kv_cache_bytes_per_page(llm.engine.runner.config, llm.engine.config.page_size)

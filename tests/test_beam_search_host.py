@@ -156,3 +156,27 @@ def test_a_beam_that_reported_waits_and_a_preempted_one_reports_again():
 def test_bad_beam_params_say_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchParams(**kwargs)
+
+
+def test_swap_mode_recomputes_a_beam_that_waits_for_its_search():
+    """Preempting by swap, a sequence with no token left to compute (a beam that reported and waits
+    for its search) is recomputed instead: swapped, it would come back with all its K/V and nothing
+    to schedule, while its search, having dropped its report, waits for a new one forever. A
+    sequence with a token to compute is swapped as usual."""
+    bm = BlockManager(11, 4, enable_prefix_caching=False, num_swap_pages=8)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, preemption_mode="swap")
+    waiting_beam = Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    decoding = Sequence([6, 7, 8, 9, 10], SamplingParams(max_tokens=8, ignore_eos=True))
+    for seq in (waiting_beam, decoding):
+        sched.add(seq)
+    out = sched.schedule()  # both prompts computed
+    sched.advance(out, [None, 0])  # the beam reports (no placeholder); `decoding` samples row 0
+    sched.commit(out, [11])
+    assert waiting_beam.num_computed_tokens == len(waiting_beam.token_ids) == 5  # nothing left to compute
+    assert decoding.num_computed_tokens == 5 < len(decoding.token_ids) == 6
+
+    sched._preempt(waiting_beam)
+    assert waiting_beam.status.name == "PREEMPTED" and waiting_beam.num_computed_tokens == 0
+    sched._preempt(decoding)
+    assert decoding.status.name == "SWAPPED" and decoding.num_computed_tokens == 5
+    assert sched.num_swaps_out == 1 and sched.num_recomputed_tokens == 5
