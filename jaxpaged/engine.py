@@ -102,6 +102,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             attention_fn=attention_fn,
             mesh=mesh,  # tensor parallelism: jaxpaged/sharding.py
+            kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/kv_quant.py
         )
         self.processor = OutputProcessor(tokenizer)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
