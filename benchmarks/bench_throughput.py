@@ -362,7 +362,7 @@ def load_h100_model():
 
 
 def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: int, prefix_caching: bool = True,
-                async_scheduling: bool = True):
+                async_scheduling: bool = True, kv_cache_dtype: str = "auto"):
     from jaxpaged.engine import LLMEngine
     from jaxpaged.engine_config import EngineConfig
 
@@ -372,6 +372,7 @@ def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: i
         max_num_batched_tokens=preset.max_num_batched_tokens, max_model_len=preset.max_model_len,
         enable_prefix_caching=prefix_caching, dtype=model_config.dtype,
         attention_backend="pallas" if on_gpu else "reference", async_scheduling=async_scheduling,
+        kv_cache_dtype=kv_cache_dtype,
     ).resolved(on_gpu=on_gpu, model_max_len=model_config.max_position_embeddings)
     if on_gpu:
         import pallas_kernels

@@ -212,3 +212,13 @@ def test_quantized_state_is_donated_and_written_in_place(tiny_params, dtype):
     old = runner.kv_pages
     runner.copy_pages([(1, 2)])
     assert all(leaf.is_deleted() for leaf in old)
+
+
+def test_mosaic_kernels_refuse_a_quantized_cache():
+    from pallas_kernels.mosaic import ragged_paged_attention as mosaic_ragged
+
+    kv = QuantizedKV(jnp.zeros((1, 2, 1, 4, 64, 64), jnp.int8), jnp.zeros((1, 2, 1, 4, 64), jnp.float32))
+    ints = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="quantized.*kv_cache_dtype='auto'"):
+        mosaic_ragged(jnp.zeros((4, 2, 64), jnp.bfloat16), kv, ints, jnp.ones(1, jnp.int32), jnp.array([0, 4]),
+                      layer_idx=0, scale=0.125)
