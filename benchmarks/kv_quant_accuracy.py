@@ -52,8 +52,8 @@ def _step(seqs, num_new):
     return types.SimpleNamespace(seqs=seqs, num_new_tokens=num_new, copies=[], num_batched_tokens=sum(num_new))
 
 
-def logit_errors(model_config, params, prompts, kv_cache_dtype: str, page_size: int = 16) -> dict:
-    """Max |logits - float32-cache logits| at the prefill step and at the first decode step."""
+def logit_errors(model_config, params, prompts, kv_cache_dtypes, page_size: int = 16) -> dict:
+    """{kv dtype: max |logits - float32-cache logits| at the prefill step and at the first decode step}."""
     from jaxpaged.model_runner import ModelRunner
 
     pages_per_seq = -(-(max(map(len, prompts)) + 2) // page_size)
@@ -61,7 +61,7 @@ def logit_errors(model_config, params, prompts, kv_cache_dtype: str, page_size: 
     total = sum(map(len, prompts))
     bucket = 1 << (total - 1).bit_length()
     results = {}
-    for dtype in ("auto", kv_cache_dtype):
+    for dtype in ("auto", *kv_cache_dtypes):
         runner = ModelRunner(model_config, params, num_pages=1 + len(prompts) * pages_per_seq, page_size=page_size,
                              max_num_seqs=len(prompts), max_num_batched_tokens=bucket,
                              max_model_len=pages_per_seq * page_size, buckets=(bucket,), decode_buckets=(),
@@ -76,10 +76,11 @@ def logit_errors(model_config, params, prompts, kv_cache_dtype: str, page_size: 
             seq.num_computed_tokens = len(seq.token_ids) - 1
         decode = np.asarray(runner.run(_step(seqs, [1] * len(seqs))))[: len(prompts)]
         results[dtype] = (prefill, decode)
-    (ref_prefill, ref_decode), (q_prefill, q_decode) = results["auto"], results[kv_cache_dtype]
-    return dict(prefill_max_abs_logit_diff=float(np.abs(q_prefill - ref_prefill).max()),
-                first_decode_max_abs_logit_diff=float(np.abs(q_decode - ref_decode).max()),
-                logit_scale=float(np.abs(ref_decode).max()))
+    ref_prefill, ref_decode = results["auto"]
+    return {dtype: dict(prefill_max_abs_logit_diff=float(np.abs(results[dtype][0] - ref_prefill).max()),
+                        first_decode_max_abs_logit_diff=float(np.abs(results[dtype][1] - ref_decode).max()),
+                        logit_scale=float(np.abs(ref_decode).max()))
+            for dtype in kv_cache_dtypes}
 
 
 def main(argv=None) -> dict:
@@ -102,9 +103,9 @@ def main(argv=None) -> dict:
         del llm
     model_config, params, _ = load_model(None, dtype="float32")
     report = {"num_prompts": len(prompts), "max_tokens": args.max_tokens}
+    errors = logit_errors(model_config, params, prompts, QDTYPES)
     for dtype in QDTYPES:
-        report[dtype] = {**agreement(tokens["auto"], tokens[dtype]),
-                         **logit_errors(model_config, params, prompts, dtype)}
+        report[dtype] = {**agreement(tokens["auto"], tokens[dtype]), **errors[dtype]}
         print(dtype, json.dumps({k: v for k, v in report[dtype].items() if k != "first_divergence_per_prompt"}))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
