@@ -222,3 +222,20 @@ def test_mosaic_kernels_refuse_a_quantized_cache():
     with pytest.raises(ValueError, match="quantized.*kv_cache_dtype='auto'"):
         mosaic_ragged(jnp.zeros((4, 2, 64), jnp.bfloat16), kv, ints, jnp.ones(1, jnp.int32), jnp.array([0, 4]),
                       layer_idx=0, scale=0.125)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_quantized_kernels_lower_to_triton_for_cuda(dtype):
+    """The whole-buffer kernels over a quantized buffer lower for CUDA (not run: no GPU here)."""
+    from pallas_kernels import decode_attention_from_buffer, ragged_paged_attention_from_buffer
+
+    kv = QuantizedKV(*quantize(jnp.ones((2, 2, 2, 8, 16, 64)), dtype))
+    q, tables, lens = jnp.ones((4, 4, 64), jnp.bfloat16), jnp.ones((4, 4), jnp.int32), jnp.ones(4, jnp.int32)
+    calls = [
+        lambda q, kv: decode_attention_from_buffer(q, kv, tables, lens, layer_idx=1, scale=0.125, interpret=False),
+        lambda q, kv: ragged_paged_attention_from_buffer(q, kv, tables, lens, jnp.arange(5, dtype=jnp.int32),
+                                                         layer_idx=1, scale=0.125, interpret=False),
+    ]
+    for call in calls:
+        text = jax.jit(call).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.custom_call @__gpu$xla.gpu.triton" in text, text[:500]
