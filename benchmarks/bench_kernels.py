@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kv_quant import QuantizedKV, quantize
 from pallas_kernels import decode_attention, paged_attention
 from pallas_kernels import mosaic
 
@@ -240,6 +241,14 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
     rows = []
     results = {name: (fn, (q, k_pages, v_pages, block_tables, seq_lens)) for name, fn in peers.items()}
     results["dense jax.nn.dot_product_attention"] = (dense, (q, k_dense, v_dense, seq_lens))
+    # Quantized KV caches (--kv-cache-dtypes): our two kernels over int8 / fp8 pages with a float32
+    # scale per (token, head), dequantized as read; they must move fewer bytes (values + scales).
+    moved = {name: (must_move, "auto") for name in results}
+    for kv_dtype in [d for d in args.kv_cache_dtypes if d != "auto"]:
+        k_q, v_q = (QuantizedKV(*quantize(pages, kv_dtype)) for pages in (k_pages, v_pages))
+        for name in ("ours decode_attention", "ours paged_attention (ragged)"):
+            results[f"{name} kv={kv_dtype}"] = (peers[name], (q, k_q, v_q, block_tables, seq_lens))
+            moved[f"{name} kv={kv_dtype}"] = (num_seqs * context * num_kv_heads * (head_dim + 4) * 2, kv_dtype)
     kv_pages = jnp.stack([k_pages, v_pages])[None]  # the whole-buffer form, one layer
     mosaic_splits = max(1, min(splits, -(-context // 64)))  # never more splits than 64-key steps
     results |= mosaic_peers(
@@ -263,7 +272,8 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
         fn = jax.jit(fn)
         seconds = time_call(fn, *fn_args, repeats=args.repeats)
         error = float(jnp.abs(fn(*fn_args).astype(jnp.float32) - dense_out.astype(jnp.float32)).max())
-        bandwidth = must_move / seconds
+        num_bytes, kv_dtype = moved.get(name, (must_move, "auto"))  # Mosaic peers: bf16 pages
+        bandwidth = num_bytes / seconds
         rows.append(
             dict(
                 workload="K1",
@@ -274,8 +284,9 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
                 page_size=page_size,
+                kv_cache_dtype=kv_dtype,
                 ms=seconds * 1e3,
-                bytes=must_move,
+                bytes=num_bytes,
                 gb_per_s=bandwidth / 1e9,
                 fraction_of_copy_bw=bandwidth / limits["copy_bytes_per_s"],
                 max_abs_diff_vs_dense=error,
@@ -397,6 +408,9 @@ def git_commit() -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=("K1", "K2"), default=["K1", "K2"])
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=("auto", "int8", "float8_e4m3fn"), default=["auto"],
+                        help="K1: also time our kernels over int8 / fp8 pages (quantized KV cache); "
+                             "diff vs dense then includes the quantization error")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median is reported)")
     parser.add_argument("--block-q", type=int, default=16, help="query tokens per program of the ragged kernel in K2")
     parser.add_argument("--quick", action="store_true", help="a representative subset of K1 and K2 (about a minute)")

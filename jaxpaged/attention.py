@@ -23,14 +23,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxpaged.kv_quant import QuantizedKV, dequantize, dequantize_pool
+
+# One layer's K or V pool: a float array, or int8/fp8 values with one scale per (head, page, slot)
+# (a quantized cache, jaxpaged/kv_quant.py), dequantized here as it is read.
+Pool = Float[Array, "num_kv_heads num_pages page_size head_dim"] | QuantizedKV
+
 # Legend: T=num_tokens S=num_seqs K=num_kv_heads G=query heads per KV head H=head_dim
 #         L=pages_per_seq*page_size (the longest context a block table can address)
 
 
 def reference_paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    k_pages: Pool,
+    v_pages: Pool,
     block_tables: Int[Array, "num_seqs pages_per_seq"],
     seq_lens: Int[Array, "num_seqs"],
     query_start_loc: Int[Array, "num_seqs_plus_1"],
@@ -54,6 +60,8 @@ def reference_paged_attention(
       Attention output in q's dtype; zeros for padding tokens.
     """
     num_tokens, num_heads, head_dim = q.shape
+    # A quantized pool is dequantized whole (NaN-poisoned slots stay NaN and are masked below).
+    k_pages, v_pages = dequantize_pool(k_pages), dequantize_pool(v_pages)
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = block_tables.shape
     if num_heads % num_kv_heads:
@@ -97,8 +105,8 @@ def reference_paged_attention(
 
 def chunked_paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
-    k_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[Array, "num_kv_heads num_pages page_size head_dim"],
+    k_pages: Pool,
+    v_pages: Pool,
     block_tables: Int[Array, "num_seqs pages_per_seq"],
     seq_lens: Int[Array, "num_seqs"],
     query_start_loc: Int[Array, "num_seqs_plus_1"],
@@ -121,8 +129,13 @@ def chunked_paged_attention(
     Same contract and padding rules as the reference; tested against it.
     """
 
+    def read(pool, chunk_pages):  # [T, P_c] -> [T, P_c, page_size, K, H], dequantized if quantized
+        if isinstance(pool, QuantizedKV):
+            return jnp.moveaxis(dequantize(pool.pages[:, chunk_pages], pool.scales[:, chunk_pages]), 0, -2)
+        return jnp.moveaxis(pool[:, chunk_pages], 0, -2)
+
     def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
-        return (jnp.moveaxis(k_pages[:, chunk_pages], 0, -2), jnp.moveaxis(v_pages[:, chunk_pages], 0, -2))
+        return read(k_pages, chunk_pages), read(v_pages, chunk_pages)
 
     return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
@@ -130,7 +143,7 @@ def chunked_paged_attention(
 
 def chunked_paged_attention_from_buffer(
     q: Float[Array, "num_tokens num_heads head_dim"],
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
     block_tables: Int[Array, "num_seqs pages_per_seq"],
     seq_lens: Int[Array, "num_seqs"],
     query_start_loc: Int[Array, "num_seqs_plus_1"],
@@ -148,10 +161,13 @@ def chunked_paged_attention_from_buffer(
     marked `reads_whole_kv_buffer` this way.
     """
 
+    def read(kv, chunk_pages):  # advanced indices first: [T, P_c, K, page_size, H]
+        if isinstance(kv_pages, QuantizedKV):  # dequantize only the gathered pages
+            return dequantize(kv_pages.pages[layer_idx, kv, :, chunk_pages], kv_pages.scales[layer_idx, kv, :, chunk_pages])
+        return kv_pages[layer_idx, kv, :, chunk_pages]
+
     def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
-        k = kv_pages[layer_idx, 0, :, chunk_pages]  # advanced indices first: [T, P_c, K, page_size, H]
-        v = kv_pages[layer_idx, 1, :, chunk_pages]
-        return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+        return jnp.swapaxes(read(0, chunk_pages), 2, 3), jnp.swapaxes(read(1, chunk_pages), 2, 3)
 
     return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)

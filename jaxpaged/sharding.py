@@ -68,6 +68,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "down_proj": ("mlp", "embed"),
     "scale": ("norm",),
 }
+# A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
+# last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).
 KV_PAGES_AXES = ("layers", "kv", "kv_heads", "pages", "page_slots", "head_dim")
 # Attention operands inside the layer loop.
 Q_AXES = (None, "heads", "head_dim")  # [num_tokens, num_heads, head_dim]
@@ -186,7 +188,8 @@ class TensorParallel:
         return NamedSharding(self.mesh, P())
 
     def kv_pages_sharding(self, shape: Sequence[int]) -> NamedSharding:
-        return NamedSharding(self.mesh, logical_to_spec(KV_PAGES_AXES, shape, self.mesh))
+        """Of the page buffer, or (rank 5) of a quantized cache's scales: split on kv_heads alike."""
+        return NamedSharding(self.mesh, logical_to_spec(KV_PAGES_AXES[: len(shape)], shape, self.mesh))
 
     def param_shardings(self, params):
         return jax.tree_util.tree_map_with_path(
@@ -233,7 +236,8 @@ class TensorParallel:
 
                 return jax.shard_map(
                     local, mesh=mesh, out_specs=q_spec, check_vma=False,
-                    in_specs=(q_spec, spec(KV_PAGES_AXES, 6), P(), P(), P(), P()),
+                    in_specs=(q_spec, jax.tree.map(lambda x: spec(KV_PAGES_AXES, x.ndim), kv_pages),
+                              P(), P(), P(), P()),
                 )(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx)
 
             whole_buffer.reads_whole_kv_buffer = True
@@ -245,7 +249,7 @@ class TensorParallel:
                 return attention_fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                     scale=scale, soft_cap=soft_cap)
 
-            kv_spec = spec(LAYER_KV_AXES, 4)
+            kv_spec = jax.tree.map(lambda x: spec(LAYER_KV_AXES, x.ndim), k_pages)  # a QuantizedKV: both leaves
             return jax.shard_map(
                 local, mesh=mesh, out_specs=q_spec, check_vma=False,
                 in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()),

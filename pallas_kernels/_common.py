@@ -17,6 +17,8 @@ every array a kernel materialises has power-of-two dimensions (a Triton requirem
 heads of one KV head are padded up to a power of two by the wrappers.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,8 @@ def check_lengths_if_concrete(seq_lens, block_tables, page_size: int) -> None:
 
 
 def check_per_layer_pools(k_pages, v_pages) -> None:
+    if is_quantized(k_pages) != is_quantized(v_pages):
+        raise ValueError("k_pages and v_pages must both be quantized (pages + scales) or both plain arrays")
     if k_pages.ndim != 4:
         raise ValueError(
             f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}"
@@ -160,8 +164,59 @@ def check_per_layer_pools(k_pages, v_pages) -> None:
 MAX_PAGE_ROWS = 2**31 - 1
 
 
+# Quantized caches (int8 / float8_e4m3fn values plus one float32 scale per token and KV head, the
+# `jaxpaged.kv_quant.QuantizedKV` layout): a pool or buffer is any object with `.pages` and `.scales`
+# (duck-typed, so this package still imports without jaxpaged). Scales become "scale rows"
+# `[num_rows, page_size]` with the same row index as the page rows; the kernels gather a block's
+# scales with its pages and dequantize as they read: `k = values * scale[:, None]`.
+class QuantizedRows(NamedTuple):
+    values: jax.Array  # [num_rows, page_size, head_dim] int8, or uint8 holding float8_e4m3fn bits
+    scales: jax.Array  # [num_rows, page_size] float32
+
+
+def is_quantized(pool) -> bool:
+    return hasattr(pool, "pages") and hasattr(pool, "scales")
+
+
+def kv_operands(k_rows, v_rows) -> list:
+    """The kernel's K/V operands: [k, v] rows, or [k, v, k scales, v scales] for a quantized cache."""
+    if isinstance(k_rows, QuantizedRows):
+        return [k_rows.values, v_rows.values, k_rows.scales, v_rows.scales]
+    return [k_rows, v_rows]
+
+
+def split_kv_refs(refs, quantized: bool):
+    """`(k_scale_ref, v_scale_ref, rest)` of the refs that follow the K/V row refs."""
+    return (refs[0], refs[1], refs[2:]) if quantized else (None, None, refs)
+
+
+def read_page_rows(rows_ref, scale_ref, row_ids, dtype):
+    """Rows `row_ids` [P] -> [P, page_size, H] in `dtype`, dequantized when `scale_ref` is given.
+
+    Slots holding NaN scales (or NaN values) stay NaN: the callers mask them as they mask float pages.
+    """
+    values = rows_ref[row_ids]
+    if scale_ref is None:
+        return values
+    if values.dtype == jnp.uint8:  # float8_e4m3fn values stored as their bits
+        values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    return (values.astype(jnp.float32) * scale_ref[row_ids][..., None]).astype(dtype)
+
+
+def compute_dtype(q, k_rows):
+    """Matmul dtype: the pages' dtype for float pages, q's dtype for quantized ones."""
+    return q.dtype if isinstance(k_rows, QuantizedRows) else k_rows.dtype
+
+
 def page_rows_of_buffer(kv_pages, layer_idx):
-    """`(k_rows, v_rows, bases)` of layer `layer_idx` of the whole buffer (k_rows is v_rows)."""
+    """`(k_rows, v_rows, bases)` of layer `layer_idx` of the whole buffer (k_rows is v_rows).
+
+    A quantized buffer gives `QuantizedRows` (values and scales reshaped alike, no copy)."""
+    if is_quantized(kv_pages):
+        rows, _, bases = page_rows_of_buffer(kv_pages.pages, layer_idx)
+        scale_rows = kv_pages.scales.reshape(rows.shape[:2])
+        quantized = QuantizedRows(rows, scale_rows)
+        return quantized, quantized, bases
     if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
         raise ValueError(
             "kv_pages must be the model's whole buffer [num_layers, 2, num_kv_heads, num_pages, page_size, "
@@ -179,7 +234,11 @@ def page_rows_of_buffer(kv_pages, layer_idx):
 
 
 def page_rows_of_pools(k_pages, v_pages):
-    """`(k_rows, v_rows, bases)` of one layer's K and V pools (bases 0)."""
+    """`(k_rows, v_rows, bases)` of one layer's K and V pools (bases 0); QuantizedRows if quantized."""
+    if is_quantized(k_pages):
+        k_rows, v_rows, bases = page_rows_of_pools(k_pages.pages, v_pages.pages)
+        return (QuantizedRows(k_rows, k_pages.scales.reshape(k_rows.shape[:2])),
+                QuantizedRows(v_rows, v_pages.scales.reshape(v_rows.shape[:2])), bases)
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     if num_kv_heads * num_pages > MAX_PAGE_ROWS:
         raise ValueError(f"{num_kv_heads * num_pages} page rows overflow int32 row indices")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 # Host (numpy) or device arrays: the public functions accept either, as jnp functions do.
 ArrayLike = Array | np.ndarray
@@ -37,6 +37,10 @@ from pallas_kernels._common import (
     check_lengths_if_concrete,
     check_per_layer_pools,
     compiler_params,
+    compute_dtype,
+    kv_operands,
+    read_page_rows,
+    split_kv_refs,
     next_power_of_2,
     online_softmax_step,
     page_rows_of_buffer,
@@ -55,10 +59,9 @@ def _decode_kernel(
     q_ref,  # [None, None, Gp, H]: this sequence, this KV head's query heads
     k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
     v_rows_ref,  # [num_rows, page_size, H]
-    out_ref,  # [None, None, None, Gp, H] f32: unnormalised output of this split
-    m_ref,  # [None, None, None, Gp] f32: running max of this split
-    l_ref,  # [None, None, None, Gp] f32: running sum of this split
-    *,
+    *refs,  # quantized: k, v scale rows [num_rows, page_size]; then out [None, None, None, Gp, H] f32
+    #         (unnormalised output of this split), m and l [None, None, None, Gp] f32 (running max, sum)
+    quantized: bool,
     scale: float,
     soft_cap: float | None,
     num_pages: int,
@@ -66,6 +69,7 @@ def _decode_kernel(
     pages_per_compute_block: int,
     pages_per_split: int,
 ):
+    k_scale_ref, v_scale_ref, (out_ref, m_ref, l_ref) = split_kv_refs(refs, quantized)
     head_idx = pl.program_id(0)
     seq_idx = pl.program_id(1)
     split_idx = pl.program_id(2)
@@ -89,8 +93,9 @@ def _decode_kernel(
         # Entries past the length are masked but still gathered: keep them inside the pool (as XLA's
         # clamping gather does) so a stale table entry can never fault.
         page_ids = jnp.clip(page_ids, 0, num_pages - 1)
-        k = k_rows_ref[k_head_base + page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
-        v = v_rows_ref[v_head_base + page_ids].reshape(block_k, head_dim)
+        # [P, page_size, H] -> [P*page_size, H]; a quantized cache is dequantized here, as it is read.
+        k = read_page_rows(k_rows_ref, k_scale_ref, k_head_base + page_ids, q.dtype).reshape(block_k, head_dim)
+        v = read_page_rows(v_rows_ref, v_scale_ref, v_head_base + page_ids, q.dtype).reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         visible = key_pos < seq_len
         v = jnp.where(visible.reshape(block_k, 1), v, jnp.zeros_like(v))
@@ -109,8 +114,8 @@ def _decode_kernel(
 
 def _decode_pallas_call(
     q: Float[ArrayLike, "num_seqs num_kv_heads rows head_dim"],
-    k_rows: Float[ArrayLike, "num_rows page_size head_dim"],
-    v_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    k_rows,  # [num_rows, page_size, head_dim] array, or QuantizedRows (values + scale rows)
+    v_rows,
     bases: Int[ArrayLike, "2"],
     block_tables: Int[ArrayLike, "num_seqs padded_pages"],
     seq_lens: Int[ArrayLike, "num_seqs"],
@@ -127,8 +132,10 @@ def _decode_pallas_call(
 ):
     num_seqs, num_kv_heads, num_rows, head_dim = q.shape
     pages_per_split = block_tables.shape[1] // num_splits
+    kv_args = kv_operands(k_rows, v_rows)
     kernel = functools.partial(
         _decode_kernel,
+        quantized=len(kv_args) == 4,
         scale=scale,
         soft_cap=soft_cap,
         num_pages=num_pages,
@@ -149,8 +156,7 @@ def _decode_pallas_call(
             whole(bases),
             pl.BlockSpec((None, block_tables.shape[1]), lambda h, s, c: (s, 0)),
             pl.BlockSpec((None, None, num_rows, head_dim), lambda h, s, c: (s, h, 0, 0)),
-            whole(k_rows),
-            whole(v_rows),
+            *[whole(x) for x in kv_args],
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, num_rows, head_dim), lambda h, s, c: (s, h, c, 0, 0)),
@@ -165,7 +171,7 @@ def _decode_pallas_call(
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(seq_lens, bases, block_tables, q, k_rows, v_rows)
+    )(seq_lens, bases, block_tables, q, *kv_args)
 
 
 def _combine_splits(out, m, l):
@@ -187,8 +193,8 @@ _TUNING = ("pages_per_compute_block", "num_splits", "num_warps", "num_stages", "
 
 def decode_attention(
     q: Float[ArrayLike, "num_seqs num_heads head_dim"],
-    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"] | tuple,
+    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"] | tuple,
     block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
     seq_lens: Int[ArrayLike, "num_seqs"],
     *,
@@ -207,7 +213,9 @@ def decode_attention(
         sitting at position `seq_lens[s] - 1` (its own K/V already written to the pages); cast to
         the pages' dtype for the matmuls. Query head `h` reads KV head
         `h // (num_heads // num_kv_heads)`.
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool;
+        or a quantized pool (`jaxpaged.kv_quant.QuantizedKV`: int8 / float8_e4m3fn `pages` and float32
+        `scales` [num_kv_heads, num_pages, page_size]), dequantized to q's dtype as the kernel reads it.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never read.
       seq_lens: int32 [num_seqs]: context length including the new token, at most
@@ -239,7 +247,7 @@ def decode_attention(
 
 def decode_attention_from_buffer(
     q: Float[ArrayLike, "num_seqs num_heads head_dim"],
-    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | tuple,
     block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
     seq_lens: Int[ArrayLike, "num_seqs"],
     query_start_loc: Int[ArrayLike, "num_seqs_plus_1"] | None = None,
@@ -314,7 +322,7 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
     group = num_heads // num_kv_heads
     num_rows = max(16, next_power_of_2(group))
     # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
-    q_grouped = q.astype(k_rows.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_grouped = q.astype(compute_dtype(q, k_rows)).reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, num_rows - group), (0, 0)))
 
     out, m, l = _decode_pallas_call(

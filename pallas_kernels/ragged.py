@@ -52,6 +52,10 @@ from pallas_kernels._common import (
     check_lengths_if_concrete,
     check_per_layer_pools,
     compiler_params,
+    compute_dtype,
+    kv_operands,
+    read_page_rows,
+    split_kv_refs,
     next_power_of_2,
     online_softmax_step,
     page_rows_of_buffer,
@@ -73,14 +77,15 @@ def _ragged_kernel(
     q_ref,  # [None, T + B, Gp, H]: this KV head's queries (padded by B tokens), sliced by hand
     k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
     v_rows_ref,  # [num_rows, page_size, H]
-    out_ref,  # [None, None, B, Gp, H]: this query block's output
-    *,
+    *refs,  # quantized: k, v scale rows [num_rows, page_size]; then out [None, None, B, Gp, H]
+    quantized: bool,
     scale: float,
     soft_cap: float | None,
     num_pages: int,
     pages_per_seq: int,
     pages_per_compute_block: int,
 ):
+    k_scale_ref, v_scale_ref, (out_ref,) = split_kv_refs(refs, quantized)
     head_idx = pl.program_id(0)
     block_idx = pl.program_id(1)
     block_q, group_rows, head_dim = out_ref.shape
@@ -112,8 +117,9 @@ def _ragged_kernel(
         # Entries past the length are masked but still gathered: keep them inside the pool (as XLA's
         # clamping gather does) so a stale table entry can never fault.
         page_ids = jnp.clip(page_ids, 0, num_pages - 1)
-        k = k_rows_ref[k_head_base + page_ids].reshape(block_k, head_dim)  # [P, page_size, H] -> [P*page_size, H]
-        v = v_rows_ref[v_head_base + page_ids].reshape(block_k, head_dim)
+        # [P, page_size, H] -> [P*page_size, H]; a quantized cache is dequantized here, as it is read.
+        k = read_page_rows(k_rows_ref, k_scale_ref, k_head_base + page_ids, q.dtype).reshape(block_k, head_dim)
+        v = read_page_rows(v_rows_ref, v_scale_ref, v_head_base + page_ids, q.dtype).reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         in_sequence = key_pos < seq_len  # [1, block_k]
         visible = (key_pos <= row_pos) & in_sequence  # [B*Gp, block_k]
@@ -138,8 +144,8 @@ def _ragged_pallas_call(
     seq_lens: Int[ArrayLike, "num_seqs"],
     block_tables: Int[ArrayLike, "num_seqs padded_pages"],
     q: Float[ArrayLike, "num_kv_heads padded_tokens rows head_dim"],
-    k_rows: Float[ArrayLike, "num_rows page_size head_dim"],
-    v_rows: Float[ArrayLike, "num_rows page_size head_dim"],
+    k_rows,  # [num_rows, page_size, head_dim] array, or QuantizedRows (values + scale rows)
+    v_rows,
     bases: Int[ArrayLike, "2"],
     *,
     block_q: int,
@@ -154,8 +160,9 @@ def _ragged_pallas_call(
 ) -> Float[Array, "num_kv_heads num_q_blocks block_q rows head_dim"]:
     num_kv_heads, padded_tokens, group_rows, head_dim = q.shape
     num_q_blocks = block_seq_idx.shape[0]
+    kv_args = kv_operands(k_rows, v_rows)
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, soft_cap=soft_cap, num_pages=num_pages, pages_per_seq=pages_per_seq,
+        _ragged_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, num_pages=num_pages, pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
     )
 
@@ -173,15 +180,14 @@ def _ragged_pallas_call(
             whole(bases),
             whole(block_tables),
             pl.BlockSpec((None, padded_tokens, group_rows, head_dim), lambda h, i: (h, 0, 0, 0)),
-            whole(k_rows),
-            whole(v_rows),
+            *[whole(x) for x in kv_args],
         ],
         out_specs=pl.BlockSpec((None, None, block_q, group_rows, head_dim), lambda h, i: (h, i, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_q_blocks, block_q, group_rows, head_dim), q.dtype),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, bases, block_tables, q, k_rows, v_rows)
+    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, bases, block_tables, q, *kv_args)
 
 
 _TUNING = ("block_q", "pages_per_compute_block", "num_warps", "num_stages", "interpret")
@@ -189,8 +195,8 @@ _TUNING = ("block_q", "pages_per_compute_block", "num_warps", "num_stages", "int
 
 def ragged_paged_attention(
     q: Float[ArrayLike, "num_tokens num_heads head_dim"],
-    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
-    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"],
+    k_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"] | tuple,
+    v_pages: Float[ArrayLike, "num_kv_heads num_pages page_size head_dim"] | tuple,
     block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
     seq_lens: Int[ArrayLike, "num_seqs"],
     query_start_loc: Int[ArrayLike, "num_seqs_plus_1"],
@@ -210,7 +216,9 @@ def ragged_paged_attention(
         batch order; tokens at or past `query_start_loc[-1]` are padding. Cast to the pages' dtype
         for the matmuls. Query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool,
-        already holding this step's K/V.
+        already holding this step's K/V; or a quantized pool (`jaxpaged.kv_quant.QuantizedKV`: int8 /
+        float8_e4m3fn `pages`, float32 `scales` [num_kv_heads, num_pages, page_size]), dequantized to
+        q's dtype as the kernel reads it.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never used.
       seq_lens: int32 [num_seqs]: context length after this step (cached + new), at most
@@ -242,7 +250,7 @@ def ragged_paged_attention(
 
 def ragged_paged_attention_from_buffer(
     q: Float[ArrayLike, "num_tokens num_heads head_dim"],
-    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[ArrayLike, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | tuple,
     block_tables: Int[ArrayLike, "num_seqs pages_per_seq"],
     seq_lens: Int[ArrayLike, "num_seqs"],
     query_start_loc: Int[ArrayLike, "num_seqs_plus_1"],
@@ -315,7 +323,7 @@ def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, 
     group = num_heads // num_kv_heads
     group_rows = next_power_of_2(group)
     # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
-    q_grouped = q.astype(k_rows.dtype).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_grouped = q.astype(compute_dtype(q, k_rows)).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_q), (0, group_rows - group), (0, 0)))
 
     out_blocks = _ragged_pallas_call(

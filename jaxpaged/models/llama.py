@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import reference_paged_attention
+from jaxpaged.kv_quant import QuantizedKV, layer_pools, write_slots
 from jaxpaged.models.config import ModelConfig, RopeScaling
 
 # Einsum legend:
@@ -26,7 +27,8 @@ from jaxpaged.models.config import ModelConfig, RopeScaling
 #   N=num_heads   K=num_kv_heads  H=head_dim
 
 AttentionFn = Callable[..., Float[Array, "num_tokens num_heads head_dim"]]
-KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]
+# The KV state: one float array, or a QuantizedKV pytree (jaxpaged/kv_quant.py) for int8/fp8 caches.
+KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -74,14 +76,15 @@ def write_kv(
         slot = page_id * page_size + offset      e.g. page_size 4: slot 13 -> page 3, offset 1
 
     Padding tokens carry slot `num_pages * page_size`, i.e. page `num_pages`: out of range, and
-    `mode="drop"` discards them.
+    `mode="drop"` discards them. A quantized cache stores int8/fp8 values and one scale per (token,
+    KV head), quantized here (`jaxpaged.kv_quant.write_slots`).
     """
     page_size = kv_pages.shape[4]
     page_ids, offsets = slot_mapping // page_size, slot_mapping % page_size
-    new_kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)  # [T, 2, K, H]
+    new_kv = jnp.stack([k, v], axis=1)  # [T, 2, K, H]
     # Indices on axes 0, 3, 4 are separated by slices, so the indexed (token) axis comes first:
-    # the update has shape [T, 2, K, H].
-    return kv_pages.at[layer_idx, :, :, page_ids, offsets].set(new_kv, mode="drop")
+    # the update has shape [T, 2, K, H] (scales: [T, 2, K]).
+    return write_slots(kv_pages, (layer_idx, slice(None), slice(None), page_ids, offsets), new_kv)
 
 
 class RMSNorm(nn.Module):
@@ -134,9 +137,10 @@ class Attention(nn.Module):
                 q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5,
                 **extra,
             )
-        else:  # the DESIGN.md contract: this layer's K and V pools
+        else:  # the DESIGN.md contract: this layer's K and V pools (QuantizedKV pools if quantized)
+            k_pool, v_pool = layer_pools(kv_pages, layer_idx)
             out = self.attention_fn(
-                q, kv_pages[layer_idx, 0], kv_pages[layer_idx, 1], block_tables, seq_lens,
+                q, k_pool, v_pool, block_tables, seq_lens,
                 query_start_loc, scale=h**-0.5,
             )  # [T, N, H]
         y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))

@@ -39,6 +39,10 @@ RAGGED_CONSUMERS = 2
 
 
 def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
+    if hasattr(kv_pages, "scales"):  # jaxpaged.kv_quant.QuantizedKV
+        raise ValueError(
+            "the Mosaic kernels read bfloat16/float16 pages only, not a quantized (int8/fp8) KV cache; "
+            "use the Triton kernels (pallas_kernels.paged_attention_from_buffer) or kv_cache_dtype='auto'")
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
     if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
@@ -105,7 +109,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_slots", "num_consumers", "interpret"))
 def ragged_paged_attention(
     q: Float[Array, "num_tokens num_heads head_dim"],
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | tuple,  # tuple: refused
     block_tables: Int[Array, "num_seqs pages_per_seq"],
     seq_lens: Int[Array, "num_seqs"],
     query_start_loc: Int[Array, "num_seqs_plus_1"],
@@ -198,7 +202,7 @@ ragged_paged_attention.reads_whole_kv_buffer = True
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "num_splits", "num_slots", "interpret"))
 def decode_attention(
     q: Float[Array, "num_seqs num_heads head_dim"],
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | tuple,  # tuple: refused
     block_tables: Int[Array, "num_seqs pages_per_seq"],
     seq_lens: Int[Array, "num_seqs"],
     *,

@@ -270,3 +270,22 @@ def test_update_params_places_new_weights_split_without_recompiling(params, fake
     assert split.num_compiles == 1
     np.testing.assert_allclose(after, prefill_logits(runner(None, new_params)), rtol=1e-5, atol=1e-5)
     assert not np.allclose(before, after)  # the weights really changed
+
+
+@pytest.mark.slow  # ~2 min each on a shared 2-core CPU: kept out of the default mesh suite's 400 s
+@pytest.mark.parametrize("kv_cache_dtype,tp,attention_fn", [
+    ("int8", 2, chunked_paged_attention_from_buffer), ("float8_e4m3fn", 4, reference_paged_attention)])
+def test_quantized_kv_cache_is_split_like_its_pages(params, prompts, kv_cache_dtype, tp, attention_fn):
+    """A quantized cache (jaxpaged/kv_quant.py): values and scales both split on KV heads, whole-buffer
+    and per-layer backends, and the same greedy tokens and cache contents as one device."""
+    want = make_engine(params, kv_cache_dtype=kv_cache_dtype, attention_fn=attention_fn)
+    want_tokens = run_greedy(want, prompts)
+    engine = make_engine(params, mesh=make_mesh(tp), kv_cache_dtype=kv_cache_dtype, attention_fn=attention_fn)
+    assert run_greedy(engine, prompts) == want_tokens
+    kv = engine.runner.kv_pages
+    assert kv.pages.sharding.spec == P(None, None, "tp", None, None, None)
+    assert kv.scales.sharding.spec == P(None, None, "tp", None, None)
+    one = want.runner.kv_pages
+    np.testing.assert_allclose(np.asarray(kv.scales), np.asarray(one.scales), rtol=1e-5, atol=1e-7)
+    # Values: equal up to a rare rounding-boundary flip (the sharded K/V projection may differ in the last bit).
+    assert np.mean(np.asarray(kv.pages) != np.asarray(one.pages)) < 1e-3

@@ -1,0 +1,116 @@
+"""How far a quantized KV cache moves the bundled model: greedy agreement and logit error vs float32.
+
+    PYTHONPATH=$PWD python benchmarks/kv_quant_accuracy.py [--max-tokens 48] [--out FILE.json]
+
+Prompts: the chat prompts of tests/test_engine.py (QUESTIONS, chat template applied). For each of
+int8 and float8_e4m3fn, against a float32 cache (the model in float32 on the CPU):
+
+  * greedy agreement: all prompts in one batch, `max_tokens` greedy tokens each (ignore_eos); the
+    share of identical tokens, compared position by position up to each prompt's first divergence
+    (after a divergence the two continuations condition on different text, so later positions are
+    not comparable and count as different), and the earliest first divergence over the prompts;
+  * logits: max |logit difference| over the vocabulary and the prompts at the prefill step (whose
+    attention already reads the quantized K/V it just wrote) and at the first decode step (both
+    caches fed the same float-cache greedy token).
+"""
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+QDTYPES = ("int8", "float8_e4m3fn")
+
+
+def chat_prompts(tokenizer, questions):
+    ids = []
+    for question in questions:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        ids.append(tokenizer.encode(text, add_special_tokens=False))
+    return ids
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """Share of positions equal before each prompt's first divergence; earliest divergence (None: none)."""
+    same, total, first = 0, 0, []
+    for ref, got in zip(reference, other):
+        diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        same += len(ref) if diverge is None else diverge
+        total += len(ref)
+        first.append(diverge)
+    diverged = [d for d in first if d is not None]
+    return dict(identical_share=same / total, first_divergence=min(diverged) if diverged else None,
+                first_divergence_per_prompt=first, num_prompts_identical=first.count(None))
+
+
+def _step(seqs, num_new):
+    return types.SimpleNamespace(seqs=seqs, num_new_tokens=num_new, copies=[], num_batched_tokens=sum(num_new))
+
+
+def logit_errors(model_config, params, prompts, kv_cache_dtypes, page_size: int = 16) -> dict:
+    """{kv dtype: max |logits - float32-cache logits| at the prefill step and at the first decode step}."""
+    from jaxpaged.model_runner import ModelRunner
+
+    pages_per_seq = -(-(max(map(len, prompts)) + 2) // page_size)
+    tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(len(prompts))]
+    total = sum(map(len, prompts))
+    bucket = 1 << (total - 1).bit_length()
+    results = {}
+    for dtype in ("auto", *kv_cache_dtypes):
+        runner = ModelRunner(model_config, params, num_pages=1 + len(prompts) * pages_per_seq, page_size=page_size,
+                             max_num_seqs=len(prompts), max_num_batched_tokens=bucket,
+                             max_model_len=pages_per_seq * page_size, buckets=(bucket,), decode_buckets=(),
+                             kv_cache_dtype=dtype)
+        seqs = [types.SimpleNamespace(token_ids=list(p), num_computed_tokens=0, block_table=t)
+                for p, t in zip(prompts, tables)]
+        prefill = np.asarray(runner.run(_step(seqs, [len(p) for p in prompts])))[: len(prompts)]
+        if dtype == "auto":
+            first_tokens = prefill.argmax(-1)
+        for seq, token in zip(seqs, first_tokens):
+            seq.token_ids.append(int(token))
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+        decode = np.asarray(runner.run(_step(seqs, [1] * len(seqs))))[: len(prompts)]
+        results[dtype] = (prefill, decode)
+    ref_prefill, ref_decode = results["auto"]
+    return {dtype: dict(prefill_max_abs_logit_diff=float(np.abs(results[dtype][0] - ref_prefill).max()),
+                        first_decode_max_abs_logit_diff=float(np.abs(results[dtype][1] - ref_decode).max()),
+                        logit_scale=float(np.abs(ref_decode).max()))
+            for dtype in kv_cache_dtypes}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    from test_engine import QUESTIONS, SMALL
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.models.weights import load_model
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    tokens, prompts = {}, None
+    for dtype in ("auto", *QDTYPES):
+        llm = LLM(**SMALL, kv_cache_dtype=dtype)
+        prompts = prompts or chat_prompts(llm.tokenizer, QUESTIONS)
+        tokens[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        del llm
+    model_config, params, _ = load_model(None, dtype="float32")
+    report = {"num_prompts": len(prompts), "max_tokens": args.max_tokens}
+    errors = logit_errors(model_config, params, prompts, QDTYPES)
+    for dtype in QDTYPES:
+        report[dtype] = {**agreement(tokens["auto"], tokens[dtype]), **errors[dtype]}
+        print(dtype, json.dumps({k: v for k, v in report[dtype].items() if k != "first_divergence_per_prompt"}))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
