@@ -26,7 +26,9 @@ shared page its copy-on-write copy (`SchedulerOutput.copies`) before the step's 
 
 A search advances only when every live beam has reported its candidates for the same length. A
 beam that reported waits (it has no token to compute, so the scheduler skips it); a beam preempted
-after reporting forgets its candidates (`BeamSearches.forget`) and reports again once recomputed.
+after reporting forgets its candidates (`BeamSearches.forget`) and reports again once recomputed
+(with preemption_mode="swap" too: the scheduler recomputes a sequence with nothing left to compute
+rather than swap it, since swapped back in it would have no token to schedule).
 """
 
 from __future__ import annotations

@@ -190,14 +190,14 @@ class OutputProcessor:
             text = sample.text
             if hold_back and sample.finish_reason is None:
                 text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
-            tokens = output_ids[:]
-            completions.append(CompletionOutput(
-                j, text, tokens, sample.finish_reason, sample.logprobs[:] if want_logprobs else None,
-                text[sample.num_sent_chars :], tokens[sample.num_sent_tokens :],
+            # A snapshot over the live lists (they only grow): no copy of the tokens so far.
+            completions.append(CompletionOutput.snapshot(
+                j, text, output_ids, sample.finish_reason, sample.logprobs if want_logprobs else None,
+                text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :],
             ))
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)
-            sample.num_sent_tokens = len(tokens)
+            sample.num_sent_tokens = len(output_ids)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions,
             request.samples[0].seq.num_cached_tokens,

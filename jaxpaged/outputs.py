@@ -1,23 +1,89 @@
-"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput` shapes, which users know."""
+"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput` shapes, which users know.
 
-from dataclasses import dataclass, field
+A streaming engine hands out one `RequestOutput` per request per step. Copying each sample's whole
+token list (and logprobs) into every snapshot would make a step cost O(generated tokens) per
+request, ~10 µs at 4,000 tokens, 2.5 ms a step at 256 requests. The engine's lists only ever grow
+(a token, once known, is never changed or removed), so a snapshot instead keeps the live list and
+its length then, and slices it only when `token_ids` / `logprobs` is read (once; the slice is kept).
+What a snapshot shows never changes afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
-@dataclass(slots=True)
 class CompletionOutput:
-    """One sample of a request (a request with `n=4` has four)."""
+    """One sample of a request (a request with `n=4` has four).
 
-    index: int  # which of the request's n samples
-    text: str  # detokenized output so far (stop string excluded)
-    token_ids: list[int]  # generated token ids so far
-    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
-    logprobs: list[float] | None = None  # log p(chosen token) per token, if SamplingParams.logprobs
-    delta_text: str = ""  # text added since the previous streamed update
-    delta_token_ids: list[int] = field(default_factory=list)  # tokens added since the previous update
+    index: which of the request's n samples; text: detokenized output so far (stop string
+    excluded); token_ids: generated token ids so far; finish_reason: "stop" | "length" | "abort",
+    None while running; logprobs: log p(chosen token) per token, if SamplingParams.logprobs;
+    delta_text / delta_token_ids: what was added since the previous streamed update.
+    """
+
+    __slots__ = ("index", "text", "finish_reason", "delta_text", "delta_token_ids",
+                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
+                 logprobs: list[float] | None = None, delta_text: str = "",
+                 delta_token_ids: list[int] | None = None):
+        self.index = index
+        self.text = text
+        self.finish_reason = finish_reason
+        self.delta_text = delta_text
+        self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
+        self._token_ids, self._num_tokens = token_ids, None  # None: the list is this output's own
+        self._logprobs, self._num_logprobs = logprobs, None
+
+    @classmethod
+    def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
+                 live_logprobs: list[float] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
+        """An output over the engine's growing lists as they are now (their current lengths)."""
+        out = cls.__new__(cls)
+        out.index, out.text, out.finish_reason = index, text, finish_reason
+        out.delta_text, out.delta_token_ids = delta_text, delta_token_ids
+        out._token_ids, out._num_tokens = live_token_ids, len(live_token_ids)
+        out._logprobs = live_logprobs
+        out._num_logprobs = None if live_logprobs is None else len(live_logprobs)
+        return out
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._num_tokens is not None:  # first read of a snapshot: take its prefix of the live list
+            self._token_ids, self._num_tokens = self._token_ids[: self._num_tokens], None
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids, self._num_tokens = value, None
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        if self._num_logprobs is not None:
+            self._logprobs, self._num_logprobs = self._logprobs[: self._num_logprobs], None
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: list[float] | None) -> None:
+        self._logprobs, self._num_logprobs = value, None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> tuple:
+        return (self.index, self.text, self.token_ids, self.finish_reason, self.logprobs, self.delta_text,
+                self.delta_token_ids)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is CompletionOutput and self._fields() == other._fields()
+
+    __hash__ = None  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        names = ("index", "text", "token_ids", "finish_reason", "logprobs", "delta_text", "delta_token_ids")
+        return "CompletionOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
 @dataclass(slots=True)

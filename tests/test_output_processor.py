@@ -175,3 +175,31 @@ def test_block_table_rows_fast_path_equals_general_path():
             want[i, : len(seq.block_table)] = seq.block_table
         np.testing.assert_array_equal(got, want)
     assert 100 < rows.num_fast < 400  # both paths ran
+
+
+def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
+    """Outputs share the engine's growing token and logprob lists instead of copying them; an
+    output read steps later (or after its request finished) still shows the tokens, logprobs and
+    text it had when it was made, and compares and prints like a plain record."""
+    from jaxpaged.outputs import CompletionOutput
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    seq = Sequence([1, 2, 3], params)
+    seq.status = SequenceStatus.RUNNING
+    processor.add_request("r", None, seq, params, seed=0)
+    ids, kept = [330, 1115, 28, 2115, 30, 11], []
+    for step, token_id in enumerate(ids):
+        seq.append_token(token_id)
+        if step + 1 == len(ids):
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+        outputs, _ = processor.process([(seq, token_id)], [step], [-0.5 * i for i in range(len(ids))])
+        kept.append(outputs[0].outputs[0])
+    for step, completion in enumerate(kept):  # read only now, after the request finished
+        assert completion.token_ids == ids[: step + 1]
+        assert completion.logprobs == [-0.5 * i for i in range(step + 1)]
+        assert completion.text == tokenizer.decode(ids[: step + 1])
+        assert completion.delta_token_ids == [ids[step]]
+    first = kept[0]
+    assert first == CompletionOutput(0, first.text, [ids[0]], None, [0.0], first.text, [ids[0]])
+    assert "token_ids=[330]" in repr(first) and first.token_ids is first.token_ids  # sliced once
