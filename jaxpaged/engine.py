@@ -97,6 +97,11 @@ class LLMEngine:
                                    ("host_cache_bytes", config.host_cache_bytes, num_host_cache_pages)):
             if value is not None and count == 0:
                 raise ValueError(f"{name}={value} holds no page of {bytes_per_page} bytes; raise it")
+        if (num_swap_pages or num_host_cache_pages) and jax.process_count() > 1:
+            raise ValueError(
+                "swap_space_bytes / host_cache_bytes keep pages in this process's memory, which a model spread "
+                f"over {jax.process_count()} processes cannot gather; leave them unset (preemption_mode="
+                "'recompute') when running under jax.distributed")
         self.scheduler = Scheduler(
             BlockManager(
                 num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
@@ -390,7 +395,7 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
-        self.runner.warmup()
+        self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         num_out = self.runner.num_prev_token_rows
         row_counts = {min(b, self.config.max_num_seqs) for b in self.runner.buckets} | set(self.runner.decode_buckets)
         # n > 1 fan-out past a step's rows samples next_pow2(rows) rows: small decode buckets make that

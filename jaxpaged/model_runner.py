@@ -304,15 +304,21 @@ class ModelRunner:
             decode_only=decode_only,
         )
 
-    def warmup(self) -> None:
-        """Compiles the step for every bucket and decode bucket, and the page copy, so serving never compiles."""
+    def warmup(self, *, host_transfers: bool = False) -> None:
+        """Compiles the step for every bucket and decode bucket, the page copy, and (when the engine
+        has host pages: swap, host tier) the host transfers, so serving never compiles."""
         for bucket in self.buckets:
             self.execute(self.dummy_step_input(bucket)).block_until_ready()
         for bucket in self.decode_buckets:
             self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
-        pages = jax.block_until_ready(self.gather_pages([]))  # host transfers: one program each way
-        self.scatter_pages(jax.tree.map(np.asarray, pages), [])  # all rows dropped: changes nothing
+        if host_transfers:  # one program each way
+            jax.block_until_ready(self.gather_pages([]))
+            empty = jax.tree.map(  # host pages shaped as the gather returns them
+                lambda leaf: np.zeros(leaf.shape[:3] + (self.max_num_transfer_pages,) + leaf.shape[4:], leaf.dtype),
+                self.kv_pages,
+            )
+            self.scatter_pages(empty, [])  # all rows dropped: changes nothing
 
     def update_params(self, params) -> None:
         """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.

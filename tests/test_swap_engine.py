@@ -152,3 +152,15 @@ def test_gather_and_scatter_move_every_leaf_of_a_page_bit_for_bit(kv_cache_dtype
         np.testing.assert_array_equal(after[:, :, :, [7, 9]], before[:, :, :, [3, 5]])
         untouched = [p for p in range(before.shape[3]) if p not in (7, 9)]
         np.testing.assert_array_equal(after[:, :, :, untouched], before[:, :, :, untouched])
+
+
+def test_warmup_compiles_the_host_transfers_only_when_there_are_host_pages():
+    """With swap space, serving under pressure compiles no transfer after warm-up; without host
+    pages warm-up compiles none (and touches no page: a multi-process mesh cannot gather them)."""
+    batch = prompts(6)
+    warm = tiny_llm(warmup=True, num_pages=24, preemption_mode="swap", swap_space_bytes=1 << 20)
+    runner = warm.engine.runner
+    assert runner.num_transfer_compiles == 2  # the gather and the scatter
+    warm.generate(batch, GREEDY)
+    assert warm.stats()["num_swaps_out"] > 0 and runner.num_transfer_compiles == 2
+    assert tiny_llm(warmup=True).engine.runner.num_transfer_compiles == 0
