@@ -99,7 +99,8 @@ class SamplingArrays:
 
 
 def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> SamplingArrays:
-    """Packs per-row specs (RowSpec, or tuples in its field order) into padded device arrays."""
+    """Packs per-row specs (RowSpec, or tuples in its field order) into padded numpy arrays, the
+    jitted sampler's argument."""
     if len(rows) > num_rows:
         raise ValueError(
             f"{len(rows)} sampling rows do not fit in a bucket of {num_rows=}; "
@@ -125,7 +126,9 @@ def make_sampling_arrays(rows: list[RowSpec | tuple], num_rows: int) -> Sampling
         step=np.array(step, np.int32),
         banned_ids=banned_ids,
     )
-    return jax.device_put(arrays)
+    # Host arrays, not `jax.device_put`: the jitted sampler takes numpy arguments through jit's C++
+    # fast path (~0.1 ms for 256 rows here), where device_put of the pytree cost ~0.8 ms a step.
+    return arrays
 
 
 def _rank_keep_mask(
