@@ -17,6 +17,7 @@ from jaxpaged.engine_config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
 from jaxpaged.sampling_params import SamplingParams
+from tp_fixtures import SilentTokenizer
 
 TINY = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -24,21 +25,6 @@ TINY = ModelConfig(
 )
 MAX_MODEL_LEN = 64
 PAGE_SIZE = 16
-
-
-class _SilentTokenizer:
-    """What the engine needs from a tokenizer when the test only looks at token ids."""
-
-    eos_token_id = None
-
-    class _Detokenizer:
-        def __getattr__(self, name):  # add / step / flush ...: no text
-            return lambda *args, **kwargs: ""
-
-    def detokenizer(self, *args, **kwargs):
-        return self._Detokenizer()
-
-    incremental_detokenizer = detokenizer
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +112,7 @@ def test_buckets_and_budget():
 def _engine_greedy(params, prompts, sampling, num_pages):
     config = EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=MAX_MODEL_LEN).resolved(on_gpu=False, model_max_len=256)
-    engine = LLMEngine(TINY, params, _SilentTokenizer(), config, num_pages=num_pages,
+    engine = LLMEngine(TINY, params, SilentTokenizer(), config, num_pages=num_pages,
                        attention_fn=reference_paged_attention)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     done = {}
@@ -245,7 +231,7 @@ def test_harness_under_memory_pressure_compiles_nothing_and_keeps_tokens(tiny_pa
     requests = list(zip(prompts, sampling))
     config = EngineConfig(page_size=PAGE_SIZE, num_pages=6, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=MAX_MODEL_LEN).resolved(on_gpu=False, model_max_len=256)
-    engine = LLMEngine(TINY, tiny_params, _SilentTokenizer(), config, num_pages=6,
+    engine = LLMEngine(TINY, tiny_params, SilentTokenizer(), config, num_pages=6,
                        attention_fn=reference_paged_attention)
     run_jaxpaged(engine, warmup_requests(requests), system="warmup", workload="W3", capacity_tokens=96)
     paged, paged_tokens = run_jaxpaged(engine, requests, system="jaxpaged", workload="W3", capacity_tokens=96)

@@ -258,15 +258,9 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
                 final, done = None, set()  # done: choices whose finish_reason was sent
                 async for output in stream:
                     final = output
-                    choices = []
-                    for c in output.outputs:
-                        if c.index in done or (not c.delta_token_ids and not c.delta_text and c.finish_reason is None):
-                            continue
-                        if c.finish_reason is not None:
-                            done.add(c.index)
-                        new_lps = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else []
-                        choices.append({"index": c.index, "text": c.delta_text, "finish_reason": c.finish_reason,
-                                        "logprobs": logprobs_of(c.delta_token_ids, new_lps, 0)})
+                    choices = [{"index": c.index, "text": c.delta_text, "finish_reason": c.finish_reason,
+                                "logprobs": logprobs_of(c.delta_token_ids, new_lps, 0)}
+                               for c, new_lps in _deltas_to_send(output, done)]
                     if choices:
                         yield sse(chunk(choices, None))
                 if include_usage and final is not None:
@@ -325,16 +319,9 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
                 final, done = None, set()  # done: choices whose finish_reason was sent
                 async for output in stream:
                     final = output
-                    choices = []
-                    for c in output.outputs:
-                        if c.index in done or (not c.delta_token_ids and not c.delta_text and c.finish_reason is None):
-                            continue
-                        if c.finish_reason is not None:
-                            done.add(c.index)
-                        new_lps = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else []
-                        choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                        "logprobs": logprobs_of(c.delta_token_ids, new_lps),
-                                        "finish_reason": c.finish_reason})
+                    choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
+                               for c, new_lps in _deltas_to_send(output, done)]
                     if choices:
                         yield sse(chunk(choices))
                 if include_usage and final is not None:
@@ -355,6 +342,17 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
         }
 
     return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+def _deltas_to_send(output, done: set[int]):
+    """(completion, logprobs of its new tokens) for each sample of a streamed output with something
+    to send: new text or tokens, or its finish, once (`done` collects the finished samples' indices)."""
+    for c in output.outputs:
+        if c.index in done or (not c.delta_token_ids and not c.delta_text and c.finish_reason is None):
+            continue
+        if c.finish_reason is not None:
+            done.add(c.index)
+        yield c, (c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else [])
 
 
 def _text_offsets(lengths: list[int], start: int) -> list[int]:
