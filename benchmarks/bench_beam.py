@@ -14,7 +14,7 @@ import json
 import time
 
 from jaxpaged import LLM
-from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.engine.beam_search import BeamSearchParams
 
 QUESTIONS = ["What is the capital of France?", "Give me a name for a pet turtle.", "Write a haiku about the sea."]
 

@@ -36,14 +36,14 @@ import subprocess
 import sys
 import time
 
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.models.loading import default_model_path
-from jaxpaged.output_processor import OutputProcessor, _catch_up
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
-from jaxpaged.step_input import BlockTableRows, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.engine.output_processor import OutputProcessor, _catch_up
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import Sequence
+from jaxpaged.device.step_input import BlockTableRows, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
+from jaxpaged.models.tokenizer import Tokenizer
 
 NUM_SEQS = 256
 PAGE_SIZE = 16

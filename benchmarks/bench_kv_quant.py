@@ -45,7 +45,7 @@ COLUMNS = [
 
 
 def main(argv=None) -> dict:
-    from jaxpaged.model_runner import kv_cache_bytes_per_page, num_pages_for_budget
+    from jaxpaged.device.kv_cache import kv_cache_bytes_per_page, num_pages_for_budget
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")

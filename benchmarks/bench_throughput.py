@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import sys
 import time
 
@@ -35,334 +34,15 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from tqdm.auto import tqdm
 
-from benchmarks.common import (
-    PHASES,
-    CompileCounter,
-    RequestTimes,
-    Run,
-    StepSample,
-    environment,
-    format_table,
-    plot_runs,
-    summarize,
-)
+from benchmarks.common import Run, environment, format_table, plot_runs, summarize
 from benchmarks.dense_baseline import DenseBaseline, batch_size_for_budget
-from jaxpaged.sampling_params import SamplingParams
+from benchmarks.runners import run_dense, run_hf, run_jaxpaged
+from benchmarks.workloads import (
+    PRESETS, QWEN3_0_6B_SHAPES, Preset, SilentTokenizer, warmup_requests, workload_w1, workload_w2,
+    workload_w2_host, workload_w3,
+)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-Request = tuple[list[int], SamplingParams]
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    name: str
-    page_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_budget_tokens: int | None  # None: from free device memory (jaxpaged's own rule)
-    w1: dict  # num_seqs, min_len, max_len (prompt and output lengths), temperature
-    w2: dict  # num_seqs, prefix_len, suffix_min, suffix_max, output_len
-    w3: dict  # num_seqs, prompt range, output range, kv_budget_tokens
-    hf_peer: bool
-    w2_host: dict | None = None  # num_prefixes, num_seqs, prefix_len, suffix_len, output_len, kv_budget_tokens
-
-
-PRESETS = {
-    # The bundled SmolLM2-135M on 2 CPU cores: W1 scaled down as BENCHMARKS.md suggests. The KV
-    # budget holds 8 rows of max_model_len for the dense design, while jaxpaged fits every sequence.
-    "cpu": Preset(
-        name="cpu", page_size=16, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256,
-        kv_budget_tokens=8 * 256,
-        w1=dict(num_seqs=16, min_len=16, max_len=64, temperature=0.6),
-        w2=dict(num_seqs=8, prefix_len=192, suffix_min=4, suffix_max=16, output_len=16),
-        w3=dict(num_seqs=6, prompt_min=16, prompt_max=48, output_min=24, output_max=64, kv_budget_tokens=256),
-        hf_peer=True,
-        # 4 prefixes of 192 tokens (48 pages) against 28 pages: about two requests fit at once.
-        w2_host=dict(num_prefixes=4, num_seqs=12, prefix_len=192, suffix_len=8, output_len=8, kv_budget_tokens=448),
-    ),
-    # BENCHMARKS.md W1 exactly: 256 sequences, lengths in [100, 1024], max_model_len 4096.
-    "h100": Preset(
-        name="h100", page_size=16, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
-        kv_budget_tokens=None,
-        w1=dict(num_seqs=256, min_len=100, max_len=1024, temperature=0.6),
-        w2=dict(num_seqs=128, prefix_len=1024, suffix_min=16, suffix_max=64, output_len=128),
-        w3=dict(num_seqs=64, prompt_min=100, prompt_max=512, output_min=256, output_max=512,
-                kv_budget_tokens=16 * 1024),
-        hf_peer=False,
-    ),
-}
-
-QWEN3_0_6B_SHAPES = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True, qk_norm=True,
-    max_position_embeddings=40960, dtype="bfloat16",
-)
-
-
-# ----------------------------------------------------------------------------- workloads
-
-
-def workload_w1(num_seqs: int, min_len: int, max_len: int, temperature: float) -> list[Request]:
-    """BENCHMARKS.md W1 (nano-vllm's bench): random.seed(0), prompt ids in [0, 10000), ignore_eos."""
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
-    return [
-        (p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=random.randint(min_len, max_len),
-                           seed=i))
-        for i, p in enumerate(prompts)
-    ]
-
-
-def workload_w2(num_seqs, prefix_len, suffix_min, suffix_max, output_len, *, shared: bool) -> list[Request]:
-    """A common prefix (a few-shot prompt) with short distinct suffixes; `shared=False`: every prefix differs."""
-    rng = random.Random(1)
-    common = [rng.randint(0, 10000) for _ in range(prefix_len)]
-    requests = []
-    for _ in range(num_seqs):
-        prefix = common if shared else [rng.randint(0, 10000) for _ in range(prefix_len)]
-        suffix = [rng.randint(0, 10000) for _ in range(rng.randint(suffix_min, suffix_max))]
-        requests.append((prefix + suffix, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)))
-    return requests
-
-
-def workload_w3(num_seqs, prompt_min, prompt_max, output_min, output_max, **_) -> list[Request]:
-    rng = random.Random(3)
-    return [
-        ([rng.randint(0, 10000) for _ in range(rng.randint(prompt_min, prompt_max))],
-         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(output_min, output_max)))
-        for _ in range(num_seqs)
-    ]
-
-
-def workload_w2_host(num_prefixes, num_seqs, prefix_len, suffix_len, output_len) -> list[Request]:
-    """Requests cycling through `num_prefixes` shared prefixes: a prefix comes back only after the
-    others have pushed it out of a pool that holds fewer than `num_prefixes` of them."""
-    rng = random.Random(2)
-    prefixes = [[rng.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    return [
-        (prefixes[i % num_prefixes] + [rng.randint(0, 10000) for _ in range(suffix_len)],
-         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len))
-        for i in range(num_seqs)
-    ]
-
-
-def warmup_requests(requests: list[Request]) -> list[Request]:
-    """The untimed warm-up call: the first two requests, a few tokens each."""
-    return [(p, dataclasses.replace(s, max_tokens=min(s.max_tokens, 4))) for p, s in requests[:2]]
-
-
-# ----------------------------------------------------------------------------- systems
-
-
-class _SilentTokenizer:
-    """For random-weight models: token ids only, no text (the engine's detokenizer does nothing)."""
-
-    eos_token_id = None
-
-    class _Detokenizer:
-        def __getattr__(self, name):
-            return lambda *args, **kwargs: ""
-
-    def detokenizer(self, *args, **kwargs):
-        return self._Detokenizer()
-
-    incremental_detokenizer = detokenizer
-
-
-def live_tokens(running, page_size: int) -> int:
-    """Tokens with K/V in the pages of the running sequences, each shared page counted once."""
-    held: dict[int, int] = {}  # page id -> tokens it holds
-    for seq in running:
-        computed = seq.num_computed_tokens
-        for i, page_id in enumerate(seq.block_table[: -(-computed // page_size)]):
-            held[page_id] = max(held.get(page_id, 0), min(page_size, computed - i * page_size))
-    return sum(held.values())
-
-
-def run_jaxpaged(engine, requests: list[Request], *, system: str, workload: str, capacity_tokens: int,
-                 bar: tqdm | None = None) -> tuple[Run, list[list[int]]]:
-    """Drives `engine` step by step over `requests` (all arriving at t=0), sampling its state after each step."""
-    scheduler, block_manager = engine.scheduler, engine.block_manager
-    page_size = block_manager.page_size
-    last_schedule = {}
-    schedule = scheduler.schedule
-
-    def recording_schedule():  # keeps the step's plan, to tell prefill steps from decode steps
-        out = schedule()
-        last_schedule["out"] = out
-        return out
-
-    stats0, sched0, compiles0 = block_manager.stats(), scheduler.stats(), engine.runner.num_compiles
-    host_bytes0 = engine.host_kv.num_bytes_out + engine.host_kv.num_bytes_in
-    scheduler.schedule = recording_schedule
-    steps: list[StepSample] = []
-    try:
-        with CompileCounter() as compiles:
-            t0 = time.perf_counter()
-            ids = [engine.add_request(p, s) for p, s in requests]
-            times = {i: RequestTimes() for i in ids}
-            tokens: dict[str, list[int]] = {}
-            overhead = 0.0  # seconds spent here recording, left out of the wall time
-            while engine.has_unfinished_requests():
-                before = dict(engine.timings)
-                outputs = engine.step()
-                t_step = time.perf_counter()
-                now = t_step - t0 - overhead
-                num_out = 0
-                for out in outputs:
-                    rt, n = times[out.request_id], len(out.outputs[0].token_ids)
-                    num_out += n - rt.num_output_tokens
-                    if rt.first_token is None and n:
-                        rt.first_token = now
-                    rt.num_output_tokens = n
-                    if out.finished:
-                        rt.finish = now
-                        tokens[out.request_id] = list(out.outputs[0].token_ids)
-                plan = last_schedule["out"]
-                running = scheduler.running
-                steps.append(StepSample(
-                    t=now, kind="decode" if max(plan.num_new_tokens, default=1) == 1 else "prefill",
-                    num_output_tokens=num_out, num_computed_tokens=plan.num_batched_tokens, num_running=len(running),
-                    num_live_tokens=live_tokens(running, page_size),
-                    num_allocated_tokens=block_manager.stats()["num_used_pages"] * page_size,
-                    phases={p: engine.timings[p] - before[p] for p in PHASES},
-                ))
-                if bar is not None:
-                    bar.update(num_out)
-                overhead += time.perf_counter() - t_step
-            wall = time.perf_counter() - t0 - overhead
-    finally:
-        del scheduler.schedule  # back to the class's method
-    stats, sched = block_manager.stats(), scheduler.stats()
-    queries = stats["prefix_query_tokens"] - stats0["prefix_query_tokens"]
-    hits = stats["prefix_hit_tokens"] - stats0["prefix_hit_tokens"]
-    run = Run(
-        system=system, workload=workload, wall_s=wall, num_prompt_tokens=sum(len(p) for p, _ in requests),
-        steps=steps, requests=[times[i] for i in ids], kv_capacity_tokens=capacity_tokens,
-        num_compiles=compiles.count,
-        extra={
-            "num_step_compiles_timed": engine.runner.num_compiles - compiles0,
-            "preemptions": sched["num_preemptions"] - sched0["num_preemptions"],
-            "recomputed_tokens": sched["num_recomputed_tokens"] - sched0["num_recomputed_tokens"],
-            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
-            "prefix_hit_tokens": hits,
-            "prefix_hit_tokens_host": stats["prefix_hit_tokens_host"] - stats0["prefix_hit_tokens_host"],
-            "swaps_out": sched["num_swaps_out"] - sched0["num_swaps_out"],
-            "host_bytes_moved": engine.host_kv.num_bytes_out + engine.host_kv.num_bytes_in - host_bytes0,
-        },
-    )
-    return run, [tokens[i] for i in ids]
-
-
-def run_dense(baseline: DenseBaseline, requests: list[Request], *, system: str, workload: str,
-              capacity_tokens: int, bar: tqdm | None = None) -> tuple[Run, list[list[int]]]:
-    steps: list[StepSample] = []
-    state = {"timings": dict(baseline.timings)}
-
-    def on_step(step):
-        now = time.perf_counter() - t0
-        before, state["timings"] = state["timings"], dict(baseline.timings)
-        steps.append(StepSample(
-            t=now, kind=step.kind, num_output_tokens=step.num_output_tokens, num_computed_tokens=step.num_tokens,
-            num_running=step.num_running, num_live_tokens=step.num_live_tokens,
-            num_allocated_tokens=step.num_reserved_tokens,
-            phases={p: baseline.timings[p] - before[p] for p in PHASES},
-        ))
-        if bar is not None:
-            bar.update(step.num_output_tokens)
-
-    compiles0 = baseline.num_compiles
-    with CompileCounter() as compiles:
-        t0 = time.perf_counter()
-        outputs = baseline.generate([p for p, _ in requests], [s for _, s in requests], on_step=on_step)
-        wall = time.perf_counter() - t0
-    times = [RequestTimes(len(o.token_ids), o.first_token_time - t0, o.finish_time - t0) for o in outputs]
-    run = Run(
-        system=system, workload=workload, wall_s=wall, num_prompt_tokens=sum(len(p) for p, _ in requests),
-        steps=steps, requests=times, kv_capacity_tokens=capacity_tokens, num_compiles=compiles.count,
-        extra={"num_step_compiles_timed": baseline.num_compiles - compiles0, "preemptions": 0,
-               "recomputed_tokens": 0, "prefix_hit_rate": 0.0, "batch_size": baseline.batch_size},
-    )
-    return run, [o.token_ids for o in outputs]
-
-
-def run_hf(model, requests: list[Request], *, batch_size: int, workload: str, capacity_tokens: int,
-           bar: tqdm | None = None) -> Run:
-    """Hugging Face `generate`, static batches of `batch_size` left-padded prompts, as a user would call it.
-
-    Each batch generates as many tokens as its longest request asks for; a request keeps its own
-    `max_tokens` (the rest is computed and thrown away). Per-step times come from a streamer.
-    """
-    import torch
-    from transformers.generation.streamers import BaseStreamer
-
-    steps: list[StepSample] = []
-    times = [RequestTimes() for _ in requests]
-
-    class StepClock(BaseStreamer):
-        def __init__(self, batch: list[int], padded_len: int):
-            self.batch, self.padded_len, self.num_puts = batch, padded_len, 0
-
-        def put(self, value):
-            self.num_puts += 1
-            if self.num_puts == 1:  # the prompt itself
-                return
-            now = time.perf_counter() - t0
-            step_idx = self.num_puts - 2  # tokens generated before this one
-            num_out = 0
-            live = 0
-            for i in self.batch:
-                wanted = requests[i][1].max_tokens
-                if step_idx < wanted:
-                    num_out += 1
-                    times[i].num_output_tokens += 1
-                    if times[i].first_token is None:
-                        times[i].first_token = now
-                    if step_idx == wanted - 1:
-                        times[i].finish = now
-                    else:
-                        live += len(requests[i][0]) + step_idx + 1
-            steps.append(StepSample(
-                t=now, kind="prefill" if step_idx == 0 else "decode", num_output_tokens=num_out,
-                num_computed_tokens=len(self.batch) * (self.padded_len if step_idx == 0 else 1),
-                num_running=sum(1 for i in self.batch if step_idx < requests[i][1].max_tokens - 1),
-                num_live_tokens=live, num_allocated_tokens=len(self.batch) * (self.padded_len + step_idx + 1),
-                phases={},
-            ))
-            if bar is not None:
-                bar.update(num_out)
-
-        def end(self):
-            pass
-
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        for start in range(0, len(requests), batch_size):
-            batch = list(range(start, min(start + batch_size, len(requests))))
-            padded_len = max(len(requests[i][0]) for i in batch)
-            input_ids = torch.zeros((len(batch), padded_len), dtype=torch.long)
-            mask = torch.zeros((len(batch), padded_len), dtype=torch.long)
-            for row, i in enumerate(batch):  # left padding
-                prompt = requests[i][0]
-                input_ids[row, padded_len - len(prompt):] = torch.tensor(prompt)
-                mask[row, padded_len - len(prompt):] = 1
-            new_tokens = max(requests[i][1].max_tokens for i in batch)
-            temperature = requests[batch[0]][1].temperature
-            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-                dict(do_sample=False)
-            model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           pad_token_id=0, streamer=StepClock(batch, padded_len), **sampling)
-        wall = time.perf_counter() - t0
-    return Run(
-        system="hf-transformers", workload=workload, wall_s=wall,
-        num_prompt_tokens=sum(len(p) for p, _ in requests), steps=steps, requests=times,
-        kv_capacity_tokens=capacity_tokens, extra={"batch_size": batch_size},
-    )
-
-
-# ----------------------------------------------------------------------------- building the systems
 
 
 def load_cpu_model():
@@ -380,13 +60,13 @@ def load_h100_model():
 
     model_config = ModelConfig(**QWEN3_0_6B_SHAPES)
     params = init_params(model_config, jax.random.key(0))  # random bf16, on the device
-    return model_config, params, _SilentTokenizer()
+    return model_config, params, SilentTokenizer()
 
 
 def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: int, prefix_caching: bool = True,
                 async_scheduling: bool = True, **engine_args):
-    from jaxpaged.engine import LLMEngine
-    from jaxpaged.engine_config import EngineConfig
+    from jaxpaged.engine.engine import LLMEngine
+    from jaxpaged.config import EngineConfig
 
     on_gpu = preset.name != "cpu"
     config = EngineConfig(
@@ -401,7 +81,7 @@ def make_engine(preset: Preset, model_config, params, tokenizer, *, num_pages: i
         # The engine's own GPU backend: whole-buffer kernels, the decode kernel in decode-only steps.
         attention_fn = pallas_kernels.pallas_backend(interpret=False)
     else:
-        from jaxpaged.attention import reference_paged_attention
+        from jaxpaged.ops.attention import reference_paged_attention
 
         attention_fn = reference_paged_attention
     return LLMEngine(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn)
@@ -568,7 +248,7 @@ def main(argv=None) -> dict:
         checks["W3 preemptions happened"] = paged_run.extra["preemptions"] > 0
         done("W3")
 
-    from jaxpaged.model_runner import kv_cache_bytes_per_page
+    from jaxpaged.device.kv_cache import kv_cache_bytes_per_page
 
     if "w3swap" in workloads:
         w3 = workload_w3(**preset.w3)

@@ -54,7 +54,7 @@ def _step(seqs, num_new):
 
 def logit_errors(model_config, params, prompts, kv_cache_dtypes, page_size: int = 16) -> dict:
     """{kv dtype: max |logits - float32-cache logits| at the prefill step and at the first decode step}."""
-    from jaxpaged.model_runner import ModelRunner
+    from jaxpaged.device.runner import ModelRunner
 
     pages_per_seq = -(-(max(map(len, prompts)) + 2) // page_size)
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(len(prompts))]

@@ -3,12 +3,12 @@
     from jaxpaged import LLM, SamplingParams
 
 The host side (sequence, block manager, scheduler, sampling params) never imports jax, so
-`LLM` and the engine are imported lazily: `import jaxpaged.scheduler` stays light.
+`LLM` and the engine are imported lazily: `import jaxpaged.planner.scheduler` stays light.
 """
 
-from jaxpaged.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
-from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.engine.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
+from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
+from jaxpaged.planner.request import SamplingParams
 
 __all__ = [
     "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
@@ -19,11 +19,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "LLM":
-        from jaxpaged.llm import LLM
+        from jaxpaged.entrypoints.llm import LLM
 
         return LLM
     if name == "EngineConfig":
-        from jaxpaged.engine_config import EngineConfig
+        from jaxpaged.config import EngineConfig
 
         return EngineConfig
     raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")

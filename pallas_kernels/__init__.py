@@ -27,7 +27,7 @@ read it: every layer's pool, every step. The per-layer signatures stay for resea
 holds one layer's pools (they reshape, never copy, those pools).
 
 `interpret=None` runs compiled on a GPU and in Pallas interpret mode elsewhere (slow, but exact).
-The oracle for all of them is `jaxpaged.attention.reference_paged_attention`.
+The oracle for all of them is `jaxpaged.ops.attention.reference_paged_attention`.
 """
 
 import functools

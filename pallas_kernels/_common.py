@@ -165,7 +165,7 @@ MAX_PAGE_ROWS = 2**31 - 1
 
 
 # Quantized caches (int8 / float8_e4m3fn values plus one float32 scale per token and KV head, the
-# `jaxpaged.kv_quant.QuantizedKV` layout): a pool or buffer is any object with `.pages` and `.scales`
+# `jaxpaged.ops.kv_quant.QuantizedKV` layout): a pool or buffer is any object with `.pages` and `.scales`
 # (duck-typed, so this package still imports without jaxpaged). Scales become "scale rows"
 # `[num_rows, page_size]` with the same row index as the page rows; the kernels gather a block's
 # scales with its pages and dequantize as they read: `k = values * scale[:, None]`.

@@ -214,7 +214,7 @@ def decode_attention(
         the pages' dtype for the matmuls. Query head `h` reads KV head
         `h // (num_heads // num_kv_heads)`.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool;
-        or a quantized pool (`jaxpaged.kv_quant.QuantizedKV`: int8 / float8_e4m3fn `pages` and float32
+        or a quantized pool (`jaxpaged.ops.kv_quant.QuantizedKV`: int8 / float8_e4m3fn `pages` and float32
         `scales` [num_kv_heads, num_pages, page_size]), dequantized to q's dtype as the kernel reads it.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
         `block_tables[s, i]`; entries past `cdiv(seq_lens[s], page_size)` are never read.
@@ -232,7 +232,7 @@ def decode_attention(
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
 
-    Equivalent to `jaxpaged.attention.reference_paged_attention` with
+    Equivalent to `jaxpaged.ops.attention.reference_paged_attention` with
     `query_start_loc = arange(num_seqs + 1)` (one token each), which is what the tests check.
     The engine calls `decode_attention_from_buffer`, which reads the model's whole buffer.
     """
@@ -346,5 +346,5 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
-# The oracle is `jaxpaged.attention.reference_paged_attention` (plain jnp, per token); the tests in
+# The oracle is `jaxpaged.ops.attention.reference_paged_attention` (plain jnp, per token); the tests in
 # tests/test_pallas_decode.py rebuild contiguous K/V for it without this file's index logic.

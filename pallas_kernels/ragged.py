@@ -216,7 +216,7 @@ def ragged_paged_attention(
         batch order; tokens at or past `query_start_loc[-1]` are padding. Cast to the pages' dtype
         for the matmuls. Query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], q's dtype: one layer's pool,
-        already holding this step's K/V; or a quantized pool (`jaxpaged.kv_quant.QuantizedKV`: int8 /
+        already holding this step's K/V; or a quantized pool (`jaxpaged.ops.kv_quant.QuantizedKV`: int8 /
         float8_e4m3fn `pages`, float32 `scales` [num_kv_heads, num_pages, page_size]), dequantized to
         q's dtype as the kernel reads it.
       block_tables: int32 [num_seqs, pages_per_seq]: sequence s's logical page i is physical page
@@ -359,5 +359,5 @@ def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, 
     return jnp.where(is_real, out, jnp.zeros_like(out)).astype(q.dtype)
 
 
-# The oracle is `jaxpaged.attention.reference_paged_attention` (plain jnp, per token); the tests in
+# The oracle is `jaxpaged.ops.attention.reference_paged_attention` (plain jnp, per token); the tests in
 # tests/test_pallas_ragged.py rebuild the oracle's inputs without this file's index logic.

@@ -97,14 +97,14 @@ def hf_logits(tiny_hf_model):
 
 
 def make_seq(token_ids, num_computed_tokens=0, block_table=()):
-    """A stand-in for `jaxpaged.sequence.Sequence`, with only what `prepare_step_input` reads."""
+    """A stand-in for `jaxpaged.planner.sequence.Sequence`, with only what `prepare_step_input` reads."""
     return types.SimpleNamespace(
         token_ids=list(token_ids), num_computed_tokens=num_computed_tokens, block_table=list(block_table)
     )
 
 
 def make_scheduler_output(seqs, num_new_tokens, copies=()):
-    """A stand-in for `jaxpaged.scheduler.SchedulerOutput`."""
+    """A stand-in for `jaxpaged.planner.scheduler.SchedulerOutput`."""
     return types.SimpleNamespace(
         seqs=list(seqs), num_new_tokens=list(num_new_tokens), copies=list(copies),
         num_batched_tokens=int(np.sum(num_new_tokens)),

@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.planner.request import SamplingParams
 
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import (
+from jaxpaged.ops.attention import (
     chunked_paged_attention,
     chunked_paged_attention_from_buffer,
     reference_paged_attention,

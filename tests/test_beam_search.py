@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.engine.beam_search import BeamSearchParams
 
 QUESTIONS = [
     "What is the capital of France?",  # every beam ends with eos within 8 tokens (k = 2 and 4)
@@ -224,6 +224,6 @@ def test_beams_and_greedy_requests_under_swap_preemption_match_an_unconstrained_
 
 
 def _page_bytes(llm):
-    from jaxpaged.model_runner import kv_cache_bytes_per_page
+    from jaxpaged.device.kv_cache import kv_cache_bytes_per_page
 
     return kv_cache_bytes_per_page(llm.engine.runner.config, llm.engine.config.page_size)

@@ -7,11 +7,11 @@ No model and no jax: the test plays the device, handing each beam that samples i
 import numpy as np
 import pytest
 
-from jaxpaged.beam_search import BeamSearch, BeamSearches, BeamSearchParams
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
+from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchParams
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import Sequence
 
 EOS = 9
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sequence import Sequence
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.sequence import Sequence, num_live_slots
 
 PAGE_SIZE = 4
 NUM_PAGES = 11
@@ -44,7 +44,7 @@ def test_host_modules_do_not_import_jax():
     code = (
         "import sys, types; pkg = types.ModuleType('jaxpaged'); pkg.__path__ = [sys.argv[1]]; "
         "sys.modules['jaxpaged'] = pkg; "
-        "import jaxpaged.sampling_params, jaxpaged.sequence, jaxpaged.block_manager, jaxpaged.scheduler, jaxpaged.step_input; "
+        "import jaxpaged.planner.request, jaxpaged.planner.sequence, jaxpaged.planner.block_manager, jaxpaged.planner.scheduler, jaxpaged.device.step_input; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch', 'flax')); "
         "assert not bad, bad"
     )
@@ -273,14 +273,14 @@ def test_metrics_counters_allocations_ref_counts_and_live_slots():
     compute(bm, a)
     assert bm.stats()["num_page_allocations"] == 3
     assert bm.ref_count_histogram() == {1: 3}
-    assert bm.num_live_slots([a]) == 10  # 12 slots allocated, 2 empty
+    assert num_live_slots([a], bm.page_size) == 10  # 12 slots allocated, 2 empty
 
     b = admit(bm, PREFIX + [200])  # hits pages 1 and 2, one fresh page (4) for token 200
     assert b.block_table == [1, 2, 4]
     assert bm.stats()["num_page_allocations"] == 4  # a hit is not an allocation
     assert bm.ref_count_histogram() == {2: 2, 1: 2}
     # Shared pages count once: 8 prefix slots + 2 on page 3 + 1 on page 4 = 11 of 16 allocated.
-    assert bm.num_live_slots([a, b]) == 11
+    assert num_live_slots([a, b], bm.page_size) == 11
 
     compute(bm, b)
     b.append_token(201)
@@ -291,7 +291,7 @@ def test_metrics_counters_allocations_ref_counts_and_live_slots():
 
     for seq in (a, b, child):
         bm.free(seq)
-    assert bm.ref_count_histogram() == {} and bm.num_live_slots([]) == 0
+    assert bm.ref_count_histogram() == {} and num_live_slots([], bm.page_size) == 0
 
 
 def test_a_collision_of_the_fast_hash_never_returns_a_wrong_page():

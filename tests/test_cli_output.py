@@ -15,7 +15,7 @@ import pytest
 
 import jaxpaged
 from jaxpaged import SamplingParams
-from jaxpaged.generate import main
+from jaxpaged.entrypoints.cli import main
 from test_llm_inputs import tiny_llm
 
 
@@ -108,7 +108,7 @@ def test_unreachable_hub_id_is_one_error_line_in_a_subprocess():
 
 
 def test_beam_width_prints_every_beam_best_first(cli, tiny, capsys):
-    from jaxpaged.beam_search import BeamSearchParams
+    from jaxpaged.engine.beam_search import BeamSearchParams
 
     args = ["--no-chat", "--prompt", "Hello there", "--max-tokens", "5", "--beam-width", "3", "--length-penalty", "0.5"]
     want = tiny.beam_search("Hello there", BeamSearchParams(3, max_tokens=5, length_penalty=0.5))[0].beams

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from benchmarks.dense_baseline import DenseBaseline, batch_size_for_budget, dense_attention, pow2_buckets
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.planner.request import SamplingParams
 from tp_fixtures import SilentTokenizer
 
 TINY = ModelConfig(
@@ -199,7 +199,7 @@ def test_greedy_tokens_equal_jaxpaged_on_smollm2():
 def test_summary_figures_and_shared_pages_counted_once():
     import types
 
-    from benchmarks.bench_throughput import live_tokens
+    from benchmarks.workloads import live_tokens
     from benchmarks.common import RequestTimes, Run, StepSample, summarize
 
     # Two sequences share page 7 (a full prefix page of 4 tokens); one has 2 more tokens in page 3,
@@ -225,7 +225,8 @@ def test_summary_figures_and_shared_pages_counted_once():
 
 def test_harness_under_memory_pressure_compiles_nothing_and_keeps_tokens(tiny_params, dense):
     """W3 in miniature through the benchmark's own drivers: a 6-page pool forces preemptions."""
-    from benchmarks.bench_throughput import run_dense, run_jaxpaged, warmup_requests
+    from benchmarks.runners import run_dense, run_jaxpaged
+    from benchmarks.workloads import warmup_requests
 
     prompts, sampling = _requests(seed=3, num=5)
     requests = list(zip(prompts, sampling))

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from test_async_engine import PieceTokenizer, run
 
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.engine import LLMEngine, seed_for
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.planner.request import seed_for
+from jaxpaged.config import EngineConfig
 from jaxpaged.models import ModelConfig, params_from_hf
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.planner.request import SamplingParams
 
 MODEL = "llama-tied"
 PROMPTS = [[5, 17, 3, 99, 42], [200, 1, 77], list(range(30, 47)), [8, 250, 13, 13, 6, 91]]

@@ -269,7 +269,7 @@ def test_real_prefill_logits_flax_vs_hf(ours, hf_gguf_model):
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
 
-    from jaxpaged.attention import reference_paged_attention
+    from jaxpaged.ops.attention import reference_paged_attention
     from jaxpaged.models import ModelConfig, params_from_hf
     from jaxpaged.models.llama import CausalLM
 

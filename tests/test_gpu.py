@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from jaxpaged.attention import reference_paged_attention
+from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.models import ModelConfig, init_params
 from jaxpaged.models.llama import write_kv
 from pallas_kernels.testing import make_case
@@ -117,10 +117,10 @@ def qwen3_params():
 
 
 def _engine(model_config, params, backend: str, **overrides):
-    from benchmarks.bench_throughput import _SilentTokenizer
-    from jaxpaged.engine import LLMEngine
-    from jaxpaged.engine_config import EngineConfig
-    from jaxpaged.llm import _attention_fn
+    from benchmarks.workloads import SilentTokenizer as _SilentTokenizer
+    from jaxpaged.engine.engine import LLMEngine
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.device.backends import attention_fn as _attention_fn
 
     kwargs = dict(page_size=16, num_pages=1024, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
                   dtype=model_config.dtype, attention_backend=backend, warmup=False)
@@ -136,7 +136,7 @@ def _prompts(num: int, seed: int = 0) -> list[list[int]]:
 
 
 def _greedy(engine, prompts, max_tokens):
-    from jaxpaged.sampling_params import SamplingParams
+    from jaxpaged.planner.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]

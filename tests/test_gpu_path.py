@@ -15,12 +15,13 @@ import pytest
 from conftest import make_scheduler_output, make_seq
 
 import pallas_kernels
-from jaxpaged import llm as llm_module
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.engine_config import EngineConfig
-from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_page
+from jaxpaged.device import backends, kv_cache
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.config import EngineConfig
+from jaxpaged.device.kv_cache import kv_cache_bytes_per_page
+from jaxpaged.device.runner import ModelRunner
 from jaxpaged.models import ModelConfig, init_params
-from jaxpaged.step_input import default_decode_buckets, prepare_step_input
+from jaxpaged.device.step_input import default_decode_buckets, prepare_step_input
 from pallas_kernels.testing import make_case
 
 TINY = ModelConfig(
@@ -111,7 +112,7 @@ def test_step_lowered_for_cuda_hands_the_kernels_the_whole_buffer(tiny_params, m
     # The engine's Pallas backend, compiled as on a GPU (not interpreted). Before the kernels took the
     # whole buffer, every kernel got `kv_pages[layer_idx, 0]` and `[layer_idx, 1]`: dynamic slices that
     # XLA materialises, a copy of every layer's pool on every step.
-    backend = llm_module._attention_fn("pallas")
+    backend = backends.attention_fn("pallas")
     for module in (pallas_kernels.decode, pallas_kernels.ragged):
         monkeypatch.setattr(module, "resolve_interpret", lambda interpret: False)
     jax.clear_caches()  # no kernel trace from an interpret-mode run may be reused
@@ -202,18 +203,18 @@ def test_gpu_pool_leaves_room_for_the_largest_step(tiny_params, monkeypatch):
     # compiled largest step's scratch memory and the margin leave.
     config = EngineConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, dtype="float32")
     config = config.resolved(on_gpu=True, model_max_len=TINY.max_position_embeddings)
-    free = llm_module._GPU_MARGIN_BYTES + (64 << 20)
-    monkeypatch.setattr(llm_module, "_on_gpu", lambda: True)
-    monkeypatch.setattr(llm_module, "_free_device_memory", lambda: free)
-    num_pages = llm_module._num_pages(config, TINY, tiny_params, None)
+    free = kv_cache._GPU_MARGIN_BYTES + (64 << 20)
+    monkeypatch.setattr(kv_cache, "on_gpu", lambda: True)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda: free)
+    num_pages = kv_cache.num_pages_for(config, TINY, tiny_params, None)
 
     step_temp = _runner(tiny_params, None, num_pages=2, page_size=4, max_num_batched_tokens=32,
                         buckets=None).step_temp_bytes()
     assert step_temp > 32 * TINY.vocab_size * 4  # at least the largest bucket's logits
     page_bytes = kv_cache_bytes_per_page(TINY, 4)
-    budget = config.kv_memory_fraction * (free - step_temp - llm_module._GPU_MARGIN_BYTES)
+    budget = config.kv_memory_fraction * (free - step_temp - kv_cache._GPU_MARGIN_BYTES)
     assert num_pages * page_bytes <= budget < (num_pages + 1) * page_bytes
 
-    monkeypatch.setattr(llm_module, "_free_device_memory", lambda: llm_module._GPU_MARGIN_BYTES)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda: kv_cache._GPU_MARGIN_BYTES)
     with pytest.raises(ValueError, match="nothing is left for KV pages; lower max_num_batched_tokens"):
-        llm_module._num_pages(config, TINY, tiny_params, None)
+        kv_cache.num_pages_for(config, TINY, tiny_params, None)

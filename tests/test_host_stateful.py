@@ -13,10 +13,10 @@ import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
 
 PAGE_SIZE = 4
 NUM_PAGES = 11

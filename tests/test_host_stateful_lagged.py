@@ -16,11 +16,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_host_stateful import ADD_ARGS, EOS, NUM_PAGES, PAGE_SIZE, FakeKVPool, check_pool
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence, SequenceStatus, placeholder_row
-from jaxpaged.step_input import BlockTableRows, prepare_step_input
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.request import placeholder_row
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
+from jaxpaged.device.step_input import BlockTableRows, prepare_step_input
 
 MAX_MODEL_LEN = 28
 PREPARE_ARGS = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, pages_per_seq=MAX_MODEL_LEN // PAGE_SIZE,

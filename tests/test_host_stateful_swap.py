@@ -15,8 +15,8 @@ import collections
 from hypothesis import event, settings
 from hypothesis.stateful import invariant
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import SequenceStatus
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.sequence import SequenceStatus
 from test_host_stateful import NUM_PAGES, PAGE_SIZE, HostMachine
 
 NUM_SWAP_PAGES = 6

@@ -1,4 +1,4 @@
-"""Quantized KV cache (jaxpaged/kv_quant.py): int8 / float8_e4m3fn pages with a scale per (token, head).
+"""Quantized KV cache (jaxpaged/ops/kv_quant.py): int8 / float8_e4m3fn pages with a scale per (token, head).
 
 Kernel tests reuse the hostile cases of the float tests (pallas_kernels.testing.make_case: random
 page ids, NaN in every page and slot a sequence does not own, lengths 0, 1, page_size +- 1, long).
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from test_model_runner import _runner, tiny_params  # noqa: F401 (fixture)
 
-from jaxpaged.attention import chunked_paged_attention, chunked_paged_attention_from_buffer, reference_paged_attention
-from jaxpaged.engine_config import EngineConfig
-from jaxpaged.kv_quant import QuantizedKV, dequantize, quantize
-from jaxpaged.model_runner import apply_page_copies, kv_cache_bytes_per_page, num_pages_for_budget
+from jaxpaged.ops.attention import chunked_paged_attention, chunked_paged_attention_from_buffer, reference_paged_attention
+from jaxpaged.config import EngineConfig
+from jaxpaged.ops.kv_quant import QuantizedKV, dequantize, quantize
+from jaxpaged.device.kv_cache import kv_cache_bytes_per_page, num_pages_for_budget
+from jaxpaged.device.runner import apply_page_copies
 from pallas_kernels import decode_attention, decode_attention_from_buffer, ragged_paged_attention
 from pallas_kernels.testing import make_case
 

@@ -20,8 +20,8 @@ from test_engine import QUESTIONS, SMALL
 
 from benchmarks.kv_quant_accuracy import agreement, chat_prompts, logit_errors
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.generate import build_parser, engine_args
-from jaxpaged.kv_quant import QuantizedKV
+from jaxpaged.entrypoints.cli import build_parser, engine_args
+from jaxpaged.ops.kv_quant import QuantizedKV
 from jaxpaged.models.weights import load_model
 
 LOGIT_BOUND = {"int8": 1.5, "float8_e4m3fn": 4.0}

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
 from jaxpaged.models.loading import default_model_path
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.models.tokenizer import Tokenizer
 
 VOCAB_SIZE = 49152  # SmolLM2's vocabulary
 

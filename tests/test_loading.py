@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.models import loading
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.models.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import make_scheduler_output, make_seq
 
-from jaxpaged.model_runner import (
+from jaxpaged.device.kv_cache import num_pages_for_budget
+from jaxpaged.device.runner import (
     ModelRunner,
     StepInput,
     default_buckets,
-    num_pages_for_budget,
     pack_step_input,
     prepare_step_input,
 )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import TINY_HF_CONFIGS, make_scheduler_output, make_seq, tiny_hf_config
 
-from jaxpaged.model_runner import ModelRunner
+from jaxpaged.device.runner import ModelRunner
 from jaxpaged.models import ModelConfig, RopeScaling, init_params, params_from_hf
 from jaxpaged.models.llama import rope_inv_freq
 

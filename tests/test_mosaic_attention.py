@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import reference_paged_attention
+from jaxpaged.ops.attention import reference_paged_attention
 from pallas_kernels.mosaic import decode_attention, ragged_paged_attention
 from pallas_kernels.testing import make_case
 
@@ -293,8 +293,8 @@ def test_decode_full_sweep(page_size, head_dim, group, num_splits):
 
 
 def test_engine_selects_the_mosaic_kernels_and_requires_bfloat16():
-    from jaxpaged.engine_config import EngineConfig
-    from jaxpaged.llm import _attention_fn
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.device.backends import attention_fn as _attention_fn
 
     backend = _attention_fn("mosaic")
     assert backend.reads_whole_kv_buffer and backend.has_decode_kernel

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from jaxpaged.models.loading import default_model_path
-from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sequence import Sequence, SequenceStatus
-from jaxpaged.step_input import BlockTableRows
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
+from jaxpaged.device.step_input import BlockTableRows
+from jaxpaged.models.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     """Outputs share the engine's growing token and logprob lists instead of copying them; an
     output read steps later (or after its request finished) still shows the tokens, logprobs and
     text it had when it was made, and compares and prints like a plain record."""
-    from jaxpaged.outputs import CompletionOutput
+    from jaxpaged.engine.outputs import CompletionOutput
 
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)

@@ -18,7 +18,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from jaxpaged.attention import reference_paged_attention
+from jaxpaged.ops.attention import reference_paged_attention
 from pallas_kernels import paged_attention
 from pallas_kernels.testing import make_case
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sampler import (
+from jaxpaged.device.sampler import (
     NUM_CANDIDATES,
     RowSpec,
     _rank_keep_mask,

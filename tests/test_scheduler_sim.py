@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
 from test_host_stateful import FakeKVPool
 
 PAGE_SIZE = 4

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.serve import build_server
+from jaxpaged.entrypoints.serve import build_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")

@@ -11,10 +11,10 @@ import types
 import pytest
 from starlette.testclient import TestClient
 
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serve.bridge import EngineBridge, ServerOverloaded
-from jaxpaged.serve.metrics import ServerMetrics
-from jaxpaged.serve.routes import build_app
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.entrypoints.serve.bridge import EngineBridge, ServerOverloaded
+from jaxpaged.entrypoints.serve.metrics import ServerMetrics
+from jaxpaged.entrypoints.serve.app import build_app
 
 
 class NeverFinishingEngine:
@@ -86,8 +86,8 @@ def test_full_queue_answers_503_and_an_abort_frees_a_slot():
 
 
 def test_cli_defaults_serve_the_bundled_model_locally_and_take_the_engine_flags():
-    from jaxpaged.generate import engine_args
-    from jaxpaged.serve.__main__ import build_parser, served_name
+    from jaxpaged.entrypoints.cli import engine_args
+    from jaxpaged.entrypoints.serve.cli import build_parser, served_name
 
     args = build_parser().parse_args([])
     assert (args.model, args.host, args.port, args.api_key) == (None, "127.0.0.1", 8000, None)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jaxtyping
 import pytest
 
-from jaxpaged.attention import reference_paged_attention
+from jaxpaged.ops.attention import reference_paged_attention
 
 
 def _attention_args(q_head_dim=8, num_seqs=1, num_starts=2):

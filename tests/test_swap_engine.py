@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.config import EngineConfig
 from test_llm_inputs import tiny_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -83,7 +83,7 @@ def test_swap_and_host_tier_settings_are_validated():
 
 
 def test_cli_flags_reach_the_engine_config():
-    from jaxpaged.generate import build_parser, engine_args
+    from jaxpaged.entrypoints.cli import build_parser, engine_args
 
     args = build_parser().parse_args(
         ["--preemption-mode", "swap", "--swap-space", "1048576", "--host-cache-bytes", "2097152"])
@@ -93,8 +93,8 @@ def test_cli_flags_reach_the_engine_config():
 
 
 def test_reset_prefix_cache_empties_the_host_tier_too():
-    from jaxpaged.block_manager import BlockManager
-    from jaxpaged.sequence import Sequence
+    from jaxpaged.planner.block_manager import BlockManager
+    from jaxpaged.planner.sequence import Sequence
 
     bm = BlockManager(4, 2, num_host_cache_pages=3)
     first = Sequence([5, 6, 7, 8, 9])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.models.loading import DEFAULT_MODEL_FILE, default_model_path
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.models.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -181,7 +181,7 @@ def test_from_gguf_metadata_bos_merges_and_token_types():
 def test_byte_level_streaming_equals_decode_on_random_ids(tokenizer):
     """The byte-table detokenizer emits exactly `decode`, on any id sequence: special ids, lone
     bytes of multi-byte characters, invalid UTF-8 (rendered as U+FFFD, as `decode` does)."""
-    from jaxpaged.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
+    from jaxpaged.models.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
 
     rng = np.random.default_rng(0)
     detokenizer = tokenizer.detokenizer()

@@ -4,12 +4,12 @@ data-parallel tests (some run in subprocesses, so these are plain functions, not
 import jax
 import numpy as np
 
-from jaxpaged.attention import chunked_paged_attention_from_buffer
-from jaxpaged.engine import LLMEngine
-from jaxpaged.engine_config import EngineConfig
+from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.planner.request import SamplingParams
 
 TINY = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,

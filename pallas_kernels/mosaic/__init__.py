@@ -7,7 +7,7 @@
 
 Both carry `reads_whole_kv_buffer = True` (DESIGN.md). Off a GPU they run in Mosaic GPU interpret
 mode (simulated warpgroups, barriers, TMA and wgmma on the CPU: slow, for tests). The oracle is
-`jaxpaged.attention.reference_paged_attention` on `kv_pages[layer_idx, 0]`, `kv_pages[layer_idx, 1]`.
+`jaxpaged.ops.attention.reference_paged_attention` on `kv_pages[layer_idx, 0]`, `kv_pages[layer_idx, 1]`.
 """
 
 from pallas_kernels.mosaic.attention import decode_attention, ragged_paged_attention

@@ -39,7 +39,7 @@ RAGGED_CONSUMERS = 2
 
 
 def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
-    if hasattr(kv_pages, "scales"):  # jaxpaged.kv_quant.QuantizedKV
+    if hasattr(kv_pages, "scales"):  # jaxpaged.ops.kv_quant.QuantizedKV
         raise ValueError(
             "the Mosaic kernels read bfloat16/float16 pages only, not a quantized (int8/fp8) KV cache; "
             "use the Triton kernels (pallas_kernels.paged_attention_from_buffer) or kv_cache_dtype='auto'")

@@ -15,11 +15,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tp_fixtures
-from jaxpaged.attention import chunked_paged_attention_from_buffer, reference_paged_attention
-from jaxpaged.model_runner import ModelRunner
+from jaxpaged.ops.attention import chunked_paged_attention_from_buffer, reference_paged_attention
+from jaxpaged.device.runner import ModelRunner
 from jaxpaged.models.llama import init_params
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sharding import kv_head_replicas, logical_to_spec, make_mesh, per_device_bytes
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.device.sharding import kv_head_replicas, logical_to_spec, make_mesh, per_device_bytes
 from tp_fixtures import NUM_PAGES, PAGE_SIZE, TINY, make_engine, run_greedy, tiny_params
 
 
@@ -223,8 +223,9 @@ def _serve(engine, prompts, params):
 )
 def test_data_parallel_w1_equals_one_replica(params, tp, w1_size):
     """Two replicas serve a W1 batch (temperature 0.6, seeded per request) with one replica's outputs."""
-    from jaxpaged.data_parallel import DataParallelEngine, build_engine
-    from jaxpaged.engine_config import EngineConfig
+    from jaxpaged.engine.build import engine_from_parts as build_engine
+    from jaxpaged.engine.data_parallel import DataParallelEngine
+    from jaxpaged.config import EngineConfig
 
     prompts, sampling = _w1_requests(*w1_size)
     engine_args = dict(page_size=8, num_pages=160, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160)
@@ -276,7 +277,7 @@ def test_update_params_places_new_weights_split_without_recompiling(params, fake
 @pytest.mark.parametrize("kv_cache_dtype,tp,attention_fn", [
     ("int8", 2, chunked_paged_attention_from_buffer), ("float8_e4m3fn", 4, reference_paged_attention)])
 def test_quantized_kv_cache_is_split_like_its_pages(params, prompts, kv_cache_dtype, tp, attention_fn):
-    """A quantized cache (jaxpaged/kv_quant.py): values and scales both split on KV heads, whole-buffer
+    """A quantized cache (jaxpaged/ops/kv_quant.py): values and scales both split on KV heads, whole-buffer
     and per-layer backends, and the same greedy tokens and cache contents as one device."""
     want = make_engine(params, kv_cache_dtype=kv_cache_dtype, attention_fn=attention_fn)
     want_tokens = run_greedy(want, prompts)

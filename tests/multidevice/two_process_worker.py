@@ -25,7 +25,7 @@ def main(port: int, process_id: int) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)
     assert jax.device_count() == 4 and jax.local_device_count() == 2, (jax.device_count(), jax.local_device_count())
-    from jaxpaged.sharding import make_mesh, per_device_bytes
+    from jaxpaged.device.sharding import make_mesh, per_device_bytes
 
     mesh = make_mesh(4)  # devices of both processes: each holds one KV head of TINY's 4
     tokens, engine = greedy(tiny_params(), prompts(), mesh=mesh)

@@ -1,0 +1,110 @@
+"""Engine arguments: one frozen dataclass that validates itself.
+
+Defaults depend on the platform: a GPU serves many long sequences, a 2-core CPU a few short ones
+(on the CPU, attention and the dense work per token are what bound speed, so max_model_len and the
+token budget are kept moderate there).
+"""
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
+PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pool size in pages (page 0 is the padding page); None: from memory
+    kv_memory_fraction: float = 0.8  # GPU: share of the memory left after weights given to KV pages
+    kv_memory_bytes: int | None = None  # explicit KV budget in bytes (wins over the fraction)
+    max_num_seqs: int | None = None  # sequences per step; None: 256 on GPU, 16 on CPU
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on GPU, 256 on CPU
+    max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
+    # K/V page storage: "auto" = the model dtype; "int8" / "float8_e4m3fn" = quantized values plus a
+    # float32 scale per (token, KV head), about half (bf16) or a quarter (f32) of the bytes per token.
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"  # "auto": Pallas (Triton) on GPU, chunked jnp on CPU; "mosaic": Hopper kernels
+    seed: int = 0  # draws the seeds of requests that give none
+    warmup: bool = True  # precompile every bucket at start-up
+    # Plan and prepare step n+1 while the device runs step n (tokens reach the host one step late).
+    # False: each step waits for its own tokens (debugging; the benchmark's comparison).
+    async_scheduling: bool = True
+    tensor_parallel_size: int = 1  # devices one model is split over (a `tp` mesh axis; jaxpaged/device/sharding.py)
+    data_parallel_size: int = 1  # whole engine replicas, each on its own tensor_parallel_size devices
+    # Out of pages, a victim's K/V is recomputed later ("recompute") or copied to host memory and
+    # back ("swap", within swap_space_bytes of host pages; recompute when those are full).
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int | None = None  # host bytes for swapped pages; required by preemption_mode="swap"
+    host_cache_bytes: int | None = None  # host tier under the device prefix cache; None: no tier
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a positive power of two (16 is usual)")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved for padding)")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for the platform default)")
+        if (self.max_num_seqs and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                f"{self.max_num_seqs}: every scheduled sequence computes at least one token")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1: no parallelism)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: use one of {PREEMPTION_MODES}")
+        for name in ("swap_space_bytes", "host_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 byte (or None for none)")
+        if self.preemption_mode == "swap" and self.swap_space_bytes is None:
+            raise ValueError("preemption_mode='swap' needs swap_space_bytes (host memory for swapped pages, e.g. 1<<30)")
+        if self.swap_space_bytes is not None and self.preemption_mode != "swap":
+            raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
+        if self.host_cache_bytes is not None and not self.enable_prefix_caching:
+            raise ValueError("host_cache_bytes is a tier of the prefix cache; set enable_prefix_caching=True")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES} "
+                             "('auto' stores K/V in the model dtype)")
+        if self.attention_backend == "mosaic" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention_backend='mosaic' reads bfloat16 pages only, not kv_cache_dtype={self.kv_cache_dtype!r}; "
+                "use attention_backend='pallas' (or 'auto') for a quantized KV cache, or kv_cache_dtype='auto'")
+        if self.attention_backend == "mosaic" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"attention_backend='mosaic' runs wgmma on bfloat16 pages, got dtype={self.dtype!r}; "
+                "pass dtype='bfloat16'")
+
+    def resolved(self, *, on_gpu: bool, model_max_len: int) -> "EngineConfig":
+        """The same config with every None default filled in for this platform and model."""
+        from dataclasses import replace
+
+        max_model_len = self.max_model_len or min(model_max_len, 4096 if on_gpu else 1024)
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens; "
+                f"lower max_model_len")
+        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
+        return replace(
+            self,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
+            attention_backend=(
+                ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
+            ),
+        )

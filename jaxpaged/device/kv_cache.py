@@ -1,0 +1,96 @@
+"""The KV pool's size: bytes per page (the one place it is computed) and how many pages to make.
+
+    kv_pages: [num_layers, 2 (K, V), num_kv_heads, num_pages, page_size, head_dim]   (model dtype)
+              or a QuantizedKV: int8 / float8 values of that shape plus float32 scales
+              [num_layers, 2, num_kv_heads, num_pages, page_size]     (ops/kv_quant.py)
+
+    bytes per page = num_layers x 2 x num_kv_heads x page_size x bytes per (token, KV head)
+    bytes per (token, KV head) = head_dim x value bytes (+ 4 for the scale when quantized)
+
+Everything that turns pages into bytes or bytes into pages (the pool, swap space, the host tier,
+the server's `jaxpaged_kv_used_bytes`) calls `bytes_per_page` here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.ops.kv_quant import bytes_per_token_head
+
+_CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
+# GPU pool sizing leaves this much, besides the step's own scratch memory and the
+# (1 - kv_memory_fraction) share, for the sampler, page copies and XLA/cuBLAS workspaces.
+_GPU_MARGIN_BYTES = 512 << 20
+
+
+def bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one page across all layers, K and V (and their scales when the cache is quantized)."""
+    token_head = bytes_per_token_head(kv_cache_dtype, config.dtype, config.head_dim)
+    return config.num_layers * 2 * config.num_kv_heads * page_size * token_head
+
+
+kv_cache_bytes_per_page = bytes_per_page  # the name benchmarks and tests have used
+
+
+def num_pages_for_budget(config: ModelConfig, page_size: int, budget_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """How many pages (the padding page 0 included) fit in `budget_bytes` of KV memory."""
+    num_pages = budget_bytes // bytes_per_page(config, page_size, kv_cache_dtype)
+    if num_pages < 2:
+        raise ValueError(
+            f"a KV budget of {budget_bytes} bytes holds {num_pages} pages of {page_size} tokens; "
+            "at least 2 are needed (page 0 is padding): raise the budget or lower page_size"
+        )
+    return int(num_pages)
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def free_device_memory() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+
+
+def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, attention_fn) -> int:
+    """Pool size: explicit, from a byte budget, from free GPU memory, or enough for a full CPU batch.
+
+    GPU: the parameters go to the device first; then the budget is
+
+        kv_memory_fraction x (free memory - the compiled largest step's scratch memory - 512 MiB)
+
+    so warm-up and the largest step still fit beside the pool.
+    """
+    if config.num_pages is not None:
+        return config.num_pages
+    if config.kv_memory_bytes is not None:
+        return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes, config.kv_cache_dtype)
+    if on_gpu():
+        from jaxpaged.device.runner import ModelRunner  # the runner builds on this module's sizes
+
+        params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
+        free = free_device_memory()
+        # The largest step, compiled over a 2-page pool: its scratch does not grow with the pool.
+        probe = ModelRunner(
+            model_config, params, num_pages=2, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            attention_fn=attention_fn, decode_buckets=(), kv_cache_dtype=config.kv_cache_dtype,
+        )
+        step_temp = probe.step_temp_bytes()
+        del probe
+        free -= step_temp + _GPU_MARGIN_BYTES
+        if free <= 0:
+            raise ValueError(
+                f"after the weights, the largest step needs {step_temp / 2**30:.2f} GiB of scratch memory plus a "
+                f"{_GPU_MARGIN_BYTES >> 20} MiB margin and nothing is left for KV pages; lower "
+                "max_num_batched_tokens, use a smaller model or dtype, or free device memory"
+            )
+        return num_pages_for_budget(
+            model_config, config.page_size, int(free * config.kv_memory_fraction), config.kv_cache_dtype)
+    full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
+    page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
+    return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))

@@ -1,0 +1,367 @@
+"""The device side of a step: scheduler output -> padded `StepInput` -> one jitted, donated step.
+
+    host (numpy)                                   device (one jitted function per bucket)
+    SchedulerOutput --prepare_step_input--> StepInput --ModelRunner.execute--> logits [num_seqs, vocab]
+                      pack_step_input: one int32 array,   kv_pages donated in, updated buffer out
+                      one transfer                        placeholder tokens gathered from the
+                                                          previous step's sampled tokens
+
+Shapes come from a small fixed list of buckets, so after `warmup()` no step compiles again. Decode-
+only steps have their own buckets (1, 2, 4, ... max_num_seqs sequences of one token) and their own
+programs: `StepInput.decode_only` is static pytree metadata, so it selects a compiled program, and
+there the model calls the backend's decode kernel (if it has one) instead of the ragged one.
+"""
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes, zeros_kv_cache
+from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import AttentionFn, CausalLM
+from jaxpaged.device.sharding import TensorParallel
+
+# StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
+# are leaves; `decode_only` is metadata, part of the tree structure, hence static under jit.
+_STEP_META_FIELDS = ("decode_only",)
+jax.tree_util.register_dataclass(
+    StepInput,
+    data_fields=[f.name for f in dataclasses.fields(StepInput) if f.name not in _STEP_META_FIELDS],
+    meta_fields=list(_STEP_META_FIELDS),
+)
+__all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input", "apply_page_copies"]
+
+
+def enable_compilation_cache() -> str:
+    """Turns on JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxpaged/xla)."""
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser("~/.cache/jaxpaged/xla")
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    return jax.config.jax_compilation_cache_dir
+
+
+class ModelRunner:
+    """Owns the parameters and the KV page buffer; runs one jitted step per `execute` call.
+
+    The step is `(params, kv_pages, step_input) -> (logits, kv_pages)` with `kv_pages` donated:
+    the buffer is updated in place and `self.kv_pages` always names the live one. Parameters are an
+    argument (not a constant), so `update_params` swaps weights without recompiling.
+
+    `mesh`: a `jax.sharding.Mesh` with a `tp` axis (`jaxpaged.device.sharding.make_mesh`) splits the model
+    over its devices (tensor parallelism); None runs on the default device.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        attention_fn: AttentionFn | None = None,
+        buckets: Sequence[int] | None = None,
+        decode_buckets: Sequence[int] | None = None,
+        mesh=None,
+        kv_cache_dtype: str = "auto",
+    ):
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        if max_num_seqs > max_num_batched_tokens:
+            raise ValueError(f"{max_num_seqs=} must be <= {max_num_batched_tokens=}: each sequence has >= 1 token")
+        # Tensor parallelism (jaxpaged/device/sharding.py): parameters and the KV buffer split over `mesh`,
+        # attention run per device on its own heads. self.config is the model as the devices see
+        # it (KV heads replicated when the mesh is wider than num_kv_heads).
+        self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
+        if self.tp is not None:
+            model_config = self.tp.config
+            attention_fn = self.tp.shard_attention(attention_fn or reference_paged_attention)
+        self.config = model_config
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.pages_per_seq = math.ceil(max_model_len / page_size)
+        self.buckets = tuple(sorted(buckets or default_buckets(max_num_batched_tokens)))
+        if self.buckets[-1] < max_num_batched_tokens:
+            raise ValueError(f"largest bucket {self.buckets[-1]} < {max_num_batched_tokens=}; add a bucket")
+        # Decode-only steps: buckets of 1, 2, 4, ... max_num_seqs sequences (no 16-row floor); `()`
+        # sends decode steps through the token buckets instead.
+        self.decode_buckets = tuple(sorted(
+            default_decode_buckets(max_num_seqs) if decode_buckets is None else decode_buckets))
+        if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):
+            raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
+        enable_compilation_cache()
+
+        self.model = CausalLM(model_config, attention_fn or reference_paged_attention)
+        self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True)
+        # Shapes as the caller passes them (under tensor parallelism the placed KV projections may be
+        # wider: replicated KV heads); update_params checks new weights against these.
+        self._param_shapes = {
+            jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
+        self.params = self._to_device(params)
+        c = model_config
+        kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
+        # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
+        # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
+        if self.tp is None:
+            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
+            step_shardings = copy_shardings = {}
+        else:
+            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.tp.zeros_kv_pages)
+            kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
+            step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
+            copy_shardings = dict(out_shardings=kv_sharding)
+        # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
+        # pairs (the scheduler copies at most one page per sequence per step): most steps have
+        # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
+        self.max_num_copies = max_num_seqs
+        self.num_compiles = 0  # traces of the step function: each one is a compilation
+        self.num_copy_compiles = 0  # the same for the page-copy function
+        # The previous step's sampled tokens, as the sampler returns them padded to this many rows:
+        # a decode whose input token is still on the device reads it from there (asynchronous stepping).
+        self.num_prev_token_rows = max_num_seqs
+        self._no_prev_tokens = jnp.zeros(self.num_prev_token_rows, jnp.int32)
+        self._step = jax.jit(
+            self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
+        )
+        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",), **copy_shardings)
+        # Host transfers (swap, the prefix cache's host tier) move pages in fixed batches of this many,
+        # padded, so no call compiles: one sequence's pages fit one batch.
+        self.max_num_transfer_pages = self.pages_per_seq
+        self.num_transfer_compiles = 0
+        self._gather = jax.jit(self._gather_fn)
+        self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
+
+    def _to_device(self, params):
+        """The engine's own float copy of `params` in the model dtype.
+
+        Always a copy (`jnp.array(copy=True)`; `jnp.asarray` returns the caller's buffer when the
+        dtype matches): a training loop that later donates or deletes its arrays must not leave the
+        engine holding deleted buffers. Float leaves of another precision are cast; any other dtype
+        is refused, since casting integers to weights is never what was meant.
+        """
+        dtype = jnp.dtype(self.config.dtype)
+
+        def check(path, x):
+            x_dtype = getattr(x, "dtype", None)
+            if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
+                raise ValueError(
+                    f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating point "
+                    f"(they are cast to the model dtype {dtype})"
+                )
+
+        jax.tree_util.tree_map_with_path(check, params)
+        if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
+            return self.tp.place_params(params)
+        return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
+
+    def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
+                 layout, decode_only: bool = False):
+        self.num_compiles += 1  # runs only while tracing
+        fields, offset = {}, 0
+        for name, shape in layout:  # static slices of the one packed transfer
+            size = math.prod(shape)
+            fields[name] = packed[offset : offset + size].reshape(shape)
+            offset += size
+        step_input = StepInput(**fields, decode_only=decode_only)
+        token_ids = step_input.token_ids
+        if step_input.prev_token_rows is not None:
+            rows = step_input.prev_token_rows
+            token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
+        model = self.decode_model if decode_only else self.model  # static: a compiled program each
+        return model.apply(
+            params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
+            step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
+            step_input.logits_indices,
+        )
+
+    def _copy_fn(self, kv_pages, src, dst):
+        self.num_copy_compiles += 1  # runs only while tracing
+        return apply_page_copies(kv_pages, src, dst)
+
+    def _gather_fn(self, kv_pages, page_ids):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf: leaf[:, :, :, page_ids], kv_pages)
+
+    def _scatter_fn(self, kv_pages, pages, page_ids):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf, new: leaf.at[:, :, :, page_ids].set(new, mode="drop"), kv_pages, pages)
+
+    def gather_pages(self, page_ids: Sequence[int]):
+        """Pages `page_ids` (at most `max_num_transfer_pages`) of every KV leaf, on the device, page
+        axis 3 padded to `max_num_transfer_pages` (padding reads page 0). Dispatched, not awaited:
+        ordered after every step already issued on the buffer, before every later one."""
+        ids = np.zeros(self.max_num_transfer_pages, np.int32)
+        ids[: len(page_ids)] = page_ids
+        if self.tp is not None:
+            ids = self._place_replicated(ids)
+        return self._gather(self.kv_pages, ids)
+
+    def scatter_pages(self, pages, page_ids: Sequence[int]) -> None:
+        """Writes host `pages` (a pytree like `kv_pages`, page axis 3 of size `max_num_transfer_pages`)
+        into pages `page_ids` of the buffer; rows past `len(page_ids)` are dropped."""
+        ids = np.full(self.max_num_transfer_pages, self.num_pages, np.int32)  # out of range: dropped
+        ids[: len(page_ids)] = page_ids
+        if self.tp is not None:
+            ids = self._place_replicated(ids)
+        self.kv_pages = self._scatter(self.kv_pages, pages, ids)
+
+    def prepare(self, scheduler_output, block_table_rows=None) -> StepInput:
+        """`prepare_step_input` with this runner's page pool and buckets."""
+        return prepare_step_input(
+            scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
+            pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
+            block_table_rows=block_table_rows,
+            decode_buckets=self.decode_buckets,
+        )
+
+    def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:
+        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket.
+
+        `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
+        read where `step_input.prev_token_rows` says; None when no input token is a placeholder.
+        """
+        packed, layout = pack_step_input(step_input)
+        if prev_tokens is None:
+            prev_tokens = self._no_prev_tokens
+        if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
+            packed, prev_tokens = self._place_replicated((packed, prev_tokens))
+        logits, self.kv_pages = self._step(
+            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+        )
+        return logits
+
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies whole pages (all layers, K and V) `src -> dst`; call before the step that needs them."""
+        for i in range(0, len(copies), self.max_num_copies):
+            chunk = np.asarray(copies[i : i + self.max_num_copies], np.int32).reshape(-1, 2)
+            src = np.zeros(self.max_num_copies, np.int32)
+            dst = np.full(self.max_num_copies, self.num_pages, np.int32)  # out of range: dropped
+            src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+            if self.tp is not None:
+                src, dst = self._place_replicated((src, dst))
+            self.kv_pages = self._copy(self.kv_pages, src, dst)
+
+    def run(self, scheduler_output) -> Float[Array, "num_seqs vocab_size"]:
+        """Copy-on-write copies, then the step: the whole device side of one `SchedulerOutput`."""
+        if scheduler_output.copies:
+            self.copy_pages(scheduler_output.copies)
+        return self.execute(self.prepare(scheduler_output))
+
+    def _place_replicated(self, tree):
+        return jax.device_put(tree, self.tp.replicated)
+
+    def zeros_logits(self, num_rows: int) -> Float[Array, "num_rows vocab_size"]:
+        """Zero logits placed as `execute` returns them (the engine warms its sampler up on these)."""
+        logits = jnp.zeros((num_rows, self.config.vocab_size), jnp.float32)
+        return logits if self.tp is None else jax.device_put(logits, self.tp.replicated)
+
+    @property
+    def num_step_programs(self) -> int:
+        """Compiled step programs after `warmup`: one per token bucket and one per decode bucket."""
+        return len(self.buckets) + len(self.decode_buckets)
+
+    def dummy_step_input(self, bucket: int, *, decode_only: bool = False) -> StepInput:
+        """An all-padding step of `bucket` tokens (a decode bucket of `bucket` sequences if `decode_only`):
+        it writes nothing and reads nothing."""
+        num_seqs = bucket if decode_only else min(bucket, self.max_num_seqs)
+        zeros = np.zeros(bucket, np.int32)
+        return StepInput(
+            token_ids=zeros, positions=zeros,
+            slot_mapping=np.full(bucket, self.num_pages * self.page_size, np.int32),
+            block_tables=np.zeros((num_seqs, self.pages_per_seq), np.int32),
+            seq_lens=np.zeros(num_seqs, np.int32), query_start_loc=np.zeros(num_seqs + 1, np.int32),
+            logits_indices=np.zeros(num_seqs, np.int32), prev_token_rows=np.full(bucket, -1, np.int32),
+            decode_only=decode_only,
+        )
+
+    def warmup(self, *, host_transfers: bool = False) -> None:
+        """Compiles the step for every bucket and decode bucket, the page copy, and (when the engine
+        has host pages: swap, host tier) the host transfers, so serving never compiles."""
+        for bucket in self.buckets:
+            self.execute(self.dummy_step_input(bucket)).block_until_ready()
+        for bucket in self.decode_buckets:
+            self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
+        self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
+        if host_transfers:  # one program each way
+            jax.block_until_ready(self.gather_pages([]))
+            empty = jax.tree.map(  # host pages shaped as the gather returns them
+                lambda leaf: np.zeros(leaf.shape[:3] + (self.max_num_transfer_pages,) + leaf.shape[4:], leaf.dtype),
+                self.kv_pages,
+            )
+            self.scatter_pages(empty, [])  # all rows dropped: changes nothing
+
+    def update_params(self, params) -> None:
+        """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.
+
+        Float leaves are cast to the model dtype and copied (the caller may delete or donate its
+        arrays afterwards); a non-float leaf, a missing or extra leaf, or a shape that differs
+        raises ValueError naming the leaf, and the current weights stay.
+        """
+        keystr = jax.tree_util.keystr
+        have = self._param_shapes
+        got = {keystr(k): x for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        missing, extra = sorted(have.keys() - got.keys()), sorted(got.keys() - have.keys())
+        if missing or extra:
+            raise ValueError(
+                f"new params do not have this model's parameter tree: missing {missing[:5]}, unexpected {extra[:5]}; "
+                "pass params with the same structure as `params` of this engine (load a new LLM for another model)"
+            )
+        for path, shape in have.items():
+            got_shape = tuple(getattr(got[path], "shape", ()))
+            if got_shape != tuple(shape):
+                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}")
+        new = self._to_device(params)
+        if jax.tree.structure(new) != jax.tree.structure(self.params):  # e.g. a dict where a FrozenDict was
+            raise ValueError(
+                f"new params have tree {jax.tree.structure(new)}, expected {jax.tree.structure(self.params)}"
+            )
+        self.params = new
+
+    def kv_cache_bytes(self) -> int:
+        return tree_bytes(self.kv_pages)
+
+    def trace_step(self, step_input: StepInput, prev_tokens=None):
+        """`jax.jit(...).trace` of the step for `step_input`, for tests and tools that inspect or lower
+        the compiled program (`.jaxpr`, `.lower(lowering_platforms=("cuda",))`); runs nothing."""
+        packed, layout = pack_step_input(step_input)
+        prev_tokens = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        if self.tp is not None:  # placed as execute places them
+            packed, prev_tokens = self._place_replicated((packed, prev_tokens))
+        return self._step.trace(
+            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+        )
+
+    def step_temp_bytes(self, bucket: int | None = None) -> int:
+        """Scratch bytes of the compiled step for `bucket` tokens (default: the largest bucket).
+
+        XLA's own figure (`memory_analysis().temp_size_in_bytes`): activations, logits, kernel
+        outputs. The KV buffer is donated and aliased, the parameters are arguments: neither counts.
+        Compiles the step (once per bucket and pool size; the persistent cache keeps it).
+        """
+        step_input = self.dummy_step_input(self.buckets[-1] if bucket is None else bucket)
+        compiled = self.trace_step(step_input).lower().compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def apply_page_copies(
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
+    src: Int[Array, "num_copies"],
+    dst: Int[Array, "num_copies"],
+) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV:
+    """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
+    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped.
+    A quantized cache's scales move with their pages (every leaf has page axis 3)."""
+    return jax.tree.map(lambda leaf: leaf.at[:, :, :, dst].set(leaf[:, :, :, src], mode="drop"), kv_pages)

@@ -1,0 +1,61 @@
+"""A step's sampling on the device: one sampler row per token drawn, and the jitted call.
+
+    scheduled sequences ──row_spec──► RowSpec per row ──make_sampling_arrays──► SamplingArrays (numpy)
+    logits [bucket, vocab] + SamplingArrays ──sample_padded──► tokens [num_out] (stay on the device:
+                                                               the next step gathers its inputs there)
+
+The rules a row follows (seeds, the min_tokens ban) are the request's (planner/request.py); this
+module only lays them out for the sampler (sampler.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
+from jaxpaged.planner.sequence import Sequence
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def row_spec(logits_row: int, params: SamplingParams, seed: int, sample_idx: int, seq: Sequence,
+             num_output_tokens: int) -> RowSpec:
+    """The sampler row of sample `sample_idx` of a request, drawing its output number num_output_tokens + 1."""
+    return RowSpec(
+        row_idx=logits_row, temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
+        min_p=params.min_p, seed=seed_for(seed, sample_idx), step=num_output_tokens,
+        banned_ids=banned_token_ids(seq.stop_token_set, num_output_tokens, params.min_tokens),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("num_out",))
+def sample_padded(logits, arrays, num_out: int):
+    """`sample`, with the tokens padded to `num_out` rows: the next step reads them at a fixed shape."""
+    tokens, logprobs = sample(logits, arrays)
+    return jnp.pad(tokens, (0, num_out - tokens.shape[0])), logprobs
+
+
+def num_sample_rows(num_rows: int, num_logits_rows: int) -> int:
+    """Rows fit the step's logits bucket unless n > 1 fan-out adds more: then the next power of two."""
+    return num_logits_rows if num_rows <= num_logits_rows else next_pow2(num_rows)
+
+
+def warmup_sampler(runner, max_num_seqs: int) -> None:
+    """Compiles the sampler for every row count a step can have, so serving never compiles."""
+    num_out = runner.num_prev_token_rows
+    row_counts = {min(b, max_num_seqs) for b in runner.buckets} | set(runner.decode_buckets)
+    # n > 1 fan-out past a step's rows samples next_pow2(rows) rows: small decode buckets make that
+    # likelier, so those counts are compiled too.
+    row_counts |= {next_pow2(r) for r in row_counts}
+    for num_rows in sorted(row_counts):
+        logits = runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
+        rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
+        jax.block_until_ready(
+            sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=max(num_rows, num_out))
+        )

@@ -1,0 +1,155 @@
+"""Data parallelism: `data_parallel_size` whole engines, each on its own devices, behind one engine API.
+
+    LLM ──► DataParallelEngine ──add_request──► the replica with the fewest unfinished requests
+                                ──step──────────► every busy replica, concurrently (one thread each)
+            replica r: an LLMEngine on devices [r * tp, (r + 1) * tp) (a tp mesh, tp >= 1)
+
+For throughput when the model fits one device (or one tensor-parallel group). Replicas share
+nothing: each has its own planner, page pool and prefix cache. A request stays on the replica it
+was given to. Request ids are this engine's; each replica's own ids never leave it.
+
+A request's output does not depend on which replica serves it: seeds of requests that give none
+are drawn here, in arrival order, from `EngineConfig.seed`, exactly as one engine draws them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.planner.request import SEED_MASK, SamplingParams
+
+
+class DataParallelEngine:
+    """`EngineClient` (engine/protocol.py) over several replicas (data_parallel_size > 1)."""
+
+    def __init__(self, engines: list[LLMEngine]):
+        if len(engines) < 2:
+            raise ValueError(f"a DataParallelEngine needs >= 2 replicas, got {len(engines)}; use the LLMEngine")
+        self.engines = engines
+        self.config = engines[0].config
+        self.model_config = engines[0].model_config
+        self.tokenizer = engines[0].tokenizer
+        self.kv_bytes_per_page = engines[0].kv_bytes_per_page
+        self._route: dict[str, tuple[int, str]] = {}  # our request id -> (replica index, replica's id)
+        self._reverse: dict[tuple[int, str], str] = {}
+        self._request_counter = itertools.count()
+        self._seed_rng = np.random.default_rng(self.config.seed)  # drawn as one LLMEngine draws
+        self._pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="jaxpaged-replica")
+
+    @property
+    def params(self):
+        """Replica 0's weights (every replica holds the same, on its own devices)."""
+        return self.engines[0].params
+
+    # ---------------------------------------------------------------- requests
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        self.engines[0].validate_prompt(prompt_token_ids)
+
+    def _load(self, replica_idx: int) -> int:
+        return sum(1 for r, _ in self._route.values() if r == replica_idx)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    prompt: str | None = None, request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queues a request on the least-loaded replica (fewest unfinished requests; ties: lowest index)."""
+        params = params or SamplingParams()
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, SEED_MASK)))
+        return self._add(request_id, lambda engine: engine.add_request(
+            prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt))
+
+    def add_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams, *, prompt: str | None = None,
+                         request_id: str | None = None) -> str:
+        """Queues a beam search on the least-loaded replica: a search runs whole on one replica."""
+        return self._add(request_id, lambda engine: engine.add_beam_request(prompt_token_ids, params, prompt=prompt))
+
+    def _add(self, request_id: str | None, add) -> str:
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self._route:
+            raise ValueError(f"request id {request_id!r} is already in use; pass a new one or None")
+        replica_idx = min(range(len(self.engines)), key=lambda r: (self._load(r), r))
+        inner_id = add(self.engines[replica_idx])
+        self._route[request_id] = (replica_idx, inner_id)
+        self._reverse[(replica_idx, inner_id)] = request_id
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        route = self._route.pop(request_id, None)
+        if route is not None:
+            del self._reverse[route]
+            self.engines[route[0]].abort_request(route[1])
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.engines)
+
+    def has_request(self, request_id: str) -> bool:
+        route = self._route.get(request_id)
+        return route is not None and self.engines[route[0]].has_request(route[1])
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(e.num_unfinished_requests for e in self.engines)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(e.num_generated_tokens for e in self.engines)
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self, *, only_finished: bool = False) -> list[RequestOutput | BeamSearchOutput]:
+        """One step of every replica that has work, run concurrently; outputs in replica order."""
+        busy = [r for r, e in enumerate(self.engines) if e.has_unfinished_requests()]
+        futures = [(r, self._pool.submit(self.engines[r].step, only_finished=only_finished)) for r in busy]
+        outputs = []
+        for replica_idx, future in futures:
+            for output in future.result():
+                request_id = self._reverse.get((replica_idx, output.request_id))
+                if request_id is None:  # aborted meanwhile
+                    continue
+                if isinstance(output, BeamSearchOutput) or output.finished:
+                    del self._route[request_id], self._reverse[(replica_idx, output.request_id)]
+                outputs.append(dataclasses.replace(output, request_id=request_id))
+        return outputs
+
+    # ---------------------------------------------------------------- state
+
+    def warmup(self) -> None:
+        for engine in self.engines:
+            engine.warmup()
+
+    def update_params(self, params) -> None:
+        for engine in self.engines:
+            engine.update_params(params)
+
+    def reset_prefix_cache(self) -> None:
+        for engine in self.engines:
+            engine.reset_prefix_cache()
+
+    def page_ref_counts(self) -> dict[int, int]:
+        merged: dict[int, int] = {}
+        for engine in self.engines:
+            for ref_count, num_pages in engine.page_ref_counts().items():
+                merged[ref_count] = merged.get(ref_count, 0) + num_pages
+        return merged
+
+    def stats(self) -> dict:
+        """Counts (`num_*`) summed over replicas, other numbers averaged; `replicas` holds each one's."""
+        per_replica = [e.stats() for e in self.engines]
+        merged: dict = {}
+        for key, value in per_replica[0].items():
+            values = [s[key] for s in per_replica]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                merged[key] = value
+            elif key.startswith("num_"):
+                merged[key] = sum(values)
+            else:
+                merged[key] = sum(values) / len(values)
+        merged["replicas"] = per_replica
+        return merged

@@ -1,0 +1,392 @@
+"""The engine: plan a step on the host while the device runs the previous one.
+
+    add_request ──► Scheduler.add ──► waiting
+
+    step() k:  Scheduler.schedule()                 host: which sequences compute which tokens
+               prepare_step_input                   host: one packed int32 array (placeholders as rows)
+               ModelRunner.execute, sample          device, dispatched: decodes read their input token
+                                                      from step k-1's sampled tokens, still on device
+               Scheduler.advance                    host: placeholders for step k's tokens; n > 1 forks
+               ── step k-1's tokens are read back here, while the device runs step k ──
+               Scheduler.commit(k-1)                host: fill placeholders, token-level stop rules
+               OutputProcessor.process(k-1)         host: text, stop strings, RequestOutputs of k-1
+
+Outputs arrive one step late: step() returns what became known in that call, and is called until
+has_unfinished_requests() is False (the last call drains the step still in flight). A sequence that
+turns out finished when its token lands has computed at most one more token, which is discarded.
+With `EngineConfig(async_scheduling=False)` each step is committed right after its own dispatch
+(the same code, no lag): for debugging, and as the benchmark's comparison.
+
+The engine owns the requests (through the output processor: a request is n sequences); the
+scheduler owns the sequences' states and pages. Everything runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.device.kv_cache import bytes_per_page
+from jaxpaged.device.kv_transfer import HostKVStore
+from jaxpaged.device.runner import ModelRunner
+from jaxpaged.device.sampler import RowSpec, beam_candidates, make_sampling_arrays
+from jaxpaged.device.sampling import num_sample_rows, row_spec, sample_padded, warmup_sampler
+from jaxpaged.device.step_input import BlockTableRows
+from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.step_log import log_step
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
+from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.planner.sequence import Sequence
+
+logger = logging.getLogger("jaxpaged")
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A step on the device whose sampled tokens the host has not read yet."""
+
+    idx: int  # engine step number
+    out: SchedulerOutput  # advanced: out.sampled names each token's sampler row
+    tokens: jax.Array | None  # int32 [num_rows padded], None if nothing sampled
+    logprobs: jax.Array | None  # float32 [num_rows], None unless some row asked for logprobs
+    next_can_read: bool  # its tokens fit the next step's prev_tokens input (else commit at once)
+    # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
+    # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).
+    beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
+    beam_candidates: tuple[jax.Array, jax.Array] | None = None
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache. `jaxpaged.LLM` wraps it for users.
+
+    Implements `EngineClient` (engine/protocol.py): callers use that interface and nothing else.
+    """
+
+    def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn,
+                 mesh=None):
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
+        num_swap_pages = (config.swap_space_bytes or 0) // page_bytes
+        num_host_cache_pages = (config.host_cache_bytes or 0) // page_bytes
+        for name, value, count in (("swap_space_bytes", config.swap_space_bytes, num_swap_pages),
+                                   ("host_cache_bytes", config.host_cache_bytes, num_host_cache_pages)):
+            if value is not None and count == 0:
+                raise ValueError(f"{name}={value} holds no page of {page_bytes} bytes; raise it")
+        if (num_swap_pages or num_host_cache_pages) and jax.process_count() > 1:
+            raise ValueError(
+                "swap_space_bytes / host_cache_bytes keep pages in this process's memory, which a model spread "
+                f"over {jax.process_count()} processes cannot gather; leave them unset (preemption_mode="
+                "'recompute') when running under jax.distributed")
+        self.scheduler = Scheduler(
+            BlockManager(
+                num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
+            ),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            preemption_mode=config.preemption_mode,
+        )
+        self.runner = ModelRunner(
+            model_config,
+            params,
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            attention_fn=attention_fn,
+            mesh=mesh,  # tensor parallelism: jaxpaged/device/sharding.py
+            kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
+        )
+        self.processor = OutputProcessor(tokenizer)
+        self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
+        self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
+        self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
+        self._in_flight: _Dispatched | None = None
+        self._request_counter = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._num_generated_tokens = 0
+        self._num_steps = 0
+        self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
+        # Tests set a list here to record ("dispatch", step) and ("readback", step) in order.
+        self.events: list[tuple[str, int]] | None = None
+        if config.warmup:
+            self.warmup()
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def params(self):
+        """The weights the engine runs (a pytree of jax arrays, placed as the engine places them)."""
+        return self.runner.params
+
+    # ---------------------------------------------------------------- requests
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError for a prompt this engine can never serve (nothing is queued)."""
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty; give at least one token or a non-empty string")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; "
+                "encode the text with this model's tokenizer"
+            )
+        check_prompt_fits(len(prompt_token_ids), self.config.max_model_len)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        self.validate_prompt(prompt_token_ids)
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, SEED_MASK))
+        seq = Sequence(
+            [int(t) for t in prompt_token_ids], params, cache_salt=cache_salt,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
+        self.processor.add_request(request_id, prompt, seq, params, seed)
+        return request_id
+
+    def add_beam_request(
+        self, prompt_token_ids: list[int], params: BeamSearchParams, *, prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
+        self.validate_prompt(prompt_token_ids)
+        max_tokens, stop_ids = check_beam_request(
+            params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
+            self.tokenizer.eos_token_id,
+        )
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.processor.requests or request_id in self.beams.searches:
+            raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
+        seq = Sequence(
+            [int(t) for t in prompt_token_ids],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
+        )
+        self.scheduler.add(seq)
+        self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request now and frees its pages; unknown or finished ids are ignored.
+
+        A token of it still on the device is discarded when it lands."""
+        if self.beams.abort(request_id, self.scheduler):
+            return
+        request = self.processor.pop(request_id)
+        if request is None:
+            return
+        for sample in request.samples:
+            if not sample.seq.is_finished:
+                self.scheduler.abort(sample.seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.processor.requests) or bool(self.beams)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` (a request or a beam search) is still in the engine."""
+        return request_id in self.processor.requests or request_id in self.beams.searches
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.processor.requests) + len(self.beams.searches)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self._num_generated_tokens
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self, *, only_finished: bool = False) -> list[RequestOutput | BeamSearchOutput]:
+        """Plans and dispatches one step, then commits the previous one; returns the outputs that
+        became known (for every request that got tokens), one step late under async scheduling.
+
+        `only_finished=True` returns outputs only for requests that finished: building a snapshot
+        copies every moved request's tokens, which offline generation does not need.
+        """
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.timings["schedule"] += time.perf_counter() - t0
+        if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
+            self.host_kv.swap_out(out.swap_out)
+        if out.swap_in:  # before this step reads them
+            self.host_kv.swap_in(out.swap_in)
+        dispatched = self._dispatch(out) if out.seqs else None
+
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._commit(previous, only_finished) if previous is not None else []
+        if dispatched is not None:
+            if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
+                self._in_flight = dispatched
+            else:  # synchronous, beams, or nothing left to overlap with (the drain)
+                outputs += self._commit(dispatched, only_finished)
+        elif previous is None and self.has_unfinished_requests():
+            raise RuntimeError("the scheduler scheduled nothing while requests are waiting; this is a bug")
+        return outputs
+
+    def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
+        """Prepares and launches the step on the device, then advances the scheduler past it."""
+        self._num_steps += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            log_step(logger, self._num_steps, out, self.block_manager.stats())
+        t0 = time.perf_counter()
+        step_input = self.runner.prepare(out, self._block_table_rows)
+        self.timings["prepare"] += time.perf_counter() - t0
+        if out.copies:
+            self.runner.copy_pages(out.copies)
+        if out.preempted and self.beams:
+            self.beams.forget(out.preempted)
+        previous = self._in_flight
+        prev_tokens = previous.tokens if previous is not None else None
+        logits = self.runner.execute(step_input, prev_tokens)
+
+        t1 = time.perf_counter()
+        # Rows to sample: one per sampling sequence; a request with n > 1 draws n rows from its
+        # parent's logits row at its first token, and advance() forks the parent n-1 times.
+        rows: list[RowSpec] = []
+        entries: list[int | list[int] | None] = [None] * len(out.seqs)  # row(s) per scheduled sequence
+        want_logprobs = False
+        owner = self.processor.owner
+        beam_seqs: list[tuple[int, Sequence]] = []
+        for i, seq in enumerate(out.seqs):
+            if not out.samples[i]:
+                continue
+            if seq.seq_id in self.beams.owner:  # no placeholder: the search picks its next token
+                beam_seqs.append((i, seq))
+                continue
+            request, sample_idx = owner[seq.seq_id]
+            params = request.params
+            want_logprobs = want_logprobs or params.logprobs
+            step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
+            if len(request.samples) < params.n:
+                entries[i] = list(range(len(rows), len(rows) + params.n))
+                rows += [row_spec(i, params, request.seed, j, seq, step) for j in range(params.n)]
+            else:
+                entries[i] = len(rows)
+                rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
+
+        tokens = logprobs = None
+        num_rows = 0
+        if rows:
+            num_rows = num_sample_rows(len(rows), logits.shape[0])
+            num_out = max(num_rows, self.runner.num_prev_token_rows)
+            tokens, logprobs = sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=num_out)
+            tokens.copy_to_host_async()  # lands while the host plans the next step
+            if want_logprobs:
+                logprobs.copy_to_host_async()
+            else:
+                logprobs = None
+        candidates = None
+        if beam_seqs:
+            num_candidates = min(self.beams.num_candidates([s for _, s in beam_seqs]), logits.shape[-1])
+            candidates = beam_candidates(logits, num_candidates=num_candidates)
+            for array in candidates:
+                array.copy_to_host_async()
+        if self.events is not None:
+            self.events.append(("dispatch", self._num_steps))
+
+        for child, (request, j) in zip(self.scheduler.advance(out, entries), self._fan_out_order(out, entries)):
+            self.processor.add_sample(request, child)
+        self.timings["postprocess"] += time.perf_counter() - t1
+        return _Dispatched(
+            idx=self._num_steps, out=out, tokens=tokens, logprobs=logprobs,
+            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
+            beam_seqs=beam_seqs, beam_candidates=candidates,
+        )
+
+    def _fan_out_order(self, out: SchedulerOutput, entries):
+        """(request, sample index) of each child advance() forks, in its order."""
+        for seq, entry in zip(out.seqs, entries):
+            if isinstance(entry, list):
+                request, _ = self.processor.owner[seq.seq_id]
+                for j in range(1, len(entry)):
+                    yield request, j
+
+    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
+        """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
+        t0 = time.perf_counter()
+        tokens = logprobs = None
+        if dispatched.tokens is not None:
+            if self.events is not None:
+                self.events.append(("readback", dispatched.idx))
+            tokens = np.asarray(dispatched.tokens).tolist()  # waits for the device
+            if dispatched.logprobs is not None:
+                logprobs = np.asarray(dispatched.logprobs).tolist()
+        t1 = time.perf_counter()
+        self.timings["device"] += t1 - t0
+
+        update = self.scheduler.commit(dispatched.out, tokens)
+        self._num_generated_tokens += len(update.appended)
+        outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
+        for seq in stopped:
+            self.scheduler.finish(seq, "stop")
+        if dispatched.beam_seqs:
+            beam_logprobs, beam_token_ids = (np.asarray(a) for a in dispatched.beam_candidates)
+            for search in self.beams.commit(self.scheduler, dispatched.beam_seqs, beam_logprobs, beam_token_ids):
+                outputs.append(search.output(self.tokenizer.decode))
+        self.timings["postprocess"] += time.perf_counter() - t1
+        return outputs
+
+    # ---------------------------------------------------------------- utilities
+
+    def warmup(self) -> None:
+        """Compiles every step bucket and the sampler for each, so serving never compiles."""
+        self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
+        warmup_sampler(self.runner, self.config.max_num_seqs)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def update_params(self, params) -> None:
+        """Swaps in a copy of new weights (same tree and shapes, float) without recompiling; drops K/V
+        cached under the old ones. The caller may delete or donate its arrays afterwards."""
+        if self.processor.requests:
+            raise ValueError(
+                f"{len(self.processor.requests)} requests are in flight; finish or abort them before update_params "
+                "(their cached K/V were computed with the old weights)"
+            )
+        self.runner.update_params(params)
+        self.block_manager.reset_prefix_cache()
+
+    def page_ref_counts(self) -> dict[int, int]:
+        """{ref count: number of pages in use with it} (the server's histogram)."""
+        return self.block_manager.ref_count_histogram()
+
+    def stats(self) -> dict:
+        """Pages, prefix cache, scheduler counters, tokens, steps, compiles, host transfers, and
+        `num_requests` (requests and beam searches in the engine)."""
+        return {
+            **self.block_manager.stats(),
+            **self.scheduler.stats(),
+            "num_requests": self.num_unfinished_requests,
+            "num_generated_tokens": self._num_generated_tokens,
+            "num_steps": self._num_steps,
+            "num_compiles": self.runner.num_compiles,
+            "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
+            "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
+        }

@@ -1,0 +1,203 @@
+"""After a step's tokens land on the host: incremental detokenizing, stop strings, `RequestOutput`s.
+
+    Scheduler.commit ──► (seq, token, sampler row) ──► OutputProcessor.process ──► RequestOutputs
+                                                        per token: text, logprob
+                                                        stop strings ──► sequences the engine finishes
+
+A request is n samples; sample j is one `Sequence`. The engine calls `process` once per committed
+step. A request without stop strings detokenizes lazily: its text is caught up (one decode call)
+only when an output is made, so offline generation (`only_finished`) decodes each text once. Streaming never shows a stop string: while a sample runs, its last `max(len(s) for s in stop)
+- 1` characters are held back (they may be the start of a stop string), as vLLM does; they are
+released when it finishes. Every new character is searched: a stop string is found wherever it ends
+in the text a token added, however long that text is.
+
+Host only (no jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
+from jaxpaged.planner.request import SamplingParams, find_stop
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
+
+FINISHED = SequenceStatus.FINISHED
+
+
+@dataclasses.dataclass(slots=True)
+class Sample:
+    """One sample of a request: its sequence, its text so far, and what was already reported."""
+
+    seq: Sequence
+    detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str, .decode(ids)
+    text: str = ""  # detokenized output of seq.output_token_ids[:num_decoded], cut before a stop string
+    finish_reason: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
+    num_sent_chars: int = 0  # characters of `text` already reported
+    num_decoded: int = 0  # leading seq.output_token_ids the detokenizer has taken (`text` covers them)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # sample j draws with planner.request.seed_for(seed, j)
+    samples: list[Sample]  # starts with the parent alone; siblings join when it forks
+    hold_back: int  # characters held back while streaming: max(len(stop)) - 1, or 0
+    num_finished: int = 0  # samples with a finish_reason
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.samples]
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples) == self.params.n
+
+
+class OutputProcessor:
+    """Owns every request's text state; turns committed tokens into `RequestOutput`s."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, sample index)
+
+    def add_request(self, request_id: str, prompt: str | None, seq: Sequence, params: SamplingParams,
+                    seed: int) -> RequestState:
+        stops = params.stop or ()
+        request = RequestState(
+            request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
+            seed=seed, samples=[], hold_back=max((len(s) for s in stops), default=1) - 1,
+        )
+        self.requests[request_id] = request
+        self.add_sample(request, seq)
+        return request
+
+    def add_sample(self, request: RequestState, seq: Sequence) -> None:
+        """`seq` becomes sample len(request.samples) of `request` (forks join in order)."""
+        self.owner[seq.seq_id] = (request, len(request.samples))
+        sample = Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids))
+        sample.num_decoded = len(seq.output_token_ids)  # its text starts with the tokens it gets from now on
+        request.samples.append(sample)
+
+    def pop(self, request_id: str) -> RequestState | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for sample in request.samples:
+                self.owner.pop(sample.seq.seq_id, None)
+        return request
+
+    def process(self, appended, rows, logprobs, *, only_finished: bool = False):
+        """Texts, logprobs and stop strings for one committed step.
+
+        `appended` is `Scheduler.commit`'s [(seq, token_id)], `rows` their sampler rows, `logprobs`
+        the step's per-row log-probabilities (None if no request asked). Returns the outputs of every
+        request that moved (only finished ones if `only_finished`) and the sequences a stop string
+        finished, for the engine to hand to `Scheduler.finish`; finished requests are retired.
+
+        Only a request with stop strings needs its text on every token (to search it). Any other
+        detokenizes lazily: its new tokens stay in `seq.output_token_ids` until an output is made
+        (every step when streaming; once, when it finishes, under `only_finished`), then they are
+        decoded in one call (`_catch_up`). Both give the text incremental decoding gives.
+        """
+        moved: dict[str, RequestState] = {}
+        done: list[RequestState] = []  # requests whose last sample finished in this step
+        stopped: list[Sequence] = []
+        owners = self.owner
+        for (seq, token_id), row in zip(appended, rows):
+            owner = owners.get(seq.seq_id)
+            if owner is None:
+                continue  # its request was aborted
+            request, j = owner
+            params = request.params
+            if params.logprobs:
+                request.samples[j].logprobs.append(logprobs[row])
+            if params.stop:
+                self._step_with_stops(request, request.samples[j], seq, token_id, stopped, done)
+            elif seq.status is FINISHED:
+                sample = request.samples[j]
+                _catch_up(sample)
+                self._finish(request, sample, seq.finish_reason, done)
+            if not only_finished:
+                moved[request.request_id] = request
+        for request in done:
+            self.pop(request.request_id)
+        if only_finished:
+            return [self.make_output(r) for r in done], stopped
+        return [self.make_output(r) for r in moved.values()], stopped
+
+    def _step_with_stops(self, request: RequestState, sample: Sample, seq: Sequence, token_id: int,
+                         stopped: list[Sequence], done: list[RequestState]) -> None:
+        """One token of a request with stop strings: decode it now and search the new text."""
+        params = request.params
+        new_text = sample.detokenizer.step(token_id)
+        sample.num_decoded += 1
+        if seq.status is FINISHED:
+            new_text += sample.detokenizer.flush()
+        if new_text and sample.finish_reason is None:
+            sample.text += new_text
+            if seq.num_output_tokens >= params.min_tokens:
+                idx = find_stop(sample.text, len(new_text), params.stop)
+                if idx >= 0:
+                    sample.text = sample.text[:idx]
+                    self._finish(request, sample, "stop", done)
+                    if not seq.is_finished:
+                        stopped.append(seq)
+        if seq.status is FINISHED and sample.finish_reason is None:
+            self._finish(request, sample, seq.finish_reason, done)
+
+    @staticmethod
+    def _finish(request: RequestState, sample: Sample, reason: str, done: list[RequestState]) -> None:
+        sample.finish_reason = reason
+        request.num_finished += 1
+        if request.finished:
+            done.append(request)
+
+    def make_output(self, request: RequestState) -> RequestOutput:
+        """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
+        completions = []
+        hold_back = request.hold_back
+        want_logprobs = request.params.logprobs
+        for j, sample in enumerate(request.samples):
+            output_ids = sample.seq.output_token_ids
+            num_new = len(output_ids) - sample.num_decoded
+            if num_new == 1:  # streaming: one new token per step (_catch_up, inlined)
+                new_text = sample.detokenizer.step(output_ids[-1])
+                sample.num_decoded += 1
+                if new_text:
+                    sample.text += new_text
+            elif num_new:
+                _catch_up(sample)
+            text = sample.text
+            if hold_back and sample.finish_reason is None:
+                text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
+            # A snapshot over the live lists (they only grow): no copy of the tokens so far.
+            completions.append(CompletionOutput.snapshot(
+                j, text, output_ids, sample.finish_reason, sample.logprobs if want_logprobs else None,
+                text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :],
+            ))
+            if len(text) > sample.num_sent_chars:
+                sample.num_sent_chars = len(text)
+            sample.num_sent_tokens = len(output_ids)
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, completions,
+            request.samples[0].seq.num_cached_tokens,
+        )
+
+
+def _catch_up(sample: Sample) -> None:
+    """Decodes the sample's tokens not yet in its text (a lazily detokenized one: no stop strings);
+    flushes the detokenizer once its sequence has finished."""
+    token_ids = sample.seq.output_token_ids
+    if sample.num_decoded != len(token_ids):
+        new_ids = token_ids[sample.num_decoded :]
+        decode = getattr(sample.detokenizer, "decode", None)  # a detokenizer with only step() works too
+        sample.text += decode(new_ids) if decode is not None else "".join([sample.detokenizer.step(t) for t in new_ids])
+        sample.num_decoded = len(token_ids)
+    if sample.seq.status is FINISHED and sample.finish_reason is None:
+        sample.text += sample.detokenizer.flush()

@@ -1,0 +1,1 @@
+"""What users call: `LLM` (llm.py), the command line (cli.py), the OpenAI server (serve/)."""

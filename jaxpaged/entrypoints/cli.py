@@ -1,0 +1,271 @@
+"""Command line: `python -m jaxpaged.generate [--prompt TEXT ...] [options]`.
+
+With no prompt it runs a short demo on the bundled SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES
+
+DEMO_PROMPT = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpaged.generate",
+        description="Batched generation with a paged KV cache (JAX). With no prompt, runs a short demo.",
+    )
+    src = p.add_argument_group("input")
+    src.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field per line")
+    src.add_argument("--model", default=None,
+                     help="a .gguf file, a local Hugging Face directory or a hub id (default: bundled SmolLM2-135M-Instruct)")
+    src.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template (default: on when the model has one)")
+    src.add_argument("--system", default=None, help="system message for --chat")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--logprobs", action="store_true", help="report the chosen tokens' log-probabilities")
+    s.add_argument("--beam-width", type=int, default=None,
+                   help="beam search with this many beams (Hugging Face's semantics; sampling flags are ignored)")
+    s.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length ** this")
+
+    add_engine_args(p)
+
+    m = p.add_argument_group("several hosts (one process per host, all started alike; see README)")
+    m.add_argument("--coordinator-address", default=None, help="host:port of process 0; turns on jax.distributed")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    o.add_argument("--json", action="store_true", help="one JSON object per output on stdout")
+    o.add_argument("--verbose", action="store_true", help="log each step's scheduling decisions")
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, shared with `python -m jaxpaged.serve`; `engine_args(args)` reads them back."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--page-size", type=int, default=16)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before planning the next (debugging)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn = quantized values plus a "
+                        "scale per token and KV head (about 2x the sequences of a bfloat16 cache in the same memory)")
+    e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
+    e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
+                   help="out of KV pages: recompute a victim later, or swap its pages to host memory and back")
+    e.add_argument("--swap-space", type=int, default=None, metavar="BYTES",
+                   help="host memory for swapped pages (with --preemption-mode swap)")
+    e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
+                   help="keep prefix-cache pages evicted from the device in this much host memory")
+
+
+def engine_args(args) -> dict:
+    """`LLM(args.model, **engine_args(args))`: the keyword arguments the engine flags stand for."""
+    return dict(
+        page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,
+    )
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    try:
+                        prompts.append(json.loads(line)["prompt"])
+                    except (json.JSONDecodeError, KeyError) as err:
+                        raise SystemExit(f"{args.prompts_file}:{line_no}: expected a JSON object with a 'prompt' field ({err})")
+                else:
+                    prompts.append(line)
+    return prompts or [DEMO_PROMPT]
+
+
+def configure_logging(verbose: bool) -> None:
+    """Warnings from everyone; with --verbose, DEBUG from jaxpaged's logger only (not absl, orbax,
+    jax's cache and compiler loggers, which would bury the planner's lines)."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    log = logging.getLogger("jaxpaged")
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False  # its own handler: the root stays at WARNING
+        log.setLevel(logging.DEBUG)
+    else:
+        log.setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        prompts = read_prompts(args)  # before the model loads: a bad file costs no load
+    except OSError as err:
+        print(f"error: cannot read --prompts-file: {err}", file=sys.stderr)
+        return 2
+
+    from jaxpaged.entrypoints.llm import LLM  # after argument parsing: importing jax takes a moment
+    from jaxpaged.planner.request import SamplingParams
+
+    if args.coordinator_address:  # every process runs this same program on the same prompts
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if jax.process_index() != 0:  # one copy of the output, from process 0
+            sys.stdout = open(os.devnull, "w")
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+            max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+            n=args.n, logprobs=args.logprobs,
+        )
+        t_load = time.perf_counter()
+        llm = LLM(args.model, **engine_args(args))
+        load_s = time.perf_counter() - t_load
+        use_chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
+        if use_chat:
+            def conversation(text):
+                system = [{"role": "system", "content": args.system}] if args.system else []
+                return system + [{"role": "user", "content": text}]
+
+            formatted = [llm.tokenizer.apply_chat_template(conversation(p), add_generation_prompt=True)
+                         for p in prompts]
+        else:
+            formatted = prompts
+        t0 = time.perf_counter()
+        if args.beam_width is not None:
+            return _beam_search(llm, prompts, formatted, args, t0)
+        if args.stream:
+            outputs = _stream(llm, prompts, formatted, params, args)
+        else:
+            outputs = llm.generate(formatted, params, use_tqdm=not args.json and sys.stderr.isatty())
+        elapsed = time.perf_counter() - t0
+    except (ValueError, OSError) as err:  # bad arguments, a missing model, no network for a hub id
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, whatever the library wrote
+        return 2
+
+    for prompt, out in zip(prompts, outputs):
+        for c in out.outputs:
+            if args.json:
+                record = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                          "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
+                          "num_cached_tokens": out.num_cached_tokens}
+                if args.logprobs:
+                    record["logprobs"] = c.logprobs
+                print(json.dumps(record, ensure_ascii=False))
+            elif not args.stream:
+                print(_completion_text(prompt, c, args))
+
+    stats = llm.stats()
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    hit = stats.get("prefix_hit_rate", 0.0)
+    print(
+        f"{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s); "
+        f"prefix-cache hit rate {hit:.1%}, preemptions {stats.get('num_preemptions', 0)}; "
+        f"load + compile {load_s:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _beam_search(llm, prompts, formatted, args, t0) -> int:
+    """--beam-width: every prompt's beams, best first, with their cumulative logprob and score."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    if args.stream:
+        raise ValueError("--stream does not apply to beam search (beams are known only at the end); drop one")
+    params = BeamSearchParams(args.beam_width, args.max_tokens, length_penalty=args.length_penalty,
+                              ignore_eos=args.ignore_eos)
+    outputs = llm.beam_search(formatted, params)
+    elapsed = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outputs):
+        if not args.json:
+            print(f">>> {prompt}")
+        for rank, beam in enumerate(out.beams):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "beam": rank, "text": beam.text, "token_ids": beam.token_ids,
+                                  "cumulative_logprob": beam.cumulative_logprob, "score": beam.score,
+                                  "finish_reason": beam.finish_reason}, ensure_ascii=False))
+            else:
+                print(f"[beam {rank}] (logprob {beam.cumulative_logprob:.3f}, score {beam.score:.3f}, "
+                      f"{beam.finish_reason}) {beam.text}")
+    print(f"{len(outputs)} prompts, beam width {args.beam_width}, in {elapsed:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _completion_text(prompt: str, c, args) -> str:
+    """One completion for a reader: the prompt, the sample's index if n > 1, the text, logprobs."""
+    tag = f"[{c.index}] " if args.n > 1 else ""
+    return f">>> {prompt}\n{tag}{c.text}\n{_logprobs_line(c, args)}"
+
+
+def _logprobs_line(c, args) -> str:
+    if not args.logprobs or c.logprobs is None:
+        return ""
+    values = " ".join(f"{x:.3f}" for x in c.logprobs)
+    return f"logprobs (sum {sum(c.logprobs):.3f} over {len(c.logprobs)} tokens): {values}\n"
+
+
+def _stream(llm, prompts, formatted, params, args):
+    """One prompt and n = 1: tokens are printed as they come. Several prompts or samples would
+    interleave token by token, so each completion is printed whole when it finishes."""
+    live = len(prompts) == 1 and args.n == 1 and not args.json
+    final = {}
+    order = []
+    for out in llm.stream(formatted, params):
+        if out.request_id not in final:
+            order.append(out.request_id)
+        final[out.request_id] = out
+        if live:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        elif not args.json and out.finished:
+            prompt = prompts[formatted.index(out.prompt)]  # the text this request was given
+            for c in out.outputs:
+                print(_completion_text(prompt, c, args))
+    if live:
+        sys.stdout.write("\n" + _logprobs_line(final[order[0]].outputs[0], args))
+    by_id = {r: final[r] for r in order}
+    return [by_id[r] for r in sorted(by_id, key=int)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

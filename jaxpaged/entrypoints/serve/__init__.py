@@ -1,0 +1,27 @@
+"""The OpenAI-compatible server: `python -m jaxpaged.serve` (see cli.py).
+
+    cli.py          python -m jaxpaged.serve: flags, the engine, uvicorn
+    app.py          the FastAPI app: error handlers, auth and body-size guard, /health /metrics /v1/models
+    completions.py  POST /v1/completions
+    chat.py         POST /v1/chat/completions
+    common.py       what every endpoint does: validate, submit, stream or collect
+    protocol.py     request bodies (pydantic) and the one error body
+    bridge.py       the engine thread and the queues between it and the handlers
+    metrics.py      the Prometheus metrics, declared once
+"""
+
+from __future__ import annotations
+
+
+def build_server(engine, *, served_model_name: str, api_key: str | None = None, max_waiting_requests: int = 64,
+                 max_body_bytes: int = 1 << 20):
+    """`(asgi_app, bridge)` over an engine. Call `bridge.start()` before serving, `bridge.shutdown()` after."""
+    from jaxpaged.entrypoints.serve.app import build_app
+    from jaxpaged.entrypoints.serve.bridge import EngineBridge
+    from jaxpaged.entrypoints.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(page_size=engine.config.page_size, bytes_per_page=engine.kv_bytes_per_page)
+    bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
+    app = build_app(bridge, metrics, served_model_name=served_model_name, api_key=api_key,
+                    max_body_bytes=max_body_bytes)
+    return app, bridge

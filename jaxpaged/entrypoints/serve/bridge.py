@@ -1,0 +1,240 @@
+"""The bridge between HTTP handlers (asyncio, many) and the engine (one thread, the only caller).
+
+    handler ──submit()──► inbox (queue.SimpleQueue) ──► engine thread: add_request / abort_request
+                                                                      step()
+    handler ◄──RequestStream (asyncio.Queue) ◄── loop.call_soon_threadsafe ◄── RequestOutputs
+
+Only the engine thread touches the engine, so the engine needs no lock. Commands reach it between
+steps: a request submitted while a step runs joins the batch at the next step, and an abort (a
+client that went away) frees its pages before the next step is planned.
+
+Admission control: at most `max_num_seqs + max_waiting_requests` requests are in flight (submitted
+and not yet finished, aborted or rejected); past that `submit` raises `ServerOverloaded` (HTTP 503)
+instead of growing an unbounded backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.planner.request import SamplingParams
+
+logger = logging.getLogger("jaxpaged.serve")
+
+_ACCEPTED = object()  # first item of a stream whose request the engine admitted
+_IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on the inbox before checking for shutdown
+
+
+class ServerOverloaded(Exception):
+    """The waiting queue is full."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Timing:
+    """Per-request clock, kept by the engine thread for the latency histograms."""
+
+    arrival: float
+    first_token: float | None = None
+    num_tokens: int = 0  # output tokens of the request's longest sample
+
+
+class RequestStream:
+    """What a handler reads: `await accepted()`, then `async for output in stream`, then `close()`."""
+
+    def __init__(self, bridge: EngineBridge, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._bridge = bridge
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def push(self, item) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed (server shutting down): nobody listens
+            pass
+
+    async def accepted(self) -> None:
+        """Returns once the engine admitted the request; raises its ValueError if it refused it."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is _ACCEPTED
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it finished: call it in a `finally` (client gone, handler error)."""
+        if not self.finished:
+            self.finished = True
+            self._bridge.abort(self.request_id)
+
+
+class EngineBridge:
+    def __init__(self, engine, *, max_waiting_requests: int = 64, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.capacity = engine.config.max_num_seqs + max_waiting_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_in_flight = 0  # guarded by _lock; submit() adds, the engine thread retires
+        self._ids = itertools.count()
+        # Engine thread only:
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+
+    # ---------------------------------------------------------------- handler side (any thread)
+
+    def start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.publish(self.engine)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return self._num_in_flight
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queues a request for the engine thread; raises ServerOverloaded when the queue is full."""
+        with self._lock:
+            if self._num_in_flight >= self.capacity:
+                raise ServerOverloaded(
+                    f"{self._num_in_flight} requests are in flight, the server's limit "
+                    f"(max_num_seqs + --max-waiting-requests = {self.capacity}); retry later"
+                )
+            self._num_in_flight += 1
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_inbox(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as err:  # a bug: fail every request in flight, keep serving new ones
+                logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                for request_id in list(self._streams):
+                    engine.abort_request(request_id)
+                    self._retire(request_id, RuntimeError(f"engine step failed: {err!r}"))
+                continue
+            now = time.perf_counter()
+            for output in outputs:
+                self._deliver(output, now)
+            if self.metrics is not None:
+                self.metrics.step_done(now - t0)
+                self.metrics.publish(engine, force=not engine.has_unfinished_requests())
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        changed = False
+        while True:
+            changed = True
+            if isinstance(command, _Add):
+                self._add(command)
+            elif command.request_id in self._streams:  # an abort of a request still running
+                self.engine.abort_request(command.request_id)
+                self._retire(command.request_id, None)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if changed and self.metrics is not None:
+            self.metrics.publish(self.engine)  # aborts free pages: show it even if no step follows
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
+                                    cache_salt=command.cache_salt)
+        except ValueError as err:  # the engine can never serve it: the handler answers 400
+            self._release()
+            command.stream.push(err)
+            return
+        self._streams[command.request_id] = command.stream
+        self._timings[command.request_id] = _Timing(arrival=time.perf_counter())
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
+        command.stream.push(_ACCEPTED)
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # aborted in the meantime
+        stream.push(output)
+        timing = self._timings[output.request_id]
+        num_new = sum(len(c.delta_token_ids) for c in output.outputs)
+        if num_new and timing.first_token is None:
+            timing.first_token = now
+        timing.num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(num_new)
+        if output.finished:
+            if self.metrics is not None:
+                self.metrics.request_done(timing.arrival, timing.first_token, now, timing.num_tokens)
+            self._retire(output.request_id, None)
+
+    def _retire(self, request_id: str, error: BaseException | None) -> None:
+        stream = self._streams.pop(request_id)
+        self._timings.pop(request_id, None)
+        if error is not None:
+            stream.push(error)
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._num_in_flight -= 1

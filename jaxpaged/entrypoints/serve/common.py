@@ -1,0 +1,169 @@
+"""What every endpoint does with a request: check it, submit it, stream or collect its outputs.
+
+A request's life: validate (pydantic, then the limits this engine has) -> tokenize -> `submit`
+-> wait until the engine thread admits it (or refuses it: 400) -> stream server-sent events, or
+collect the final output. Whatever ends the response early (the client went away, an error), the
+request is aborted in a `finally`, so its pages are freed before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxpaged.entrypoints.serve.bridge import EngineBridge, RequestStream, ServerOverloaded
+from jaxpaged.entrypoints.serve.protocol import error_body
+from jaxpaged.planner.request import SamplingParams
+
+_DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to check whether the client is still there
+_MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerState:
+    """What the handlers need, set once on `app.state.server` by `build_app`."""
+
+    bridge: EngineBridge
+    metrics: object  # ServerMetrics
+    served_model_name: str
+
+    @property
+    def tokenizer(self):
+        return self.bridge.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.bridge.engine.config
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type_, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    """Every error response the server sends is built here."""
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise APIError(404, f"model {model!r} is not served here; use {state.served_model_name!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: bool,
+                    prompt_param: str) -> SamplingParams:
+    max_model_len, max_num_seqs = state.config.max_model_len, state.config.max_num_seqs
+    if num_prompt_tokens + 1 > max_model_len:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
+                            "leaves no room for an output token; shorten the prompt", param=prompt_param)
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
+                            f"max_model_len={max_model_len}; ask for at most {room} tokens", param="max_tokens")
+    if body.n > max_num_seqs:
+        raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}; "
+                            "ask for fewer samples", param="n")
+    if body.seed is not None and not 0 <= body.seed <= _MAX_SEED:
+        raise APIError(400, f"seed={body.seed} must be in [0, {_MAX_SEED}]", param="seed")
+    try:
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
+            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs)
+    except ValueError as err:
+        raise APIError(400, str(err)) from None
+
+
+async def start(state: ServerState, token_ids: list[int], params: SamplingParams,
+                cache_salt: str | None) -> RequestStream:
+    try:
+        stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt)
+    except ServerOverloaded as err:
+        raise APIError(503, str(err), "server_overloaded", code="queue_full") from None
+    try:
+        await stream.accepted()
+    except ValueError as err:  # the engine refused the prompt (bad token ids, can never fit)
+        raise APIError(400, str(err), param="prompt") from None
+    except BaseException:  # cancelled while waiting (client gone): do not leave the request running
+        stream.close()
+        raise
+    return stream
+
+
+async def collect(stream: RequestStream, request: Request):
+    """The final output; aborts the request if the client disconnects while it runs."""
+    final = None
+    try:
+        while not stream.finished:
+            try:
+                final = await asyncio.wait_for(stream.__anext__(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    break
+    finally:
+        stream.close()
+    return final
+
+
+def usage(output) -> dict:
+    num_prompt = len(output.prompt_token_ids)
+    num_completion = sum(len(c.token_ids) for c in output.outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def token_strings(tokenizer, token_ids) -> list[str]:
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class EngineStreamResponse(StreamingResponse):
+    """Server-sent events of one request; aborts the request when the response ends early."""
+
+    def __init__(self, content, request_stream: RequestStream):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.request_stream = request_stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.request_stream.close()  # a no-op when the request finished
+
+
+def deltas_to_send(output, done: set[int]):
+    """(completion, logprobs of its new tokens) for each sample of a streamed output with something
+    to send: new text or tokens, or its finish, once (`done` collects the finished samples' indices)."""
+    for c in output.outputs:
+        if c.index in done or (not c.delta_token_ids and not c.delta_text and c.finish_reason is None):
+            continue
+        if c.finish_reason is not None:
+            done.add(c.index)
+        yield c, (c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else [])
+
+
+def text_offsets(lengths: list[int], start: int) -> list[int]:
+    """Character offset of each token's text: [start, start + len0, start + len0 + len1, ...]."""
+    offsets, offset = [], start
+    for n in lengths:
+        offsets.append(offset)
+        offset += n
+    return offsets

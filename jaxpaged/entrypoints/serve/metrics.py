@@ -1,0 +1,136 @@
+"""Prometheus metrics, every one declared once here, names `jaxpaged_<thing>_<unit>`.
+
+Two kinds:
+
+- Events the bridge sees (tokens, per-request latencies, step time): counters and histograms updated
+  as they happen.
+- Engine state (the page pool, the queues): the engine thread publishes a snapshot of
+  `engine.stats()` after every step (`publish`), and a collector turns the latest snapshot into
+  metric families at scrape time. The scrape never touches the engine, which only its thread calls.
+
+Derived figures, each computed here and nowhere else:
+  usage ratio = used pages / usable pages;  KV bytes in use = used pages * bytes per page;
+  fragmentation = 1 - live slots / (used pages * page_size)  (the unfilled tails of last pages).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_REF_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class ServerMetrics:
+    def __init__(self, *, page_size: int, bytes_per_page: int, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.page_size = page_size
+        self.bytes_per_page = bytes_per_page
+        self._snapshot: dict = {}
+        self._published_at = float("-inf")
+        self._lock = threading.Lock()
+
+        r = self.registry
+        self.prompt_tokens = Counter("jaxpaged_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("jaxpaged_generation_tokens", "Generated tokens", registry=r)
+        self.time_to_first_token = Histogram(
+            "jaxpaged_time_to_first_token_seconds", "Admission to first output token",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.time_per_output_token = Histogram(
+            "jaxpaged_time_per_output_token_seconds", "Mean time per output token after the first, per request",
+            buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.e2e_latency = Histogram(
+            "jaxpaged_e2e_request_latency_seconds", "Admission to last output token",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.step_duration = Histogram(
+            "jaxpaged_step_duration_seconds", "Wall time of one engine step (host + device)",
+            buckets=_TOKEN_BUCKETS_S, registry=r)
+        r.register(_EngineStateCollector(self))
+
+    # ---------------------------------------------------------------- engine thread
+
+    # Busy engines publish at most this often: the snapshot walks the page pool (ref-count histogram,
+    # live slots), O(num_pages), too much for every few-millisecond GPU step of a large pool.
+    publish_interval_s = 0.1
+
+    def publish(self, engine, *, force: bool = True) -> None:
+        """Snapshot the engine's state for the next scrape (called by the engine thread only).
+
+        `force=False` (after a busy step) skips the snapshot if the last one is younger than
+        `publish_interval_s`; the engine thread forces one whenever the engine falls idle.
+        """
+        now = time.monotonic()
+        if not force and now - self._published_at < self.publish_interval_s:
+            return
+        self._published_at = now
+        snapshot = dict(engine.stats())
+        snapshot["ref_count_histogram"] = engine.page_ref_counts()
+        with self._lock:
+            self._snapshot = snapshot
+
+    def step_done(self, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+
+    def request_done(self, arrival: float, first_token: float | None, end: float, num_tokens: int) -> None:
+        self.e2e_latency.observe(end - arrival)
+        if first_token is not None:
+            self.time_to_first_token.observe(first_token - arrival)
+            if num_tokens > 1:
+                self.time_per_output_token.observe((end - first_token) / (num_tokens - 1))
+
+    # ---------------------------------------------------------------- scrape side
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._snapshot)
+
+
+class _EngineStateCollector:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.snapshot()
+        if not s:
+            return
+        num_used = s["num_used_pages"]
+        allocated_slots = num_used * self.metrics.page_size
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("jaxpaged_kv_pages_total", "Usable KV pages (page 0, the padding page, excluded)", s["num_pages"])
+        yield gauge("jaxpaged_kv_pages_free", "KV pages free (some may still cache a prefix)", s["num_free_pages"])
+        yield gauge("jaxpaged_kv_pages_used", "KV pages held by requests", num_used)
+        yield gauge("jaxpaged_kv_usage_ratio", "Used / usable KV pages", num_used / max(1, s["num_pages"]))
+        yield gauge("jaxpaged_kv_used_bytes", "KV memory in pages held by requests", num_used * self.metrics.bytes_per_page)
+        yield gauge("jaxpaged_kv_fragmentation_ratio", "Share of allocated KV slots holding no live token",
+                    1.0 - s.get("num_live_slots", allocated_slots) / allocated_slots if allocated_slots else 0.0)
+        yield counter("jaxpaged_kv_page_allocations", "Fresh KV pages handed out", s.get("num_page_allocations", 0))
+        yield counter("jaxpaged_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                      s.get("prefix_query_tokens", 0))
+        yield counter("jaxpaged_prefix_cache_hit_tokens", "Prompt tokens whose K/V the prefix cache held",
+                      s.get("prefix_hit_tokens", 0))
+        yield counter("jaxpaged_prefix_cache_host_hit_tokens", "Of the hit tokens, those brought back from the host tier",
+                      s.get("prefix_hit_tokens_host", 0))
+        yield counter("jaxpaged_preemptions", "Sequences preempted (pages freed: recomputed, or swapped to host)",
+                      s.get("num_preemptions", 0))
+        yield counter("jaxpaged_swaps_out", "Preemptions by swap: a sequence's KV pages copied to host memory",
+                      s.get("num_swaps_out", 0))
+        yield gauge("jaxpaged_requests_running", "Sequences holding pages", s.get("num_running", 0))
+        yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission", s.get("num_waiting", 0))
+
+        # Snapshot distribution of ref counts over used pages (a page shared by k sequences counts k).
+        hist = s.get("ref_count_histogram", {})
+        buckets = [(str(bound), sum(n for r, n in hist.items() if r <= bound)) for bound in _REF_COUNT_BUCKETS]
+        yield HistogramMetricFamily(
+            "jaxpaged_kv_page_ref_count", "Ref counts of the KV pages in use, at the last step",
+            buckets=buckets + [("+Inf", sum(hist.values()))], sum_value=sum(r * n for r, n in hist.items()))

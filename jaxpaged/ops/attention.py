@@ -1,0 +1,230 @@
+"""Reference ragged paged attention: plain jnp, float32 softmax, nothing clever.
+
+This is the CPU attention path and the oracle for the Pallas kernels in `pallas_kernels/`.
+It follows the attention backend contract of DESIGN.md; any backend with the same signature can be
+passed to the model.
+
+The batch is a flat list of query tokens from many sequences ("ragged"). Worked example with
+page_size 4, two sequences:
+
+    query_start_loc = [0, 3, 4]      seq 0 owns tokens 0..2, seq 1 owns token 3
+    seq_lens        = [7, 10]        seq 0 had 4 cached tokens + 3 new; seq 1 had 9 cached + 1 new
+
+    token t:          0  1  2 | 3
+    sequence:         0  0  0 | 1
+    position:         4  5  6 | 9      position = seq_len - q_len + (t - query_start_loc[seq])
+    attends to keys:  0..4 0..5 0..6 | 0..9   (causal, its own sequence only)
+
+Every key position p of sequence s lives at page `block_tables[s, p // page_size]`, offset
+`p % page_size`. Tokens at or past `query_start_loc[-1]` are batch padding and get zeros.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.ops.kv_quant import QuantizedKV, dequantize, dequantize_pool
+
+# One layer's K or V pool: a float array, or int8/fp8 values with one scale per (head, page, slot)
+# (a quantized cache, jaxpaged/ops/kv_quant.py), dequantized here as it is read.
+Pool = Float[Array, "num_kv_heads num_pages page_size head_dim"] | QuantizedKV
+
+# Legend: T=num_tokens S=num_seqs K=num_kv_heads G=query heads per KV head H=head_dim
+#         L=pages_per_seq*page_size (the longest context a block table can address)
+
+
+def reference_paged_attention(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    k_pages: Pool,
+    v_pages: Pool,
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """Causal attention of each query token over its own sequence's paged K/V.
+
+    Args:
+      q: queries, any float dtype.
+      k_pages, v_pages: the page pool of one layer, already holding this step's K/V.
+      block_tables: int32, page ids of each sequence; entries past a sequence's length are ignored.
+      seq_lens: int32, context length of each sequence after this step (0 for padding rows).
+      query_start_loc: int32, cumulative query lengths (sequence i owns tokens
+        `query_start_loc[i]:query_start_loc[i+1]`); padding rows repeat the total.
+      scale: softmax scale, usually `head_dim ** -0.5`.
+      soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)` before masking.
+
+    Returns:
+      Attention output in q's dtype; zeros for padding tokens.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    # A quantized pool is dequantized whole (NaN-poisoned slots stay NaN and are masked below).
+    k_pages, v_pages = dequantize_pool(k_pages), dequantize_pool(v_pages)
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must have shape ({num_seqs + 1},), got {query_start_loc.shape}")
+    group = num_heads // num_kv_heads
+    max_len = pages_per_seq * page_size
+
+    # Which sequence owns each token, and where in that sequence it sits.
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_idx = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")  # [T]
+    is_real = token_idx < query_start_loc[-1]
+    seq_idx = jnp.where(is_real, seq_idx, 0)
+    q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
+    position = seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx])  # [T]
+
+    # Contiguous K/V of each token's sequence: [K, T, pages_per_seq, page_size, H] -> [K, T, L, H].
+    pages = block_tables[seq_idx]  # [T, pages_per_seq]
+    k = k_pages[:, pages].reshape(num_kv_heads, num_tokens, max_len, head_dim)
+    v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, max_len, head_dim)
+
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
+    scores = jnp.einsum("tkgh,ktlh->tkgl", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)
+    visible = (key_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, L]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    # A row with no visible key (padding) would be softmax over all -inf = NaN; give it zeros.
+    has_key = jnp.any(visible, axis=-1)[:, None, None, None]
+    probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
+    # Masked probabilities are exactly 0, but 0 * NaN is NaN and pages a sequence does not own may
+    # hold anything: zero the values each token may not see.
+    v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("tkgl,ktlh->tkgh", probs, v)
+    out = jnp.where(has_key, out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def chunked_paged_attention(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    k_pages: Pool,
+    v_pages: Pool,
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 8,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
+
+    `reference_paged_attention` reads every slot a block table can address (max_model_len per token)
+    whatever the real lengths; here keys come in chunks of `pages_per_chunk` pages with an online
+    softmax, and the loop stops after the chunk holding the longest context in the batch (a
+    `while_loop` with a data-dependent trip count: one compiled program serves every length).
+
+        chunk c covers key positions [c * C, (c + 1) * C), C = pages_per_chunk * page_size
+        running per (token, head): m = max score so far, l = sum exp(score - m), acc = sum exp(..) v
+        new chunk: m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc likewise;  out = acc / l
+
+    Same contract and padding rules as the reference; tested against it.
+    """
+
+    def read(pool, chunk_pages):  # [T, P_c] -> [T, P_c, page_size, K, H], dequantized if quantized
+        if isinstance(pool, QuantizedKV):
+            return jnp.moveaxis(dequantize(pool.pages[:, chunk_pages], pool.scales[:, chunk_pages]), 0, -2)
+        return jnp.moveaxis(pool[:, chunk_pages], 0, -2)
+
+    def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
+        return read(k_pages, chunk_pages), read(v_pages, chunk_pages)
+
+    return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
+                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+
+
+def chunked_paged_attention_from_buffer(
+    q: Float[Array, "num_tokens num_heads head_dim"],
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
+    block_tables: Int[Array, "num_seqs pages_per_seq"],
+    seq_lens: Int[Array, "num_seqs"],
+    query_start_loc: Int[Array, "num_seqs_plus_1"],
+    *,
+    layer_idx: Int[Array, ""],
+    scale: float,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 8,
+) -> Float[Array, "num_tokens num_heads head_dim"]:
+    """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
+
+    Inside the model's layer loop, `kv_pages[layer_idx, 0]` is a dynamic slice that XLA copies in
+    full (the layer's whole pool, every layer, every step) before a gather can read it; indexing the
+    whole buffer in one gather reads only the pages the chunks need. The model calls backends
+    marked `reads_whole_kv_buffer` this way.
+    """
+
+    def read(kv, chunk_pages):  # advanced indices first: [T, P_c, K, page_size, H]
+        if isinstance(kv_pages, QuantizedKV):  # dequantize only the gathered pages
+            return dequantize(kv_pages.pages[layer_idx, kv, :, chunk_pages], kv_pages.scales[layer_idx, kv, :, chunk_pages])
+        return kv_pages[layer_idx, kv, :, chunk_pages]
+
+    def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
+        return jnp.swapaxes(read(0, chunk_pages), 2, 3), jnp.swapaxes(read(1, chunk_pages), 2, 3)
+
+    return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
+                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+
+
+chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
+
+
+def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
+                       scale, soft_cap, pages_per_chunk):
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    group = num_heads // num_kv_heads
+    pages_per_chunk = min(pages_per_chunk, pages_per_seq)
+    chunk_len = pages_per_chunk * page_size
+    num_chunks = -(-pages_per_seq // pages_per_chunk)
+
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_idx = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")  # [T]
+    is_real = token_idx < query_start_loc[-1]
+    seq_idx = jnp.where(is_real, seq_idx, 0)
+    q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
+    position = jnp.where(is_real, seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx]), -1)
+    # Each token's pages, padded with the padding page to a whole number of chunks.
+    pages = jnp.pad(block_tables[seq_idx], ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
+    num_chunks_needed = (jnp.max(position) + chunk_len) // chunk_len  # 0 when every token is padding
+
+    qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
+    # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
+    floor = jnp.float32(-1e30)
+
+    def chunk_step(chunk, carry):
+        m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
+        chunk_pages = jax.lax.dynamic_slice_in_dim(pages, chunk * pages_per_chunk, pages_per_chunk, axis=1)
+        k, v = gather(chunk_pages)  # [T, P_c, page_size, K, H]
+        k = k.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)  # [T, C, K, H]
+        v = v.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
+        key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
+        visible = key_pos[None, :] <= position[:, None]  # [T, C]
+        s = jnp.einsum("tkgh,tlkh->tkgl", qf, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])  # exactly 0 where not visible
+        correction = jnp.exp(m - m_new)
+        v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
+        acc = acc * correction[..., None] + jnp.einsum("tkgl,tlkh->tkgh", p, v)
+        return m_new, l * correction + jnp.sum(p, axis=-1), acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), floor),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_chunks_needed, chunk_step, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,47 @@
+"""The prefix cache's key: a chained digest per full page, so equal prefixes find equal pages.
+
+    page 0 key: (None,            cache_salt, tokens[0:ps])   -> digest d0
+    page 1 key: (d0,              cache_salt, tokens[ps:2ps]) -> digest d1
+    page i key: (d(i-1),          cache_salt, tokens of page i)
+
+A page's digest covers every token before it (through its parent's digest) and the tenant's salt,
+so two sequences share page i exactly when they share pages 0..i and the salt. The block manager
+(block_manager.py) keeps the digest -> page index and confirms every hit against the stored key.
+Pure Python (no jax).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+
+from jaxpaged.planner.sequence import Sequence
+
+# (parent page's digest or None for page 0, cache_salt, this page's token ids): what a page's digest covers.
+PageKey = tuple[bytes | None, str | None, tuple[int, ...]]
+
+
+def hash_page(parent_hash: bytes | None, cache_salt: str | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained 32-byte blake2b digest of one full page; a hit is also confirmed against the stored key.
+
+    The stored key names the parent by digest, so the chain is only as safe as the digest: a
+    fast hash without a secret (Python's hash) lets two different parents collide, and a child
+    page computed after one would be served after the other. The input is unambiguous:
+
+        parent digest (32 bytes, or 1 byte 0x00 for page 0) | salt (0x00, or 0x01 + 8-byte
+        length + UTF-8) | token ids (8 bytes each, native byte order: keys never leave the process)
+    """
+    h = hashlib.blake2b(parent_hash if parent_hash is not None else b"\x00", digest_size=32)
+    if cache_salt is None:
+        h.update(b"\x00")
+    else:
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+        h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def page_key(seq: Sequence, page_idx: int, page_size: int) -> PageKey:
+    """What page `page_idx` of `seq` is cached under (its parent's digest must be in seq.page_hashes)."""
+    parent_hash = seq.page_hashes[page_idx - 1] if page_idx else None
+    return (parent_hash, seq.cache_salt, tuple(seq.token_ids[page_idx * page_size : (page_idx + 1) * page_size]))

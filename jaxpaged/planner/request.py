@@ -1,0 +1,169 @@
+"""A request's lifecycle rules, in one place: its parameters, its seeds, and every stop rule.
+
+    SamplingParams            what the request asks for (validated here, once)
+    seed_for                  the seed of sample j of a request
+    check_prompt_fits         a prompt must leave room for one generated token
+    banned_token_ids          the min_tokens ban: stop tokens masked while fewer than min_tokens are out
+    token_stop_reason         token-level stops at commit: "length" (max_tokens / max_model_len), "stop"
+                              (eos unless ignore_eos, stop_token_ids), once min_tokens are out
+    find_stop                 string-level stops: where a stop string ends in newly added text
+    placeholder_token_id/row  the stand-in for a token sampled on the device, not yet read back
+
+The scheduler calls `token_stop_reason` once per token at commit; the output processor calls
+`find_stop` on the text that token added; the sampler rows take `banned_token_ids`. Pure Python
+(no jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import no_type_check
+
+
+# no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
+# tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
+@no_type_check
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = off
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
+    seed: int | None = None  # per-request seed; None = the engine's random stream
+    max_tokens: int | None = 16  # generate at most this many tokens ("length"); None = up to max_model_len
+    min_tokens: int = 0  # eos / stop_token_ids do not stop before this many tokens
+    stop: str | list[str] | tuple[str, ...] | None = ()  # stop strings (the engine checks text); a tuple, None = ()
+    stop_token_ids: list[int] | tuple[int, ...] | None = ()  # token ids that stop ("stop"); a tuple, None = ()
+    ignore_eos: bool = False  # keep generating past the model's eos token
+    n: int = 1  # number of samples of the same prompt (forks share the prompt's pages)
+    logprobs: bool = False  # also return the chosen tokens' log-probabilities
+
+    def __post_init__(self) -> None:
+        # Normalise the two list fields to tuples, so the object is hashable and immutable; None
+        # (as vLLM users write it) means none.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise ValueError(f"{name}={value!r} must be a list, a tuple or None")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        # Integer fields take ints only: 1.5 would be truncated somewhere, and True is not a count.
+        for name in ("top_k", "min_tokens", "n") + (() if self.max_tokens is None else ("max_tokens",)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an int")
+
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(
+                f"temperature={self.temperature} is negative; use 0 for greedy decoding or a value > 0 to sample"
+            )
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} is invalid; use -1 (or 0) to turn top-k off, or a value >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0.0 to turn min-p off")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (or None: up to max_model_len)")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]; "
+                "lower min_tokens or raise max_tokens"
+            )
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1; ask for at least one sample")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs={self.logprobs!r} must be True or False")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# Seeds are drawn and derived in [0, SEED_MASK]: the sampler folds them into a 32-bit PRNG key.
+SEED_MASK = 2**31 - 1
+
+
+def seed_for(seed: int, sample_idx: int) -> int:
+    """Seed of a request's sample `sample_idx`; sample 0 uses the request's own seed."""
+    return seed if sample_idx == 0 else (seed * 1_000_003 + sample_idx * 7_919) & SEED_MASK
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """Raises ValueError when a prompt leaves no room for a generated token under max_model_len."""
+    if num_prompt_tokens + 1 > max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} leaves no room for a "
+            "generated token; raise max_model_len or shorten the prompt"
+        )
+
+
+def check_fits_pool(max_num_tokens: int, page_size: int, num_usable_pages: int) -> None:
+    """The longest a request may grow to must fit the whole pool, so that it can always finish alone."""
+    num_pages_needed = -(-max_num_tokens // page_size)
+    if num_pages_needed > num_usable_pages:
+        raise ValueError(
+            f"request may grow to {max_num_tokens} tokens = {num_pages_needed} pages of {page_size} tokens, but "
+            f"the pool holds only {num_usable_pages} pages; give the KV cache more pages, lower max_tokens "
+            "or shorten the prompt"
+        )
+
+
+def banned_token_ids(stop_token_set: frozenset[int], num_output_tokens: int, min_tokens: int) -> tuple[int, ...]:
+    """Token ids the sampler masks for a sequence that has `num_output_tokens` outputs (landed or not).
+
+    Under min_tokens the stop tokens are masked in the logits (as vLLM and HF do), so the sequence
+    draws its most likely non-stop token instead of a stop that commit would ignore. The token
+    drawn now is output number num_output_tokens + 1: it may stop once that reaches min_tokens.
+    """
+    return tuple(sorted(stop_token_set)) if num_output_tokens < min_tokens else ()
+
+
+def token_stop_reason(token_idx: int, token_id: int, num_output_tokens: int, max_num_tokens: int,
+                      stop_token_set: frozenset[int], min_tokens: int) -> str | None:
+    """Why the token just committed at `token_idx` of token_ids ends its sequence, or None.
+
+    `num_output_tokens` counts it. "length": it is the max_num_tokens-th token (prompt + max_tokens,
+    capped by max_model_len); "stop": a stop token (eos unless ignore_eos, stop_token_ids) once
+    min_tokens outputs are out.
+    """
+    if token_idx + 1 >= max_num_tokens:
+        return "length"
+    if token_id in stop_token_set and num_output_tokens >= min_tokens:
+        return "stop"
+    return None
+
+
+def find_stop(text: str, num_new_chars: int, stops) -> int:
+    """Start of the earliest stop string that ends within the last `num_new_chars` characters, or -1.
+
+        text:  ... a b c d | e f g        num_new_chars = 3, stop "cde": search from len - 3 - 3 + 1
+                    ^ a hit must start here or later, so that it ends in the new characters
+
+    The caller searches only once min_tokens outputs are out.
+    """
+    best = -1
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+        if idx >= 0 and (best < 0 or idx < best):
+            best = idx
+    return best
+
+
+def placeholder_token_id(row: int) -> int:
+    """The stand-in for a token sampled on device into sampler row `row` (>= 0), not yet read back."""
+    return -1 - row
+
+
+def placeholder_row(token_id):
+    """Inverse of `placeholder_token_id` (an int, or a numpy array of placeholders)."""
+    return -1 - token_id

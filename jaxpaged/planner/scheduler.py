@@ -1,0 +1,397 @@
+"""The planner: which sequences compute which tokens this step, and what happens after.
+
+One `schedule()` per engine step, no separate prefill and decode phases: a step mixes decodes
+(1 token), chunks of long prompts and newly admitted prompts, within a token budget. When pages run
+out, the most recently arrived running sequence is preempted by recompute. Pure Python (no jax).
+
+A step's life on the host, with the device's sampled tokens arriving one step late:
+
+    schedule()          which sequences compute which tokens
+    advance(out, rows)  at dispatch: num_computed_tokens += n; each sampling sequence gets a
+                        placeholder for its not-yet-known token (sampler row `row`), n > 1 forks here
+    ... the next step may be scheduled and dispatched here, its decodes reading the placeholders ...
+    commit(out, tokens) the tokens landed: placeholders filled, token-level stop rules, prefix cache
+
+`update(out, sampled)` is advance + commit back to back (synchronous stepping, tests).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from jaxpaged.config import PREEMPTION_MODES
+from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.request import check_fits_pool, check_prompt_fits, placeholder_token_id, token_stop_reason
+from jaxpaged.planner.scheduler_output import SchedulerOutput, UpdateOutput
+from jaxpaged.planner.sequence import Sequence, SequenceStatus, new_seq_id, num_live_slots
+
+RUNNING = SequenceStatus.RUNNING
+FINISHED = SequenceStatus.FINISHED
+SWAPPED = SequenceStatus.SWAPPED
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"{preemption_mode=}: use one of {PREEMPTION_MODES}")
+        if max_num_seqs < 1:
+            raise ValueError(f"{max_num_seqs=} must be >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"{max_num_batched_tokens=} must be >= 1")
+        if max_model_len < 2:
+            raise ValueError(f"{max_model_len=} must be >= 2 (one prompt token and one generated token)")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+
+        # Invariant: running + waiting, read in that order, is sorted by arrival_idx.
+        self.waiting: collections.deque[Sequence] = collections.deque()  # FIFO; preempted at the front
+        self.running: list[Sequence] = []  # hold pages; in arrival order
+        self._unfinished: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        self._next_arrival_idx = 0
+
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption (the prefix cache may save some)
+        # (sequence, num_computed_tokens before) for each advance() that completed a page: commit()
+        # registers those pages in the prefix cache once their tokens are known.
+        self._filled_pages: list[tuple[Sequence, int]] = []
+        self.num_swaps_out = 0  # preemptions by swap (the rest recompute)
+        self.num_swaps_in = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or raise ValueError if it could never run."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}; add only new sequences")
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"seq_id {seq.seq_id} is already queued or running; give each request its own id")
+        check_prompt_fits(len(seq.token_ids), self.max_model_len)
+        max_len = min(seq.max_num_tokens, self.max_model_len)  # prompt + max_tokens (None: unbounded)
+        check_fits_pool(max_len, self.block_manager.page_size, self.block_manager.num_pages - 1)
+        seq.max_num_tokens = max_len
+        seq.arrival_idx = self._next_arrival_idx
+        self._next_arrival_idx += 1
+        self.waiting.append(seq)
+        self._unfinished[seq.seq_id] = seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
+
+    # ------------------------------------------------------------------ planning a step
+
+    def schedule(self) -> SchedulerOutput:
+        # Constitution of a step:
+        # 1. Every scheduled sequence computes n >= 1 tokens; sum(n) <= max_num_batched_tokens and
+        #    len(seqs) <= max_num_seqs.
+        # 2. Running sequences go first, in arrival order; then waiting ones, strictly FIFO (a request
+        #    that does not fit blocks the ones behind it, so no request starves).
+        # 3. After planning, each scheduled sequence's block table covers all its tokens, and no page it
+        #    writes this step is shared: `copies` lists the private copies to make first.
+        # 4. Out of pages, the running sequence that arrived last is preempted (it may be the one asking).
+        #    An already scheduled sequence is never preempted: victims come from the tail of `running`,
+        #    scheduled ones from its head. A step that preempts admits nothing new.
+        budget = self.max_num_batched_tokens
+        max_num_seqs = self.max_num_seqs
+        block_manager = self.block_manager
+        page_size = block_manager.page_size
+        ref_counts = block_manager.ref_counts
+        running = self.running
+        num_new_tokens: list[int] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences are scheduled in order; preemption pops victims from the tail of `running`,
+        # which is never before the sequence being scheduled.
+        seqs: list[Sequence] = []
+        samples: list[bool] = []
+        idx = 0
+        while idx < len(running) and len(seqs) < max_num_seqs and budget > 0:
+            seq = running[idx]
+            idx += 1
+            num_computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            num_new = num_tokens - num_computed
+            if num_tokens >= seq.max_num_tokens or num_new == 0:
+                # Its last token is still on the device (it finishes when that lands), or a beam that
+                # reported its candidates waits for its search's decision (jaxpaged/engine/beam_search.py).
+                continue
+            samples_now = True
+            if num_new > budget:
+                num_new = budget  # a chunk of a long prompt; the rest runs next step
+                samples_now = False
+            # Fast path, the common decode: the slot for token `num_computed` lies inside a page this
+            # sequence already holds alone (offset > 0, so the page exists; ref count 1, so no copy).
+            if not (
+                num_new == 1
+                and num_computed % page_size
+                and ref_counts[seq.block_table[num_computed // page_size]] == 1
+            ):
+                while not block_manager.can_append(seq):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not RUNNING:
+                    break  # `seq` preempted itself: it was the last running sequence
+                copy = block_manager.append_slot(seq)
+                if copy is not None:
+                    copies.append(copy)
+            seqs.append(seq)
+            samples.append(samples_now)
+            num_new_tokens.append(num_new)
+            budget -= num_new
+
+        waiting = self.waiting
+        while waiting and not preempted and budget > 0 and len(running) < max_num_seqs:
+            seq = waiting[0]
+            if seq.num_placeholders:
+                break  # (a preempted sequence is admitted again only once its tokens have landed)
+            if seq.status is SWAPPED:
+                if not block_manager.can_swap_in(seq):
+                    break
+                block_manager.swap_in_seq(seq)  # keeps num_computed_tokens: nothing is recomputed
+                self.num_swaps_in += 1
+            elif block_manager.can_allocate(seq):
+                block_manager.allocate(seq)  # sets num_computed_tokens to the cached prefix
+            else:
+                break
+            waiting.popleft()
+            seq.status = RUNNING
+            running.append(seq)
+            num_new = len(seq.token_ids) - seq.num_computed_tokens
+            samples.append(num_new <= budget)
+            if num_new > budget:
+                num_new = budget
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
+            budget -= num_new
+
+        swap_out, swap_in = block_manager.take_transfers()
+        return SchedulerOutput(
+            seqs=seqs,
+            num_new_tokens=num_new_tokens,
+            copies=copies,
+            preempted=preempted,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            samples=samples,
+            swap_out=swap_out,
+            swap_in=swap_in,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s pages and queue it again at the front. In swap mode, when the host swap space
+        has room, its computed K/V go to host pages and come back at readmission (SWAPPED); else its
+        tokens are recomputed as a prompt (PREEMPTED).
+
+        A sequence whose token is still on the device may be swapped: the step in flight wrote its
+        last K/V into the same buffer the swap-out copies from (ordered on the device), and it is
+        readmitted only once its placeholders have landed, as after a recompute preemption.
+
+        A sequence with nothing left to compute (a beam that reported its candidates and waits for
+        its search) is recomputed, never swapped: readmitted with all its K/V it would have no token
+        to schedule, while its search drops the report of a preempted beam and waits for a new one."""
+        if (self.preemption_mode == "swap" and seq.num_computed_tokens < len(seq.token_ids)
+                and self.block_manager.can_swap_out(seq)):
+            self.block_manager.swap_out_seq(seq)
+            self.num_preemptions += 1
+            self.num_swaps_out += 1
+            seq.status = SWAPPED
+            self.waiting.appendleft(seq)
+            return
+        self.block_manager.free(seq)
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += seq.num_computed_tokens
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ after the device step
+
+    def advance(self, output: SchedulerOutput, rows) -> list[Sequence]:
+        """At dispatch: the scheduled tokens count as computed, sampled tokens become placeholders.
+
+        `rows[i]` is None unless `output.samples[i]`; then it is the sampler row holding that
+        sequence's new token, or, for a request with n > 1 sampling its first token, a list of n rows:
+        the sequence is forked n-1 times here (children share all pages, copy-on-write on their next
+        write) and child j waits for row `rows[i][j+1]`. Returns the children, in order. A sequence
+        finished or aborted since schedule() is skipped.
+        """
+        sampled = output.sampled = []
+        filled = self._filled_pages
+        page_size = self.block_manager.page_size
+        forked: list[Sequence] = []
+        for seq, num_new, row in zip(output.seqs, output.num_new_tokens, rows):
+            if seq.status is not RUNNING:
+                continue
+            num_before = seq.num_computed_tokens
+            seq.num_computed_tokens = num_computed = num_before + num_new
+            if num_before // page_size != num_computed // page_size:
+                filled.append((seq, num_before))
+            if row is None:
+                continue
+            if type(row) is list:
+                # Fork before the parent's placeholder goes in: children copy the parent's tokens.
+                children = [self.fork(seq) for _ in row[1:]]
+                sampled.append((seq, row[0]))
+                for child, child_row in zip(children, row[1:]):
+                    child.token_ids.append(placeholder_token_id(child_row))
+                    child.num_placeholders += 1
+                    sampled.append((child, child_row))
+                forked += children
+                row = row[0]
+            else:
+                sampled.append((seq, row))
+            seq.token_ids.append(placeholder_token_id(row))
+            seq.num_placeholders += 1
+        return forked
+
+    def commit(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
+        """The tokens of an advanced step landed: fill each placeholder and apply the stop rules.
+
+        `sampled_token_ids[row]` is the token of sampler row `row` (Python ints: `array.tolist()`).
+        Token-level stop rules: max_tokens / max_model_len ("length"), eos unless ignore_eos and
+        stop_token_ids once min_tokens are out ("stop"). A finished sequence frees its pages now and
+        drops its later placeholder, if the next step already gave it one: that token is discarded.
+        Then pages that became full and computed are registered in the prefix cache.
+        """
+        appended: list[tuple[Sequence, int]] = []
+        rows: list[int] = []
+        finished: list[Sequence] = []
+        prune_running = False
+        for seq, row in output.sampled:
+            if seq.status is FINISHED:
+                continue  # aborted, or stopped by the engine, while its token was in flight
+            token_id = sampled_token_ids[row]
+            token_ids = seq.token_ids
+            token_idx = len(token_ids) - seq.num_placeholders  # the oldest placeholder
+            token_ids[token_idx] = token_id
+            seq.num_placeholders -= 1
+            output_token_ids = seq.output_token_ids
+            output_token_ids.append(token_id)
+            appended.append((seq, token_id))
+            rows.append(row)
+            reason = token_stop_reason(token_idx, token_id, len(output_token_ids), seq.max_num_tokens,
+                                       seq.stop_token_set, seq.sampling_params.min_tokens)
+            if reason is not None:
+                finished.append((seq, reason))
+
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            # Every token below num_computed_tokens is known now (the next step's input placeholder
+            # was filled above), so pages filled by this step, or by the one already dispatched, hash.
+            # Before the finished sequences release their pages: a request that ends in this step
+            # (max_tokens=1, say) still leaves its prompt's full pages to the prefix cache. Only the
+            # sequences advance() saw complete a page are looked at (not every scheduled one).
+            for seq, num_before in self._filled_pages:
+                if seq.status is RUNNING:
+                    block_manager.cache_computed_pages(seq, num_before)
+        self._filled_pages.clear()
+
+        for seq, reason in finished:
+            if seq.status is RUNNING:
+                prune_running = True
+            else:
+                self.waiting.remove(seq)  # preempted while its token was in flight
+            self._release(seq, reason)
+        if prune_running:
+            self.running = [seq for seq in self.running if seq.status is RUNNING]
+        return UpdateOutput(appended=appended, finished=[seq for seq, _ in finished], forked=[], rows=rows)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids) -> UpdateOutput:
+        """advance() and commit() back to back, for synchronous callers.
+
+        `sampled_token_ids[i]` belongs to `output.seqs[i]` and is ignored unless that sequence samples
+        this step; a list of n tokens forks the sequence n-1 times (see advance()).
+        """
+        rows: list = []
+        tokens: list[int] = []
+        for seq, samples, entry in zip(output.seqs, output.samples, sampled_token_ids):
+            if not samples or seq.status is not RUNNING:
+                rows.append(None)
+            elif type(entry) is list or type(entry) is tuple:
+                rows.append(list(range(len(tokens), len(tokens) + len(entry))))
+                tokens += entry
+            else:
+                rows.append(len(tokens))
+                tokens.append(entry)
+        forked = self.advance(output, rows)
+        result = self.commit(output, tokens)
+        result.forked = forked
+        return result
+
+    # ------------------------------------------------------------------ finishing, aborting, forking
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished and free its pages (it stays in `running` until the caller prunes it)."""
+        if seq.num_placeholders:  # tokens still on the device will be discarded
+            del seq.token_ids[len(seq.token_ids) - seq.num_placeholders :]
+            seq.num_placeholders = 0
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._unfinished[seq.seq_id]
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence now (the engine found a stop string). A finished sequence is left as is."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq, reason)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Finish the request with reason "abort" and free its pages; None if it is not unfinished."""
+        seq = self._unfinished.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A RUNNING child of `seq` sharing all its pages, placed right after it in `running`.
+
+        Call once the prompt is computed (at the step the first token is sampled); each child then gets
+        its own tokens. Prefer passing a list of n tokens to update(), which forks for you.
+        """
+        if seq.status is not RUNNING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}; fork only a running sequence")
+        child = self.block_manager.fork(seq)
+        while child.seq_id in self._unfinished:  # a caller-chosen id collided with a default one
+            child.seq_id = new_seq_id()
+        child.status = RUNNING
+        # After the parent and its earlier children (same arrival_idx): running stays in arrival order.
+        insert_idx = self.running.index(seq) + 1
+        while insert_idx < len(self.running) and self.running[insert_idx].arrival_idx == seq.arrival_idx:
+            insert_idx += 1
+        self.running.insert(insert_idx, child)
+        self._unfinished[child.seq_id] = child
+        return child
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_preemptions": self.num_preemptions,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
+            "num_swaps_out": self.num_swaps_out,
+            "num_swaps_in": self.num_swaps_in,
+            # Slots of used pages holding a token: 1 - this / (used pages * page_size) is fragmentation.
+            "num_live_slots": num_live_slots(self.running, self.block_manager.page_size),
+        }
