@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -94,16 +95,22 @@ def build(args):
 
 def probe(args) -> dict:
     """Compile one variant in this (H100) process and read it."""
+    from benchmarks.h100.target import compile_for_h100
+
+    step, specs, live_kv, weight_bytes = build(args)
+    options = {"xla_gpu_enable_triton_gemm": False} if args.cublas else None
+    with tempfile.TemporaryDirectory(prefix="h100-probe-") as tmp:  # the dump is read here, then dropped
+        return _read(args, compile_for_h100(step, specs, donate_argnums=(0,), dump_dir=os.path.join(tmp, "dump"),
+                                            compiler_options=options), live_kv, weight_bytes)
+
+
+def _read(args, out, live_kv: int, weight_bytes: int) -> dict:
     import jax
 
     from benchmarks.h100 import ptxas_report
     from benchmarks.h100.hlo_accounting import BufferOverride, account, entry_param_number
-    from benchmarks.h100.target import compile_for_h100
     from benchmarks.h100.thunks import cross_check
 
-    step, specs, live_kv, weight_bytes = build(args)
-    options = {"xla_gpu_enable_triton_gemm": False} if args.cublas else None
-    out = compile_for_h100(step, specs, donate_argnums=(0,), dump_dir=True, compiler_options=options)
     kv_param = entry_param_number(out.hlo_text, "kv")
     new_kv = args.num_seqs * args.kv_heads * 128 * 2 * 2  # this step's K and V rows, bf16
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv))
