@@ -5,14 +5,32 @@
     "pallas"     the Triton-backend Pallas kernels over the whole KV buffer (the GPU default)
     "mosaic"     the Hopper (wgmma/TMA) Mosaic GPU kernels, bfloat16 pages only
 
-The Pallas kernels run compiled when the step is lowered for a GPU and in Pallas's interpreter
-when lowered for anything else: the target decides, not the host (pallas_kernels._common.by_target).
+Interpret mode follows the target. `platform=None`: the Triton kernels choose at lowering
+(compiled when the step is lowered for a GPU, interpreted otherwise: pallas_kernels._common.by_target),
+the Mosaic kernels by the host's backend (their interpreter cannot be lowered conditionally). An
+explicit `platform` ("cuda", "cpu", ...) fixes both, e.g. to compile the engine's step for an H100
+from a CPU machine (benchmarks/h100/step_profile.py).
 """
 
 from __future__ import annotations
 
+import functools
 
-def attention_fn(backend: str):
+
+def attention_fn(backend: str, *, platform: str | None = None):
+    """The attention function of `backend`; `platform` (of the devices the step is compiled for)
+    fixes the Pallas kernels' interpret mode: compiled for "cuda"/"gpu", interpreted for any other."""
+    fn = _attention_fn(backend)
+    if platform is None or backend not in ("pallas", "mosaic"):
+        return fn
+    fixed = functools.partial(fn, interpret=platform not in ("cuda", "gpu"))
+    for attr in ("reads_whole_kv_buffer", "has_decode_kernel"):  # what the model reads off a backend
+        if hasattr(fn, attr):
+            setattr(fixed, attr, getattr(fn, attr))
+    return fixed
+
+
+def _attention_fn(backend: str):
     if backend == "reference":
         from jaxpaged.ops.attention import reference_paged_attention
 

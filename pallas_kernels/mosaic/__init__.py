@@ -17,7 +17,7 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    decode_only: bool = False,
+    decode_only: bool = False, interpret: bool | None = None,
 ):
     """`attention_backend="mosaic"`: the split-context decode kernel in decode-only steps (static
     `decode_only`: one query token per sequence, `num_tokens == num_seqs`), else the ragged kernel."""
@@ -28,9 +28,9 @@ def paged_attention_from_buffer(
                 f"{block_tables.shape[0]} sequences; plan the step in a decode bucket"
             )
         return decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx, scale=scale,
-                                soft_cap=soft_cap)
+                                soft_cap=soft_cap, interpret=interpret)
     return ragged_paged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx,
-                                  scale=scale, soft_cap=soft_cap)
+                                  scale=scale, soft_cap=soft_cap, interpret=interpret)
 
 
 paged_attention_from_buffer.reads_whole_kv_buffer = True  # the model passes kv_pages and layer_idx

@@ -1,0 +1,162 @@
+"""The H100 static profile: the engine's step programs compiled for an H100 on this CPU, and read.
+
+    python -m benchmarks.bench_h100_static            # the matrix below, ~5-10 min on 2 cores
+    python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024 only
+
+Needs the toolchain once: `benchmarks/h100/install_toolchain.sh` (the CUDA PJRT plugin and ptxas in
+their own folder; the system python is unchanged). The compiling runs in a child process
+(benchmarks/h100/target.py). For each case (model shapes with abstract bf16 weights, attention
+backend, KV dtype, batch, context) it reports launches, copies, HBM bytes against the ideal, the
+bytes floor, FLOPs, temp memory and each Pallas kernel's registers / spills / occupancy
+(benchmarks/h100/step_profile.py). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
+step for the same batch and context (offline tables; `pip install --target .aic aiconfigurator-core`).
+
+EVERY FIGURE IS AN ESTIMATE read from the compiled program or a prediction; nothing ran on a GPU.
+JSON: benchmarks/results/h100_static[_quick].json; plot: h100_static.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import environment
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+AIC_DIR = os.path.join(os.path.dirname(RESULTS_DIR), os.pardir, ".aic")
+AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Llama-3-8B"}
+
+
+def cases(quick: bool) -> list[dict]:
+    c = []
+    decode = lambda model, backend, kv, b, ctx: dict(model=model, backend=backend, kv_cache_dtype=kv, num_seqs=b,
+                                                     context=ctx)
+    c += [decode("qwen3-0.6b", "pallas", "auto", 256, 1024), decode("qwen3-0.6b", "mosaic", "auto", 256, 1024)]
+    if quick:
+        return c
+    c += [decode("qwen3-0.6b", "pallas", "auto", b, ctx) for b in (1, 16, 64, 256) for ctx in (256, 1024, 4096)
+          if (b, ctx) != (256, 1024)]
+    c += [decode("qwen3-0.6b", "mosaic", "auto", 64, 1024)]
+    c += [decode("qwen3-0.6b", "pallas", kv, 256, 1024) for kv in ("int8", "float8_e4m3fn")]
+    c += [decode("llama3-8b", backend, "auto", 64, 2048) for backend in ("pallas", "mosaic")]
+    # A W1-like mixed step: 8192 tokens, 16 sequences of 512 new tokens over 512 cached ones.
+    c += [dict(model="qwen3-0.6b", backend=backend, kv_cache_dtype="auto", num_seqs=16, context=1024, num_tokens=8192)
+          for backend in ("pallas", "mosaic")]
+    return c
+
+
+def child(args) -> None:
+    from benchmarks.h100.step_profile import StepCase, profile
+
+    rows = []
+    for spec in cases(args.quick):
+        case = StepCase(**spec)
+        try:
+            row = profile(case)
+        except Exception as err:  # report the case, keep going: one failure must not hide the rest
+            row = {**spec, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    with open(args.child_out, "w") as f:
+        json.dump(rows, f)
+
+
+def _row_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']:<11} {r['backend']:<6} {r['kv_cache_dtype']:<6} b={r['num_seqs']:<4} ctx={r['context']:<5} ERROR {r['error']}"
+    kind = "decode" if not r["num_tokens"] else f"mixed {r['num_tokens']}"
+    spill = max((k["spill_store_bytes"] for k in r.get("kernels", [])), default=0)
+    return (f"{r['model']:<11} {r['backend']:<6} {r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} "
+            f"ctx={r['context']:<5} launches={r['launches']:<5} copies={r['copies']:<4} "
+            f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} floor_ms={r['floor_ms']:7.3f} "
+            f"ideal_ms={r['ideal_floor_ms']:7.3f} spills={spill} compile_s={r['compile_s']}")
+
+
+def vllm_predictions(rows: list[dict]) -> dict[str, float]:
+    """aiconfigurator's vLLM decode-step latency (ms) per (model, batch, context), where it runs offline."""
+    wanted = sorted({(r["model"], r["num_seqs"], r["context"]) for r in rows if not r.get("num_tokens")})
+    code = ("import json, sys\nfrom aiconfigurator_core.sdk.engine import EngineHandle\nout, handles = {}, {}\n"
+            "for model, b, ctx in json.loads(sys.argv[1]):\n"
+            "    try:\n"
+            "        h = handles.setdefault(model, EngineHandle.compile(model, 'h100_sxm', 'vllm'))\n"
+            "        out[f'{model}|{b}|{ctx}'] = h.decode_step_latency(b, ctx, 2)\n"
+            "    except Exception as err:\n"
+            "        out[f'{model}|{b}|{ctx}'] = f'{type(err).__name__}: {err}'[:200]\n"
+            "print(json.dumps(out))\n")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(AIC_DIR), HF_HUB_OFFLINE="1")
+    query = [(AIC_MODELS[m], b, ctx) for m, b, ctx in wanted]
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(query)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+    names = {v: k for k, v in AIC_MODELS.items()}
+    return {f"{names[key.split('|')[0]]}|{key.split('|', 1)[1]}": value for key, value in raw.items()}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    ok = [r for r in rows if "error" not in r and r["model"] == "qwen3-0.6b" and r["backend"] == "pallas"
+          and r["kv_cache_dtype"] == "auto" and not r["num_tokens"]]
+    for b in sorted({r["num_seqs"] for r in ok}):
+        pts = sorted((r["context"], r["bytes_to_ideal"], r["launches"]) for r in ok if r["num_seqs"] == b)
+        left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {b}")
+        right.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=f"batch {b}")
+    left.set(xscale="log", xlabel="context (tokens)", ylabel="HBM bytes / ideal", title="decode step, Qwen3-0.6B, pallas")
+    right.set(xscale="log", xlabel="context (tokens)", ylabel="launches per step", title="launches (incl. copies)")
+    for ax in (left, right):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("H100 static profile: estimates from the compiled program (no GPU measurement)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_out:
+        child(args)
+        return 0
+    from benchmarks.h100.target import run_in_h100_python
+
+    os.makedirs(args.out, exist_ok=True)
+    name = "h100_static_quick" if args.quick else "h100_static"
+    child_out = os.path.join(args.out, f".{name}.child.json")
+    run_in_h100_python(["-m", "benchmarks.bench_h100_static", *(["--quick"] if args.quick else []),
+                        "--child-out", child_out])
+    with open(child_out) as f:
+        rows = json.load(f)
+    os.remove(child_out)
+    predictions = vllm_predictions(rows)
+    for r in rows:
+        r["vllm_predicted_ms"] = predictions.get(f"{r['model']}|{r['num_seqs']}|{r['context']}")
+    result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 program; vLLM column: "
+              "aiconfigurator-core prediction. Nothing here ran on a GPU.", "rows": rows}
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if not args.quick:
+        plot(rows, os.path.join(args.out, "h100_static.png"))
+    print("\n(estimates; vLLM = aiconfigurator prediction)")
+    for r in rows:
+        print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

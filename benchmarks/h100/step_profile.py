@@ -1,0 +1,130 @@
+"""One engine step program, compiled for an H100 and read: what `bench_h100_static` and the CI gate report.
+
+Runs inside the H100 child process (benchmarks/h100/target.py). The program is the engine's own:
+a compile-only `ModelRunner` (abstract params on the virtual H100, jaxpaged/device/runner.py) traces
+the same jitted, donated step the engine runs, for a decode bucket or a mixed token bucket.
+
+    bytes per step  = HLO accounting of every launch, the KV buffer counted by the pages the step
+                      really reads (the live context), not by its size
+    ideal bytes     = weights once + live KV once + the step's own inputs and outputs (the packed
+                      int32 input, the new tokens' K/V written, float32 logits)
+    floor (ms)      = bytes / 3.35 TB/s;   compute floor = useful FLOPs / 989 TFLOP/s (bf16 dense)
+
+Every figure is an estimate read from the compiled program; nothing here runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.h100.hlo_accounting import BufferOverride, account, entry_param_number
+from benchmarks.h100.ptxas_report import report as ptxas_report
+from benchmarks.h100.target import H100, compile_for_h100, h100_sharding
+from jaxpaged.device.backends import attention_fn
+from jaxpaged.device.runner import ModelRunner
+from jaxpaged.device.step_input import pack_step_input
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import param_shapes
+from jaxpaged.ops.kv_quant import bytes_per_token_head
+
+PAGE_SIZE = 16
+MODELS = {  # shapes only: weights are abstract
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    model: str  # a MODELS key
+    backend: str  # "pallas" | "mosaic"
+    kv_cache_dtype: str  # "auto" | "int8" | "float8_e4m3fn"
+    num_seqs: int  # sequences in the step
+    context: int  # tokens of K/V each sequence reads (its prompt + outputs so far)
+    num_tokens: int = 0  # mixed steps: tokens computed (0: a decode step, one per sequence)
+    num_layers: int | None = None  # override (the CI gate's 2-layer model with real widths)
+
+    @property
+    def decode(self) -> bool:
+        return self.num_tokens == 0
+
+
+def model_config(case: StepCase) -> ModelConfig:
+    shape = dict(MODELS[case.model], dtype="bfloat16", max_position_embeddings=1 << 20)
+    if case.num_layers is not None:
+        shape["num_layers"] = case.num_layers
+    return ModelConfig(**shape)
+
+
+def profile(case: StepCase, *, kernels: bool = True) -> dict:
+    """Compile `case`'s step for the H100 and return its figures (a JSON-ready dict)."""
+    config = model_config(case)
+    sharding = h100_sharding()
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
+    pages_per_seq = math.ceil(case.context / PAGE_SIZE)
+    num_tokens = case.num_seqs if case.decode else case.num_tokens
+    runner = ModelRunner(
+        config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
+        max_num_seqs=case.num_seqs, max_num_batched_tokens=max(num_tokens, case.num_seqs),
+        max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
+        buckets=(max(num_tokens, case.num_seqs),), decode_buckets=(case.num_seqs,) if case.decode else (),
+        kv_cache_dtype=case.kv_cache_dtype,
+    )
+    step_input = runner.dummy_step_input(num_tokens, decode_only=case.decode)
+    packed, layout = pack_step_input(step_input)
+    out = compile_for_h100(
+        runner._step, (runner.params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens),
+        kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True if kernels else None)
+    try:
+        figures = _figures(case, config, runner, out, num_tokens)
+        if kernels:
+            figures["kernels"] = [dataclasses.asdict(k) for k in ptxas_report(out.dump_dir)]
+    finally:
+        if out.dump_dir:
+            shutil.rmtree(out.dump_dir, ignore_errors=True)
+    return figures
+
+
+def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) -> dict:
+    token_head = bytes_per_token_head(case.kv_cache_dtype, config.dtype, config.head_dim)  # scales included
+    live_kv_per_layer = case.num_seqs * case.context * config.num_kv_heads * 2 * token_head  # K and V
+    kv_param = entry_param_number(out.hlo_text, "kv_pages")
+    acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
+    new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
+    io = new_kv + case.num_seqs * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
+    ideal = weight_bytes + live_kv_per_layer * config.num_layers + io
+    # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
+    embed = config.vocab_size * config.hidden_size
+    matmul_params = weight_bytes // 2 - embed * (1 if config.tie_word_embeddings else 2)
+    useful = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
+    useful += 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    memory = out.compiled.memory_analysis()
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
+    copies = [launch for launch in acc.launches if launch.kind == "copy"]
+    return {
+        **dataclasses.asdict(case), "num_layers": config.num_layers,
+        "launches": acc.num_launches, "kernels_launched": acc.num_kernels, "copies": acc.num_copies,
+        "copy_bytes": acc.copy_bytes, "launches_per_layer": round(acc.num_launches / config.num_layers, 2),
+        "hbm_bytes": acc.hbm_bytes, "ideal_bytes": ideal, "bytes_to_ideal": round(acc.hbm_bytes / ideal, 4),
+        "floor_ms": round(acc.hbm_bytes / H100.hbm_bandwidth * 1e3, 4),
+        "ideal_floor_ms": round(ideal / H100.hbm_bandwidth * 1e3, 4),
+        "executed_flops": acc.flops, "useful_flops": useful,
+        "compute_floor_ms": round(useful / H100.bf16_dense_flops * 1e3, 4),
+        "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes,
+        "kv_aliased": int(memory.alias_size_in_bytes) >= pool_bytes,
+        "by_kind": acc.by_kind(), "largest_copies": sorted(
+            ({"name": c.name, "count": c.count, "bytes": c.hbm_bytes, "detail": c.detail} for c in copies),
+            key=lambda c: -c["bytes"])[:6],
+        "pallas": [{"name": p.name, "count": p.count, "bytes": p.hbm_bytes, "detail": p.detail}
+                   for p in acc.pallas_kernels()],
+        "lower_s": round(out.lower_seconds, 2), "compile_s": round(out.compile_seconds, 2),
+        "warnings": acc.warnings[:5],
+    }
