@@ -244,10 +244,10 @@ class TensorParallel:
             whole_buffer.has_decode_kernel = getattr(attention_fn, "has_decode_kernel", False)
             return whole_buffer
 
-        def per_layer(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale, soft_cap=None):
+        def per_layer(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale, soft_cap=None, **static):
             def local(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
                 return attention_fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                    scale=scale, soft_cap=soft_cap)
+                                    scale=scale, soft_cap=soft_cap, **static)
 
             kv_spec = jax.tree.map(lambda x: spec(LAYER_KV_AXES, x.ndim), k_pages)  # a QuantizedKV: both leaves
             return jax.shard_map(
