@@ -75,14 +75,17 @@ def test_greedy_matches_hf_past_the_window_with_prefix_cache_chunking_and_preemp
     assert isinstance(engine.scheduler.block_manager, SlidingWindowBlockManager) == config.all_layers_local
 
 
-def test_pages_held_stay_within_the_window_on_a_4k_generation():
+@pytest.mark.parametrize("num_new", [600, pytest.param(4000, marks=pytest.mark.slow)])
+def test_pages_held_stay_within_the_window_on_a_long_generation(num_new):
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=4200, sliding_window=16)
     params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0)))
-    page_size, num_new, num_seqs = 4, 4000, 3
-    # 1050 usable pages fit one 4k-token request whole (admission requires it) but not three: without
-    # freeing, the three would preempt each other; with it, each holds <= window/page_size + 2 pages.
-    engine = _engine(config, params, num_pages=1051, max_num_seqs=num_seqs, max_model_len=4100, page_size=page_size)
+    page_size, num_seqs = 4, 3
+    # The pool fits one request whole (admission requires it) but not three: without freeing, the
+    # three would preempt each other; with it, each holds <= window/page_size + 2 pages.
+    num_pages = 1 + -(-(num_new + 10) // page_size)
+    engine = _engine(config, params, num_pages=num_pages, max_num_seqs=num_seqs, max_model_len=num_new + 16,
+                     page_size=page_size)
     held = []
 
     def count(engine):
