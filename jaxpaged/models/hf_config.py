@@ -67,11 +67,13 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
         )
     elif get("layer_types") is not None:
         fields["layer_types"] = tuple(get("layer_types"))
+    # transformers >= 5 writes `num_local_experts` for both; older Qwen3-MoE configs `num_experts`.
+    num_experts = get("num_local_experts") or get("num_experts")
     if model_type == "mixtral":
-        fields.update(num_experts=get("num_local_experts"), num_experts_per_tok=get("num_experts_per_tok"),
+        fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
                       moe_intermediate_size=get("intermediate_size"), norm_topk_prob=True)
     if model_type == "qwen3_moe":
-        fields.update(num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
+        fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
                       moe_intermediate_size=get("moe_intermediate_size"),
                       norm_topk_prob=bool(get("norm_topk_prob", False)))
     if fields["sliding_window"] is None:
