@@ -62,3 +62,28 @@ def test_decode_kernel_with_a_window(num_splits):
                            interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
     assert np.abs(want - _want(case, None)).max() > 1e-3
+
+
+@pytest.mark.slow  # interpret mode through the whole model: minutes on a shared CPU
+def test_gemma2_model_on_the_pallas_backend_matches_hf(tiny_hf_model, hf_logits):
+    """Local and global layers (lax.cond between a windowed and a plain kernel call), soft caps, and
+    the decode kernel in a decode-only step, all through the model on the Pallas backend."""
+    import pallas_kernels
+    from conftest import make_scheduler_output, make_seq
+
+    from jaxpaged.device.runner import ModelRunner
+    from jaxpaged.models import ModelConfig, params_from_hf
+
+    hf_config, _, state_dict = tiny_hf_model("gemma2")
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    runner = ModelRunner(config, params_from_hf(config, state_dict), num_pages=12, page_size=4, max_num_seqs=1,
+                         max_num_batched_tokens=16, max_model_len=32, buckets=(16,), decode_buckets=(1,),
+                         attention_fn=pallas_kernels.paged_attention_from_buffer)
+    token_ids = np.random.default_rng(4).integers(0, 256, size=15)  # window 8: the prompt is past it
+    expected = hf_logits("gemma2", token_ids)
+    seq = make_seq(token_ids, block_table=[3, 1, 7, 2])
+    prefill = np.asarray(runner.run(make_scheduler_output([seq], [14])))[0]
+    seq.num_computed_tokens = 14
+    decode = np.asarray(runner.run(make_scheduler_output([seq], [1])))[0]  # decode-only: the decode kernel
+    np.testing.assert_allclose(prefill, expected[13], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decode, expected[14], atol=1e-4, rtol=0)
