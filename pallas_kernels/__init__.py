@@ -42,7 +42,7 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    decode_only: bool = False, interpret: bool | None = None,
+    sliding_window: int | None = None, decode_only: bool = False, interpret: bool | None = None,
 ):
     """The model's backend: the whole-buffer decode kernel if `decode_only` (static), else the ragged one.
 
@@ -57,11 +57,11 @@ def paged_attention_from_buffer(
             )
         return decode_attention_from_buffer(
             q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-            soft_cap=soft_cap, interpret=interpret,
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
         )
     return ragged_paged_attention_from_buffer(
         q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-        soft_cap=soft_cap, interpret=interpret,
+        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
     )
 
 

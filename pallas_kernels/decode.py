@@ -64,6 +64,7 @@ def _decode_kernel(
     quantized: bool,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     num_pages: int,
     pages_per_seq: int,
     pages_per_compute_block: int,
@@ -98,6 +99,8 @@ def _decode_kernel(
         v = read_page_rows(v_rows_ref, v_scale_ref, v_head_base + page_ids, q.dtype).reshape(block_k, head_dim)
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         visible = key_pos < seq_len
+        if sliding_window is not None:  # the query at seq_len - 1 sees keys seq_len - window ..
+            visible &= key_pos >= seq_len - sliding_window
         v = jnp.where(visible.reshape(block_k, 1), v, jnp.zeros_like(v))
         return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
@@ -106,7 +109,11 @@ def _decode_kernel(
         jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
-    out, m, l = lax.fori_loop(0, num_blocks, body, carry)
+    first_block = 0
+    if sliding_window is not None:  # blocks wholly before the window are skipped
+        oldest_page_idx = jnp.maximum(seq_len - sliding_window, 0) // page_size
+        first_block = jnp.maximum(oldest_page_idx - first_page_idx, 0) // pages_per_compute_block
+    out, m, l = lax.fori_loop(first_block, jnp.maximum(num_blocks, first_block), body, carry)
     out_ref[...] = out
     m_ref[...] = m
     l_ref[...] = l
@@ -122,6 +129,7 @@ def _decode_pallas_call(
     *,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     num_pages: int,
     pages_per_seq: int,
     pages_per_compute_block: int,
@@ -138,6 +146,7 @@ def _decode_pallas_call(
         quantized=len(kv_args) == 4,
         scale=scale,
         soft_cap=soft_cap,
+        sliding_window=sliding_window,
         num_pages=num_pages,
         pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
@@ -200,6 +209,7 @@ def decode_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_compute_block: int = 4,
     num_splits: int = 8,
     num_warps: int = 4,
@@ -223,6 +233,7 @@ def decode_attention(
         the table); 0 for batch padding (those rows come out as zeros).
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
+      sliding_window: if set, the query (at position seq_len - 1) sees only the last `sliding_window` keys.
       pages_per_compute_block: pages gathered per inner step (block of P * page_size keys).
       num_splits: context splits per sequence (flash-decoding); capped so no split is empty of
         table entries. More splits = more parallelism for small batches of long sequences.
@@ -241,6 +252,7 @@ def decode_attention(
     check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
     return _decode_jit(
         q, k_pages, v_pages, block_tables, seq_lens, None, whole_buffer=False, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
     )
@@ -256,6 +268,7 @@ def decode_attention_from_buffer(
     layer_idx: int | Int[ArrayLike, ""],
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_compute_block: int = 4,
     num_splits: int = 8,
     num_warps: int = 4,
@@ -274,13 +287,14 @@ def decode_attention_from_buffer(
     check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
     return _decode_jit(
         q, kv_pages, kv_pages, block_tables, seq_lens, layer_idx, whole_buffer=True, scale=scale,
-        soft_cap=soft_cap, pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        soft_cap=soft_cap, sliding_window=sliding_window, pages_per_compute_block=pages_per_compute_block,
+        num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", *_TUNING))
-def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: bool, scale, soft_cap,
+@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", "sliding_window", *_TUNING))
+def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: bool, scale, soft_cap, sliding_window,
                 pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
     if whole_buffer:  # k is v is the model's buffer
         k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
@@ -291,12 +305,13 @@ def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: boo
         kv_shape = k.shape
     return _decode(
         q, k_rows, v_rows, bases, block_tables, seq_lens, kv_shape=kv_shape, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
     )
 
 
-def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale, soft_cap,
+def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale, soft_cap, sliding_window,
             pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
     check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
@@ -336,6 +351,7 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
             seq_lens.astype(jnp.int32),
             scale=scale,
             soft_cap=soft_cap,
+            sliding_window=sliding_window,
             num_pages=num_pages,
             pages_per_seq=pages_per_seq,
             pages_per_compute_block=pages_per_compute_block,

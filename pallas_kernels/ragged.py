@@ -81,6 +81,7 @@ def _ragged_kernel(
     quantized: bool,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     num_pages: int,
     pages_per_seq: int,
     pages_per_compute_block: int,
@@ -123,6 +124,9 @@ def _ragged_kernel(
         key_pos = page_idx * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         in_sequence = key_pos < seq_len  # [1, block_k]
         visible = (key_pos <= row_pos) & in_sequence  # [B*Gp, block_k]
+        if sliding_window is not None:  # row at position p sees keys p - window + 1 .. p
+            visible &= key_pos > row_pos - sliding_window
+            in_sequence &= key_pos > first_pos - sliding_window  # seen by no row: zero its values too
         v = jnp.where(in_sequence.reshape(block_k, 1), v, jnp.zeros_like(v))
         return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
@@ -131,7 +135,10 @@ def _ragged_kernel(
         jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
-    out, _, l = lax.fori_loop(0, num_blocks, body, carry)
+    first_block = 0
+    if sliding_window is not None:  # blocks wholly before the first row's window are skipped
+        first_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_k
+    out, _, l = lax.fori_loop(first_block, jnp.maximum(num_blocks, first_block), body, carry)
     # Rows of tokens past the chunk (or of an empty block) have l = 0: write zeros, never 0/0.
     out = jnp.where(l[:, None] > 0, out / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     out_ref[...] = out.reshape(block_q, group_rows, head_dim).astype(out_ref.dtype)
@@ -151,6 +158,7 @@ def _ragged_pallas_call(
     block_q: int,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     num_pages: int,
     pages_per_seq: int,
     pages_per_compute_block: int,
@@ -162,7 +170,8 @@ def _ragged_pallas_call(
     num_q_blocks = block_seq_idx.shape[0]
     kv_args = kv_operands(k_rows, v_rows)
     kernel = functools.partial(
-        _ragged_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, num_pages=num_pages, pages_per_seq=pages_per_seq,
+        _ragged_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        num_pages=num_pages, pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
     )
 
@@ -203,6 +212,7 @@ def ragged_paged_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     block_q: int = 16,
     pages_per_compute_block: int = 4,
     num_warps: int = 4,
@@ -229,6 +239,7 @@ def ragged_paged_attention(
         repeat the total). Token t of s sits at position `seq_lens[s] - q_len + (t - query_start_loc[s])`.
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
+      sliding_window: if set, the token at position p sees only keys p - sliding_window + 1 .. p.
       block_q: query tokens per program (power of two).
       pages_per_compute_block: pages gathered per inner step (power of two).
       num_warps, num_stages: Triton launch parameters (ignored when interpreting).
@@ -244,7 +255,8 @@ def ragged_paged_attention(
     check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
     return _ragged_jit(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, whole_buffer=False, scale=scale,
-        soft_cap=soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+        soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+        pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )
 
@@ -259,6 +271,7 @@ def ragged_paged_attention_from_buffer(
     layer_idx: int | Int[ArrayLike, ""],
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     block_q: int = 16,
     pages_per_compute_block: int = 4,
     num_warps: int = 4,
@@ -275,14 +288,15 @@ def ragged_paged_attention_from_buffer(
     check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
     return _ragged_jit(
         q, kv_pages, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, whole_buffer=True,
-        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+        pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", *_TUNING))
+@functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", "sliding_window", *_TUNING))
 def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, whole_buffer: bool, scale,
-                soft_cap, block_q, pages_per_compute_block, num_warps, num_stages, interpret):
+                soft_cap, sliding_window, block_q, pages_per_compute_block, num_warps, num_stages, interpret):
     if whole_buffer:  # k is v is the model's buffer
         k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
         kv_shape = k.shape[2:]
@@ -341,6 +355,7 @@ def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, 
             block_q=block_q,
             scale=scale,
             soft_cap=soft_cap,
+            sliding_window=sliding_window,
             num_pages=num_pages,
             pages_per_seq=pages_per_seq,
             pages_per_compute_block=pages_per_compute_block,

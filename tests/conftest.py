@@ -44,6 +44,20 @@ TINY_HF_CONFIGS = {
     # Qwen3: q/k RMSNorm, head_dim 32 != hidden_size / num_heads, and attention_bias, which in
     # Qwen3 (as in Llama) puts a bias on the output projection too.
     "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, attention_bias=True)),
+    # Sliding windows of 8 tokens: shorter than the tests' prompts, and not a multiple of... nothing:
+    # two pages of 4, so a window boundary falls inside a page as the context grows.
+    "mistral-window": ("mistral", dict(sliding_window=8, tie_word_embeddings=False)),
+    "phi3-window": ("phi3", dict(sliding_window=6, pad_token_id=0, tie_word_embeddings=False)),  # fused qkv/gate_up
+    # MoE: top-2 of 4 (Mixtral renormalises) and top-1 of 8 (Qwen3-MoE without norm_topk_prob, q/k norm).
+    "mixtral-top2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3moe-top1": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32,
+                                         norm_topk_prob=False, head_dim=32, tie_word_embeddings=False)),
+    # Gemma 2: layer 0 local, layer 1 global; caps low enough to bite on these activations.
+    "gemma2": ("gemma2", dict(sliding_window=8, head_dim=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # Gemma 3: one local (base 10k) and one global (base 1M) layer, q/k norm, no caps.
+    "gemma3": ("gemma3_text", dict(sliding_window=8, head_dim=16, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "full_attention"])),
 }
 
 

@@ -20,14 +20,15 @@ def _run_multidevice(marker: str, timeout: int) -> subprocess.CompletedProcess:
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-         os.path.join("tests", "multidevice", "test_tensor_parallel_mesh.py")],
+         os.path.join("tests", "multidevice", "test_tensor_parallel_mesh.py"),
+         os.path.join("tests", "multidevice", "test_expert_parallel_mesh.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
 
 def test_mesh_suite_on_eight_host_devices():
     """tp 2/4/8 greedy equality, real shardings, activation-only collectives, no compiles after warm-up,
-    and data_parallel_size=2 equal to one replica."""
+    data_parallel_size=2 equal to one replica, and MoE expert parallelism over 4 and 8 devices."""
     proc = _run_multidevice("not slow", timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

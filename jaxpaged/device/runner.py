@@ -27,6 +27,7 @@ from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes,
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
+from jaxpaged.models.moe import grouped_experts
 from jaxpaged.device.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
@@ -108,8 +109,11 @@ class ModelRunner:
             raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
         enable_compilation_cache()
 
-        self.model = CausalLM(model_config, attention_fn or reference_paged_attention)
-        self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True)
+        # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
+        expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
+        self.model = CausalLM(model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn)
+        self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True,
+                                     expert_fn=expert_fn)
         # Shapes as the caller passes them (under tensor parallelism the placed KV projections may be
         # wider: replicated KV heads); update_params checks new weights against these.
         self._param_shapes = {

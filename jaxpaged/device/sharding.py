@@ -48,6 +48,9 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv": None,  # the K / V axis of the page buffer
     "pages": None,
     "page_slots": None,
+    "experts": TP,  # expert parallelism: each device holds num_experts / tp whole experts
+    "expert_mlp": None,
+    "router_experts": None,  # the router's output axis: every device routes every token
 }
 
 # Parameter name (the last key of its path) -> logical axes. Parameters under "layers" carry a
@@ -67,6 +70,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),
     "scale": ("norm",),
+    "router": ("embed", "router_experts"),
+    "expert_gate": ("experts", "embed", "expert_mlp"),
+    "expert_up": ("experts", "embed", "expert_mlp"),
+    "expert_down": ("experts", "expert_mlp", "embed"),
 }
 # A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
 # last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).
@@ -180,6 +187,11 @@ class TensorParallel:
     @classmethod
     def create(cls, mesh: Mesh, config: ModelConfig) -> "TensorParallel":
         replicas = kv_head_replicas(config, tp_size(mesh))
+        if config.num_experts % tp_size(mesh):
+            raise ValueError(
+                f"num_experts={config.num_experts} is not divisible by tensor_parallel_size={tp_size(mesh)}; "
+                "experts are split whole over the devices, so choose a divisor"
+            )
         sharded = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas)
         return cls(mesh, sharded, replicas)
 
@@ -244,10 +256,10 @@ class TensorParallel:
             whole_buffer.has_decode_kernel = getattr(attention_fn, "has_decode_kernel", False)
             return whole_buffer
 
-        def per_layer(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale, soft_cap=None):
+        def per_layer(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, scale, soft_cap=None, **static):
             def local(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
                 return attention_fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                    scale=scale, soft_cap=soft_cap)
+                                    scale=scale, soft_cap=soft_cap, **static)
 
             kv_spec = jax.tree.map(lambda x: spec(LAYER_KV_AXES, x.ndim), k_pages)  # a QuantizedKV: both leaves
             return jax.shard_map(
@@ -256,6 +268,30 @@ class TensorParallel:
             )(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
 
         return per_layer
+
+
+    def shard_experts(self, expert_fn: Callable) -> Callable:
+        """`expert_fn` (models/moe.py `grouped_experts`) with experts split over `tp`: expert parallelism.
+
+        Tokens and routing are replicated; device d runs its E/tp experts [d E/tp, (d+1) E/tp) on the
+        pairs routed to them, and one psum adds the partial outputs (a pair's expert lives on
+        exactly one device, so the sum is the unsplit result).
+        """
+        mesh = self.mesh
+        experts = P(TP)
+
+        def sharded(x, expert_ids, weights, w_gate, w_up, w_down, *, act):
+            def local(x, expert_ids, weights, w_gate, w_up, w_down):
+                offset = jax.lax.axis_index(TP) * w_gate.shape[0]
+                out = expert_fn(x, expert_ids, weights, w_gate, w_up, w_down, act=act, expert_offset=offset)
+                return jax.lax.psum(out, TP)
+
+            return jax.shard_map(
+                local, mesh=mesh, out_specs=P(), check_vma=False,
+                in_specs=(P(), P(), P(), experts, experts, experts),
+            )(x, expert_ids, weights, w_gate, w_up, w_down)
+
+        return sharded
 
 
 def per_device_bytes(array: jax.Array) -> dict[int, int]:

@@ -45,6 +45,7 @@ from jaxpaged.engine.step_log import log_step
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
 
 logger = logging.getLogger("jaxpaged")
@@ -88,10 +89,12 @@ class LLMEngine:
                 "swap_space_bytes / host_cache_bytes keep pages in this process's memory, which a model spread "
                 f"over {jax.process_count()} processes cannot gather; leave them unset (preemption_mode="
                 "'recompute') when running under jax.distributed")
+        # Every layer local (Mistral): pages behind the window are freed (planner/sliding_window.py).
+        window = {"sliding_window": model_config.sliding_window} if model_config.all_layers_local else {}
         self.scheduler = Scheduler(
-            BlockManager(
+            (SlidingWindowBlockManager if window else BlockManager)(
                 num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
+                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages, **window,
             ),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -1,6 +1,7 @@
 """Decoder models over the paged KV buffer, and their configuration."""
 
 from jaxpaged.models.config import ModelConfig, RopeScaling
-from jaxpaged.models.llama import CausalLM, init_params, params_from_hf
+from jaxpaged.models.hf_weights import params_from_hf
+from jaxpaged.models.llama import CausalLM, init_params
 
 __all__ = ["CausalLM", "ModelConfig", "RopeScaling", "init_params", "params_from_hf"]

@@ -1,18 +1,14 @@
 """The model's shape and numerics, in one frozen dataclass that checks itself.
 
 `ModelConfig.from_hf` reads a Hugging Face `PretrainedConfig` of the decoder-only families that
-`jaxpaged.models.llama` implements: Llama (Llama 2/3, SmolLM2, Mistral without a sliding window),
-Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each head of q and k).
+`jaxpaged.models.llama` implements (the list and each family's fields: `models/hf_config.py`).
 """
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
-import jax
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +52,25 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
     max_position_embeddings: int = 2048
     dtype: str = "float32"  # of weights, activations and the KV pages; logits are always float32
+    # Sliding window (Mistral, Phi-3, Gemma 2/3): a token at position p attends keys p-window+1..p.
+    # `layer_types` names each layer "sliding_attention" or "full_attention"; None: every layer
+    # is sliding when `sliding_window` is set, else full.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers
+    # Gemma 2/3 numerics.
+    norm_plus_one: bool = False  # RMSNorm multiplies by (1 + weight)
+    sandwich_norms: bool = False  # extra norms after attention and around the MLP
+    scale_embedding: bool = False  # embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"  # or "gelu_tanh" (Gemma's gelu_pytorch_tanh)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default head_dim)
+    attn_soft_cap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_soft_cap: float | None = None  # output logits likewise
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0 is a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -72,79 +87,47 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
         if dtype not in _DTYPES:
             raise ValueError(f"{dtype=} is not supported; use one of {_DTYPES}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {"sliding_attention", "full_attention"}:
+                raise ValueError(
+                    f"layer_types={self.layer_types} must name each of the {self.num_layers} layers "
+                    "'sliding_attention' or 'full_attention'"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; use 'silu' or 'gelu_tanh'")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"num_experts={self.num_experts} needs 0 < num_experts_per_tok={self.num_experts_per_tok} "
+                    f"<= num_experts and moe_intermediate_size={self.moe_intermediate_size} > 0"
+                )
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens (None: global attention)."""
+        types = self.layer_types or ("sliding_attention" if self.sliding_window else "full_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def all_layers_local(self) -> bool:
+        """Every layer attends within `sliding_window`: KV older than the window is never read."""
+        return all(w is not None for w in self.layer_windows)
+
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: str | None = None) -> "ModelConfig":
-        """Reads a Hugging Face Llama/Mistral/Qwen2/Qwen3 config (object or dict).
+        """Reads a Hugging Face config (object or dict) of a family listed in `models/hf_config.py`.
 
-        `dtype=None` picks float32 on CPU and bfloat16 on accelerators.
+        `dtype=None` picks float32 on CPU and bfloat16 on accelerators. A field jaxpaged does not
+        implement is refused with a ValueError naming it.
         """
-        get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
-        model_type = get("model_type")
-        if model_type not in _ARCHITECTURES:
-            raise ValueError(
-                f"model_type={model_type!r} is not supported; jaxpaged implements {_ARCHITECTURES}"
-            )
-        if get("mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported; only bias-free MLPs are implemented")
-        if model_type == "mistral" and get("sliding_window") is not None:
-            raise ValueError(
-                f"sliding_window={get('sliding_window')} is not supported; "
-                "use a Mistral checkpoint without sliding-window attention"
-            )
-        if model_type in ("qwen2", "qwen3") and get("use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported; set it to False")
-        if get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={get('hidden_act')!r} is not supported; only silu is")
+        from jaxpaged.models.hf_config import config_from_hf
 
-        rope_theta, rope_scaling = _read_rope(get)
-        num_heads = get("num_attention_heads")
-        head_dim = get("head_dim") or get("hidden_size") // num_heads
-        bias = bool(get("attention_bias", False))
-        if dtype is None:
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        return cls(
-            vocab_size=get("vocab_size"),
-            hidden_size=get("hidden_size"),
-            intermediate_size=get("intermediate_size"),
-            num_layers=get("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and never an output bias; the others use one flag for both.
-            attention_bias=True if model_type == "qwen2" else bias,
-            o_proj_bias=False if model_type == "qwen2" else bias,
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=get("max_position_embeddings", 2048),
-            dtype=dtype,
-        )
-
-
-def _read_rope(get) -> tuple[float, RopeScaling | None]:
-    # transformers >= 5 folds theta and scaling into `rope_parameters`; older configs have
-    # `rope_theta` plus an optional `rope_scaling` dict.
-    params = dict(get("rope_parameters") or {})
-    params.update(get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(
-            f"rope_type={rope_type!r} is not supported; only 'default' and 'llama3' RoPE are"
-        )
-    scaling = RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
-    return theta, scaling
+        return config_from_hf(cls, hf_config, dtype)

@@ -1,7 +1,7 @@
 """Read a llama.cpp GGUF file into a Hugging Face config and a Hugging Face state dict.
 
 The output is the loader contract (see `loading.py`): a Hugging Face config (`HFConfig`) and a
-`dict[str, np.ndarray]` in Hugging Face naming and layout, float32, so `llama.params_from_hf` does
+`dict[str, np.ndarray]` in Hugging Face naming and layout, float32, so `hf_weights.params_from_hf` does
 not know the weights came from a GGUF file. Three things differ from a Hugging Face checkpoint:
 
 1. Names: llama.cpp calls `model.layers.3.self_attn.q_proj.weight` `blk.3.attn_q.weight`.

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over one paged KV buffer.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Gemma 2/3)
+over one paged KV buffer; `ModelConfig` switches the family details (models/hf_config.py).
 
 The whole batch is a flat list of `num_tokens` tokens from many sequences (see `StepInput` in
 `jaxpaged/device/runner.py`). Per layer the model writes this step's K/V into the page pool by one
@@ -10,7 +11,7 @@ layer's pages. The layers are one `nn.scan` over stacked parameters, and the KV 
 rides in the scan carry, so XLA updates it in place when the caller donates it.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -21,6 +22,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, write_slots
 from jaxpaged.models.config import ModelConfig, RopeScaling
+from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
 #   T=num_tokens  S=num_seqs  D=hidden_size  F=intermediate_size  V=vocab_size
@@ -90,12 +92,15 @@ def write_kv(
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
+    plus_one: bool = False  # Gemma: multiply by (1 + scale), in float32
 
     @nn.compact
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return scale * normed.astype(self.dtype)
 
 
@@ -110,10 +115,17 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     attention_fn: AttentionFn
     decode_only: bool = False  # static: every sequence of the step has exactly one token
+    norm_plus_one: bool = False
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    soft_cap: float | None = None
+    # Static windows: `windows` is the set of distinct per-layer windows (None = global). One
+    # window: passed as is. Two (Gemma's local + global): `is_local` (traced, per layer) picks
+    # between two calls by lax.cond, so each backend sees a static window.
+    windows: tuple[int | None, ...] = (None,)
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-                 query_start_loc):
+                 query_start_loc, is_local=None):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         q = jnp.einsum("TD,DNH->TNH", x, self.param("q_proj", _init, (dim, n, h), self.dtype))
         key = jnp.einsum("TD,DKH->TKH", x, self.param("k_proj", _init, (dim, k, h), self.dtype))
@@ -123,26 +135,34 @@ class Attention(nn.Module):
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
             value = value + self.param("v_bias", _init, (k, h), self.dtype)
         if self.qk_norm:
-            q = RMSNorm(self.rms_norm_eps, self.dtype, name="q_norm")(q)
-            key = RMSNorm(self.rms_norm_eps, self.dtype, name="k_norm")(key)
+            q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="q_norm")(q)
+            key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
 
         kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
         # A backend with a decode kernel is told, statically, that the step is decode-only.
         has_decode_kernel = getattr(self.attention_fn, "has_decode_kernel", False)
         extra = {"decode_only": True} if self.decode_only and has_decode_kernel else {}
-        if getattr(self.attention_fn, "reads_whole_kv_buffer", False):
-            # The backend indexes this layer's pages itself: no per-layer copy of the pool.
-            out = self.attention_fn(
-                q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=h**-0.5,
-                **extra,
-            )
-        else:  # the DESIGN.md contract: this layer's K and V pools (QuantizedKV pools if quantized)
+        if self.soft_cap is not None:
+            extra["soft_cap"] = self.soft_cap
+        scale = h**-0.5 if self.scale is None else self.scale
+
+        def attend(window):
+            kwargs = dict(extra, sliding_window=window) if window is not None else extra
+            if getattr(self.attention_fn, "reads_whole_kv_buffer", False):
+                # The backend indexes this layer's pages itself: no per-layer copy of the pool.
+                return self.attention_fn(
+                    q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale, **kwargs,
+                )
+            # The DESIGN.md contract: this layer's K and V pools (QuantizedKV pools if quantized).
             k_pool, v_pool = layer_pools(kv_pages, layer_idx)
-            out = self.attention_fn(
-                q, k_pool, v_pool, block_tables, seq_lens,
-                query_start_loc, scale=h**-0.5,
-            )  # [T, N, H]
+            return self.attention_fn(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, scale=scale, **kwargs)
+
+        if len(self.windows) == 1:
+            out = attend(self.windows[0])  # [T, N, H]
+        else:
+            local_window = max(w for w in self.windows if w is not None)
+            out = jax.lax.cond(is_local, lambda: attend(local_window), lambda: attend(None))
         y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
@@ -152,13 +172,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     intermediate_size: int
     dtype: jnp.dtype
+    act: str = "silu"
 
     @nn.compact
     def __call__(self, x: Float[Array, "num_tokens dim"]) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
         gate = jnp.einsum("TD,DF->TF", x, self.param("gate_proj", _init, (dim, f), self.dtype))
         up = jnp.einsum("TD,DF->TF", x, self.param("up_proj", _init, (dim, f), self.dtype))
-        return jnp.einsum("TF,FD->TD", nn.silu(gate) * up, self.param("down_proj", _init, (f, dim), self.dtype))
+        return jnp.einsum("TF,FD->TD", ACTIVATIONS[self.act](gate) * up, self.param("down_proj", _init, (f, dim), self.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -167,21 +188,34 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     attention_fn: AttentionFn
     decode_only: bool = False
+    expert_fn: ExpertFn = grouped_experts
 
     @nn.compact
-    def __call__(self, carry, layer_idx, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc):
+    def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
+        norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
         x, kv_pages = carry
+        cos, sin, local_cos, local_sin = rope
+        if c.local_rope_theta is not None:  # Gemma 3: local layers rotate with their own base
+            cos, sin = jnp.where(is_local, local_cos, cos), jnp.where(is_local, local_sin, sin)
         attn = Attention(
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
-            c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, name="attn",
+            c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
+            None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
+            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), name="attn",
         )
         h, kv_pages = attn(
-            RMSNorm(c.rms_norm_eps, dtype, name="input_norm")(x), cos, sin, kv_pages, layer_idx,
-            slot_mapping, block_tables, seq_lens, query_start_loc,
+            norm("input_norm")(x), cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
+            query_start_loc, is_local,
         )
-        x = x + h
-        x = x + MLP(c.intermediate_size, dtype, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attn_norm")(x))
+        x = x + (norm("attn_out_norm")(h) if c.sandwich_norms else h)
+        h = norm("post_attn_norm")(x)  # the norm in front of the MLP
+        if c.num_experts:
+            h = MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.hidden_act,
+                    dtype, self.expert_fn, name="moe")(h)
+        else:
+            h = MLP(c.intermediate_size, dtype, c.hidden_act, name="mlp")(h)
+        x = x + (norm("mlp_out_norm")(h) if c.sandwich_norms else h)
         return (x, kv_pages), None
 
 
@@ -191,6 +225,7 @@ class CausalLM(nn.Module):
     # Static: the step is decode-only (one token per sequence, num_tokens == num_seqs), so a backend
     # with `has_decode_kernel` runs its decode kernel. Same parameters as the default model.
     decode_only: bool = False
+    expert_fn: ExpertFn = grouped_experts  # MoE only; sharding.TensorParallel.shard_experts for EP
 
     @nn.compact
     def __call__(
@@ -208,31 +243,40 @@ class CausalLM(nn.Module):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         embedding = self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
         x = embedding[token_ids]  # [T, D]
+        if c.scale_embedding:  # Gemma: sqrt(D), rounded to the activation dtype as HF does
+            x = x * jnp.asarray(c.hidden_size**0.5, dtype)
 
-        inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        def rotations(theta, scaling):
+            inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
+            angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+            return jnp.cos(angles), jnp.sin(angles)
+
+        rope = rotations(c.rope_theta, c.rope_scaling)
+        rope += rotations(c.local_rope_theta, None) if c.local_rope_theta is not None else rope
 
         layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
             split_rngs={"params": True},
-            in_axes=(0,) + (nn.broadcast,) * 6,  # layer_idx is scanned, the step's arrays shared
+            in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
             length=c.num_layers,
-        )(c, self.attention_fn, self.decode_only, name="layers")
+        )(c, self.attention_fn, self.decode_only, self.expert_fn, name="layers")
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        is_local = jnp.asarray([w is not None for w in c.layer_windows])
         (x, kv_pages), _ = layers(
-            (x, kv_pages), layer_ids, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc
+            (x, kv_pages), layer_ids, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc
         )
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
-        x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[logits_indices])  # [S, D]
+        x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
         if c.tie_word_embeddings:
             lm_head = embedding.T
         else:
             lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
         logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
+        if c.final_soft_cap is not None:
+            logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pages
 
 
@@ -267,59 +311,3 @@ def init_params(config: ModelConfig, rng: jax.Array) -> dict:
         return jnp.asarray(0.02 * np_rng.standard_normal(leaf.shape, np.float32), leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
-def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> dict:
-    """Converts a Hugging Face state dict (names and (out, in) layout of `nn.Linear`) to params.
-
-    Layers are stacked along a leading `num_layers` axis, as `nn.scan` expects. Arrays are cast to
-    `config.dtype` and stay on the host (numpy); `jax.device_put` them, or hand them to
-    `ModelRunner`, which does. Raises KeyError naming any missing tensor.
-    """
-    c = config
-    dtype = jnp.dtype(c.dtype)
-
-    def tensor(name: str) -> np.ndarray:
-        if name not in state_dict:
-            raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
-        return np.asarray(state_dict[name], dtype=np.float32)
-
-    def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
-        return np.stack(layers).astype(dtype)
-
-    dim, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    attn = {
-        # (N*H, D) -> (D, N, H): rows of the HF weight are output features, head-major.
-        "q_proj": stacked("self_attn.q_proj.weight", lambda w: w.T.reshape(dim, n, h)),
-        "k_proj": stacked("self_attn.k_proj.weight", lambda w: w.T.reshape(dim, k, h)),
-        "v_proj": stacked("self_attn.v_proj.weight", lambda w: w.T.reshape(dim, k, h)),
-        "o_proj": stacked("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, dim)),  # (D, N*H)
-    }
-    if c.attention_bias:
-        attn["q_bias"] = stacked("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
-        attn["k_bias"] = stacked("self_attn.k_proj.bias", lambda b: b.reshape(k, h))
-        attn["v_bias"] = stacked("self_attn.v_proj.bias", lambda b: b.reshape(k, h))
-    if c.o_proj_bias:
-        attn["o_bias"] = stacked("self_attn.o_proj.bias", lambda b: b)
-    if c.qk_norm:
-        attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", lambda w: w)}
-        attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", lambda w: w)}
-    layers = {
-        "attn": attn,
-        "input_norm": {"scale": stacked("input_layernorm.weight", lambda w: w)},
-        "post_attn_norm": {"scale": stacked("post_attention_layernorm.weight", lambda w: w)},
-        "mlp": {
-            "gate_proj": stacked("mlp.gate_proj.weight", lambda w: w.T),  # (F, D) -> (D, F)
-            "up_proj": stacked("mlp.up_proj.weight", lambda w: w.T),
-            "down_proj": stacked("mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
-        },
-    }
-    params = {
-        "embedding": tensor("model.embed_tokens.weight").astype(dtype),  # (V, D)
-        "layers": layers,
-        "final_norm": {"scale": tensor("model.norm.weight").astype(dtype)},
-    }
-    if not c.tie_word_embeddings:
-        params["lm_head"] = tensor("lm_head.weight").T.astype(dtype)  # (V, D) -> (D, V)
-    return {"params": params}

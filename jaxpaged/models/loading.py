@@ -1,6 +1,6 @@
 """Find a model's files and read them without torch: config, weights as numpy, tokenizer.
 
-The contract with the model code (`llama.params_from_hf`): a Hugging Face `PretrainedConfig` and a
+The contract with the model code (`hf_weights.params_from_hf`): a Hugging Face `PretrainedConfig` and a
 `dict[str, np.ndarray]` in Hugging Face state-dict names and layout (`model.layers.3.self_attn.
 q_proj.weight` is `(out, in)`), whatever the source was. Sources, in the order `resolve_model` tries:
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxpaged.models import checkpoint, loading
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import params_from_hf
+from jaxpaged.models.hf_weights import params_from_hf
 
 logger = logging.getLogger("jaxpaged")
 _FORMAT = "llama-scan-v1"  # bump when params_from_hf changes the parameter layout

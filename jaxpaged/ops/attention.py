@@ -43,6 +43,7 @@ def reference_paged_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """Causal attention of each query token over its own sequence's paged K/V.
 
@@ -55,6 +56,8 @@ def reference_paged_attention(
         `query_start_loc[i]:query_start_loc[i+1]`); padding rows repeat the total.
       scale: softmax scale, usually `head_dim ** -0.5`.
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)` before masking.
+      sliding_window: if set, the token at position p sees only keys p - sliding_window + 1 .. p
+        (Mistral/Gemma/HF semantics); pages wholly before that may have been freed and hold anything.
 
     Returns:
       Attention output in q's dtype; zeros for padding tokens.
@@ -91,6 +94,8 @@ def reference_paged_attention(
 
     key_pos = jnp.arange(max_len, dtype=jnp.int32)
     visible = (key_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, L]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > position[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     # A row with no visible key (padding) would be softmax over all -inf = NaN; give it zeros.
     has_key = jnp.any(visible, axis=-1)[:, None, None, None]
@@ -113,6 +118,7 @@ def chunked_paged_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_chunk: int = 8,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
@@ -138,7 +144,8 @@ def chunked_paged_attention(
         return read(k_pages, chunk_pages), read(v_pages, chunk_pages)
 
     return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
-                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+                              query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                              pages_per_chunk=pages_per_chunk)
 
 
 def chunked_paged_attention_from_buffer(
@@ -151,6 +158,7 @@ def chunked_paged_attention_from_buffer(
     layer_idx: Int[Array, ""],
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_chunk: int = 8,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
@@ -170,14 +178,15 @@ def chunked_paged_attention_from_buffer(
         return jnp.swapaxes(read(0, chunk_pages), 2, 3), jnp.swapaxes(read(1, chunk_pages), 2, 3)
 
     return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
-                              query_start_loc, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk)
+                              query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                              pages_per_chunk=pages_per_chunk)
 
 
 chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
 
 
 def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
-                       scale, soft_cap, pages_per_chunk):
+                       scale, soft_cap, sliding_window, pages_per_chunk):
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, pages_per_seq = block_tables.shape
     if num_heads % num_kv_heads:
@@ -196,6 +205,10 @@ def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_len
     # Each token's pages, padded with the padding page to a whole number of chunks.
     pages = jnp.pad(block_tables[seq_idx], ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
     num_chunks_needed = (jnp.max(position) + chunk_len) // chunk_len  # 0 when every token is padding
+    first_chunk = 0
+    if sliding_window is not None:  # chunks wholly before every token's window are skipped
+        oldest_key = jnp.min(jnp.where(is_real, position - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+        first_chunk = jnp.clip(oldest_key // chunk_len, 0, num_chunks_needed)
 
     qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
     # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
@@ -209,6 +222,8 @@ def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_len
         v = v.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
         key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
         visible = key_pos[None, :] <= position[:, None]  # [T, C]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > position[:, None] - sliding_window
         s = jnp.einsum("tkgh,tlkh->tkgl", qf, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -225,6 +240,6 @@ def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_len
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks_needed, chunk_step, init)
+    _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks_needed, chunk_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,150 @@
+"""Hugging Face config -> `ModelConfig`, one family at a time; what a family cannot run is refused by name.
+
+    model_type     HF class                  what it adds to the Llama block
+    llama          LlamaForCausalLM          (Llama 2/3, SmolLM2; llama3 RoPE scaling)
+    mistral        MistralForCausalLM        sliding_window on every layer
+    qwen2, qwen3   Qwen2/Qwen3ForCausalLM    q/k/v bias (Qwen2), q/k RMSNorm (Qwen3)
+    phi3           Phi3ForCausalLM           fused qkv_proj / gate_up_proj checkpoints (models/phi3.py)
+    mixtral        MixtralForCausalLM        routed experts, top-k renormalised (models/moe.py)
+    qwen3_moe      Qwen3MoeForCausalLM       routed experts, q/k norm, norm_topk_prob as configured
+    gemma2         Gemma2ForCausalLM         alternating local/global layers, soft-capping, (1+w) norms,
+                                             sandwich norms, sqrt(D) embedding scale, gelu-tanh
+    gemma3_text    Gemma3ForCausalLM         Gemma 2 minus soft-capping plus q/k norm, 5 local : 1 global,
+                                             a separate RoPE base on local layers
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def config_from_hf(cls, hf_config: Any, dtype: str | None):
+    from jaxpaged.models.config import RopeScaling
+
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    model_type = get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; jaxpaged implements {SUPPORTED_MODEL_TYPES}")
+    _refuse_unsupported(model_type, get)
+
+    num_heads = get("num_attention_heads")
+    head_dim = get("head_dim") or get("hidden_size") // num_heads
+    bias = bool(get("attention_bias", False))
+    num_layers = get("num_hidden_layers")
+    if dtype is None:
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    rope_theta, rope_scaling, local_theta = _read_rope(get, model_type, RopeScaling)
+    fields = dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(get("tie_word_embeddings", model_type in _GEMMA)),
+        # Qwen2 always has q/k/v bias and never an output bias; the others use one flag for both.
+        attention_bias=True if model_type == "qwen2" else bias,
+        o_proj_bias=False if model_type == "qwen2" else bias,
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        max_position_embeddings=get("max_position_embeddings", 2048),
+        dtype=dtype,
+        sliding_window=get("sliding_window"),
+    )
+    if model_type in _GEMMA:
+        fields.update(
+            norm_plus_one=True, sandwich_norms=True, scale_embedding=True, hidden_act="gelu_tanh",
+            query_pre_attn_scalar=float(get("query_pre_attn_scalar") or head_dim),
+            attn_soft_cap=get("attn_logit_softcapping"), final_soft_cap=get("final_logit_softcapping"),
+            layer_types=_gemma_layer_types(get, model_type, num_layers), local_rope_theta=local_theta,
+        )
+    elif get("layer_types") is not None:
+        fields["layer_types"] = tuple(get("layer_types"))
+    # transformers >= 5 writes `num_local_experts` for both; older Qwen3-MoE configs `num_experts`.
+    num_experts = get("num_local_experts") or get("num_experts")
+    if model_type == "mixtral":
+        fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
+                      moe_intermediate_size=get("intermediate_size"), norm_topk_prob=True)
+    if model_type == "qwen3_moe":
+        fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
+                      moe_intermediate_size=get("moe_intermediate_size"),
+                      norm_topk_prob=bool(get("norm_topk_prob", False)))
+    if fields["sliding_window"] is None:
+        fields.pop("layer_types", None)  # "sliding" layers without a window are global (HF alike)
+    return cls(**fields)
+
+
+def _refuse_unsupported(model_type: str, get) -> None:
+    """ValueError naming the first config field whose value jaxpaged does not implement."""
+    act = get("hidden_activation") or get("hidden_act") if model_type in _GEMMA else get("hidden_act", "silu")
+    wanted_act = "gelu_pytorch_tanh" if model_type in _GEMMA else "silu"
+    if act != wanted_act:
+        raise ValueError(f"hidden_act={act!r} is not supported for {model_type}; only {wanted_act} is")
+    if get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported; only bias-free MLPs are implemented")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported (Qwen's max_window_layers split); set it to False")
+    if model_type == "qwen3_moe":
+        if get("decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                f"decoder_sparse_step={get('decoder_sparse_step')} is not supported; only 1 (every layer MoE) is"
+            )
+        if get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; only [] (every layer MoE) is")
+        if get("shared_expert_intermediate_size"):
+            raise ValueError("shared_expert_intermediate_size is not supported (Qwen3-MoE has no shared expert)")
+    if model_type == "phi3":
+        factor = (get("rope_parameters") or {}).get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        if factor != 1.0:
+            raise ValueError(f"partial_rotary_factor={factor} is not supported; only 1.0 (full RoPE) is")
+    if model_type == "gemma3_text" and get("use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported; jaxpaged is causal only")
+
+
+def _gemma_layer_types(get, model_type: str, num_layers: int) -> tuple[str, ...]:
+    if get("layer_types") is not None:
+        return tuple(get("layer_types"))
+    # Older config.json files: Gemma 2 alternates local/global; Gemma 3 has `sliding_window_pattern`.
+    pattern = 2 if model_type == "gemma2" else int(get("sliding_window_pattern", 6))
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+
+
+def _read_rope(get, model_type: str, RopeScaling):
+    """(theta, scaling, local theta) from `rope_parameters` (transformers >= 5) or the older fields.
+
+    Gemma 3 keeps one parameter set per layer type; older Gemma 3 configs have `rope_local_base_freq`.
+    """
+    params = dict(get("rope_parameters") or {})
+    local_theta = None
+    if "full_attention" in params:  # per layer type
+        local = params.get("sliding_attention", {})
+        _check_rope_type(local)
+        local_theta = float(local.get("rope_theta", 10000.0))
+        params = dict(params["full_attention"])
+    elif model_type == "gemma3_text":
+        local_theta = float(get("rope_local_base_freq", 10000.0))
+    params.update(get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", get("rope_theta", 10000.0)))
+    if _check_rope_type(params) == "default":
+        return theta, None, local_theta
+    scaling = RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+    return theta, scaling, local_theta
+
+
+def _check_rope_type(params: dict) -> str:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default' and 'llama3' RoPE are")
+    return rope_type

@@ -1,0 +1,84 @@
+"""Hugging Face state dict -> the parameter tree of `jaxpaged.models.llama.CausalLM`, for every family.
+
+Names and layout are HF's `nn.Linear` ones (`(out, in)`); Phi-3's fused qkv/gate_up tensors are
+split first (`models/phi3.py`), routed experts are read by `models/moe.py`.
+"""
+
+from collections.abc import Callable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.moe import moe_params_from_hf
+from jaxpaged.models.phi3 import unfuse_phi3
+
+
+def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> dict:
+    """Converts a Hugging Face state dict (names and (out, in) layout of `nn.Linear`) to params.
+
+    Layers are stacked along a leading `num_layers` axis, as `nn.scan` expects. Arrays are cast to
+    `config.dtype` and stay on the host (numpy); `jax.device_put` them, or hand them to
+    `ModelRunner`, which does. Raises KeyError naming any missing tensor.
+    """
+    c = config
+    dtype = jnp.dtype(c.dtype)
+    state_dict = unfuse_phi3(c, state_dict)
+
+    def tensor(name: str) -> np.ndarray:
+        if name not in state_dict:
+            raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
+        return np.asarray(state_dict[name], dtype=np.float32)
+
+    def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
+        return np.stack(layers).astype(dtype)
+
+    dim, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    attn = {
+        # (N*H, D) -> (D, N, H): rows of the HF weight are output features, head-major.
+        "q_proj": stacked("self_attn.q_proj.weight", lambda w: w.T.reshape(dim, n, h)),
+        "k_proj": stacked("self_attn.k_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        "v_proj": stacked("self_attn.v_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        "o_proj": stacked("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, dim)),  # (D, N*H)
+    }
+    if c.attention_bias:
+        attn["q_bias"] = stacked("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
+        attn["k_bias"] = stacked("self_attn.k_proj.bias", lambda b: b.reshape(k, h))
+        attn["v_bias"] = stacked("self_attn.v_proj.bias", lambda b: b.reshape(k, h))
+    if c.o_proj_bias:
+        attn["o_bias"] = stacked("self_attn.o_proj.bias", lambda b: b)
+    if c.qk_norm:
+        attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", lambda w: w)}
+        attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", lambda w: w)}
+    norm = lambda name: {"scale": stacked(name, lambda w: w)}
+    layers = {"attn": attn, "input_norm": norm("input_layernorm.weight")}
+    if c.sandwich_norms:  # Gemma: HF's post_attention_layernorm normalises the attention output
+        layers["attn_out_norm"] = norm("post_attention_layernorm.weight")
+        layers["post_attn_norm"] = norm("pre_feedforward_layernorm.weight")
+        layers["mlp_out_norm"] = norm("post_feedforward_layernorm.weight")
+    else:
+        layers["post_attn_norm"] = norm("post_attention_layernorm.weight")
+    if c.num_experts:
+        per_layer = [
+            moe_params_from_hf(
+                c.num_experts, c.moe_intermediate_size, lambda suffix, i=i: tensor(f"model.layers.{i}.{suffix}"),
+                lambda suffix, i=i: f"model.layers.{i}.{suffix}" in state_dict,
+            )
+            for i in range(c.num_layers)
+        ]
+        layers["moe"] = {name: np.stack([p[name] for p in per_layer]).astype(dtype) for name in per_layer[0]}
+    else:
+        layers["mlp"] = {
+            "gate_proj": stacked("mlp.gate_proj.weight", lambda w: w.T),  # (F, D) -> (D, F)
+            "up_proj": stacked("mlp.up_proj.weight", lambda w: w.T),
+            "down_proj": stacked("mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
+        }
+    params = {
+        "embedding": tensor("model.embed_tokens.weight").astype(dtype),  # (V, D)
+        "layers": layers,
+        "final_norm": {"scale": tensor("model.norm.weight").astype(dtype)},
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = tensor("lm_head.weight").T.astype(dtype)  # (V, D) -> (D, V)
+    return {"params": params}

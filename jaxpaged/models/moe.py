@@ -1,0 +1,123 @@
+"""The routed mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, one grouped matmul per projection.
+
+    router logits [T, E] = x @ router;  probs = softmax (float32);  w, e = top_k(probs, k)
+    (Mixtral, Qwen3-MoE with norm_topk_prob: w /= sum(w))
+    y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = e[t, j]
+
+No dense all-experts compute: the T*k (token, expert) pairs are sorted by expert, the tokens
+gathered in that order, and each projection is one `jax.lax.ragged_dot` over the sorted rows
+(group g = the rows routed to expert g). Work is O(T * k * D * F), not O(T * E * D * F).
+
+Expert parallelism (`expert_fn`, device/sharding.py `TensorParallel.shard_experts`): each device
+holds E/ep experts [offset, offset + E/ep); every device sees all tokens (activations between
+blocks are replicated under tensor parallelism), computes only the pairs routed to its experts
+(the others sort past the last local group and are zeroed), and one all-reduce sums the partial
+outputs. Replication + all-reduce stands in for an all-to-all token exchange: the same result, and
+at decode batch sizes the all-reduce of [T, D] is what the dense MLP's row split costs anyway.
+"""
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+_init = nn.initializers.normal(stddev=0.02)
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
+
+
+def route(router_logits: Float[Array, "T E"], top_k: int, norm_topk_prob: bool):
+    """(weights [T, k] float32, expert ids [T, k] int32), as HF's TopKRouter: softmax, then top-k."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def grouped_experts(
+    x: Float[Array, "T D"],
+    expert_ids: Int[Array, "T k"],
+    weights: Float[Array, "T k"],
+    w_gate: Float[Array, "E_local D F"],
+    w_up: Float[Array, "E_local D F"],
+    w_down: Float[Array, "E_local F D"],
+    *,
+    act: str,
+    expert_offset: Int[Array, ""] | int = 0,
+) -> Float[Array, "T D"]:
+    """Sum over the pairs routed to experts [offset, offset + E_local) of weight * expert(x).
+
+    With offset 0 and every expert local this is the whole MoE MLP; under expert parallelism each
+    device passes its slice of the weights and its offset, and the caller sums over devices.
+    """
+    num_tokens, top_k = expert_ids.shape
+    num_local = w_gate.shape[0]
+    local = expert_ids.reshape(-1) - expert_offset  # [T*k]
+    # Pairs of other devices' experts get key num_local: they sort after every local group.
+    key = jnp.where((local >= 0) & (local < num_local), local, num_local)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    rows = x[order // top_k]  # [T*k, D], token of pair p is p // k
+    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    hidden = (ACTIVATIONS[act](gate) * up).astype(x.dtype)
+    out = jax.lax.ragged_dot(hidden, w_down, group_sizes)  # [T*k, D]
+    # Rows past the local groups are not computed by ragged_dot (may hold anything): zero them.
+    pair_weight = jnp.where(sorted_key < num_local, weights.reshape(-1)[order], 0.0)
+    out = jnp.where((sorted_key < num_local)[:, None], out.astype(jnp.float32), 0.0) * pair_weight[:, None]
+    return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[order // top_k].add(out).astype(x.dtype)
+
+
+ExpertFn = Callable[..., Float[Array, "T D"]]
+
+
+class MoE(nn.Module):
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    act: str
+    dtype: jnp.dtype
+    expert_fn: ExpertFn = grouped_experts
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        dim, e, f = x.shape[-1], self.num_experts, self.intermediate_size
+        router_logits = jnp.einsum("TD,DE->TE", x, self.param("router", _init, (dim, e), self.dtype))
+        weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
+        return self.expert_fn(
+            x, ids, weights,
+            self.param("expert_gate", _init, (e, dim, f), self.dtype),
+            self.param("expert_up", _init, (e, dim, f), self.dtype),
+            self.param("expert_down", _init, (e, f, dim), self.dtype),
+            act=self.act,
+        )
+
+
+def moe_params_from_hf(num_experts: int, intermediate_size: int, layer_tensor: Callable, has: Callable) -> dict:
+    """One layer's MoE params from HF names; `layer_tensor(suffix)` reads `model.layers.{i}.{suffix}`.
+
+    transformers >= 5 state dicts fuse the experts (`mlp.experts.gate_up_proj` [E, 2F, D], gate
+    rows first; `mlp.experts.down_proj` [E, D, F]); Hub checkpoints keep one tensor per expert
+    (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`; Qwen3-MoE: `mlp.experts.{e}.gate/up/down_proj`).
+    """
+    f = intermediate_size
+    if has("mlp.experts.gate_up_proj"):
+        gate_up = layer_tensor("mlp.experts.gate_up_proj")  # [E, 2F, D]
+        gate, up = gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1)
+        down = layer_tensor("mlp.experts.down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
+        router = layer_tensor("mlp.gate.weight").T
+    else:
+        import numpy as np
+
+        if has("block_sparse_moe.gate.weight"):  # Mixtral's original names
+            prefix, names = "block_sparse_moe", ("w1", "w3", "w2")
+        else:
+            prefix, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+        expert = lambda e, n: layer_tensor(f"{prefix}.experts.{e}.{n}.weight").T
+        gate, up, down = (np.stack([expert(e, n) for e in range(num_experts)]) for n in names)
+        router = layer_tensor(f"{prefix}.gate.weight").T  # (E, D) -> (D, E)
+    return {"router": router, "expert_gate": gate, "expert_up": up, "expert_down": down}
