@@ -181,6 +181,7 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     """Outputs share the engine's growing token and logprob lists instead of copying them; an
     output read steps later (or after its request finished) still shows the tokens, logprobs and
     text it had when it was made, and compares and prints like a plain record."""
+    from jaxpaged.engine.logprobs import HostLogprobs
     from jaxpaged.engine.outputs import CompletionOutput
 
     processor = OutputProcessor(tokenizer)
@@ -193,11 +194,13 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
         seq.append_token(token_id)
         if step + 1 == len(ids):
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        outputs, _ = processor.process([(seq, token_id)], [step], [-0.5 * i for i in range(len(ids))])
+        step_logprobs = HostLogprobs([-0.5 * i for i in range(len(ids))], [1] * len(ids), [[]] * len(ids), [[]] * len(ids))
+        outputs, _ = processor.process([(seq, token_id)], [step], step_logprobs)
         kept.append(outputs[0].outputs[0])
     for step, completion in enumerate(kept):  # read only now, after the request finished
         assert completion.token_ids == ids[: step + 1]
-        assert completion.logprobs == [-0.5 * i for i in range(step + 1)]
+        assert [d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids)] == [
+            -0.5 * i for i in range(step + 1)]
         assert completion.text == tokenizer.decode(ids[: step + 1])
         assert completion.delta_token_ids == [ids[step]]
     first = kept[0]
