@@ -182,7 +182,7 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     output read steps later (or after its request finished) still shows the tokens, logprobs and
     text it had when it was made, and compares and prints like a plain record."""
     from jaxpaged.engine.logprobs import HostLogprobs
-    from jaxpaged.engine.outputs import CompletionOutput
+    from jaxpaged.engine.outputs import CompletionOutput, Logprob
 
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
@@ -204,5 +204,6 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
         assert completion.text == tokenizer.decode(ids[: step + 1])
         assert completion.delta_token_ids == [ids[step]]
     first = kept[0]
-    assert first == CompletionOutput(0, first.text, [ids[0]], None, [0.0], first.text, [ids[0]])
+    assert first == CompletionOutput(0, first.text, [ids[0]], None, first.logprobs, first.text, [ids[0]])
+    assert first.logprobs == [{ids[0]: Logprob(-0.0, 1, tokenizer.decode([ids[0]]))}]
     assert "token_ids=[330]" in repr(first) and first.token_ids is first.token_ids  # sliced once

@@ -237,7 +237,8 @@ class ModelRunner:
             decode_buckets=self.decode_buckets,
         )
 
-    def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:
+    def execute(self, step_input: StepInput, prev_tokens=None) -> (
+            Float[Array, "num_seqs vocab_size"] | tuple[Float[Array, "num_seqs vocab_size"], dict]):
         """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (and,
         if `step_input.prompt_logprob_targets` is set, the targets' logprobs: see the return).
 

@@ -27,6 +27,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
+HostOrDevice = Array | np.ndarray
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenState:
@@ -40,10 +43,10 @@ class TokenState:
 class PenaltyArrays:
     """Per output row (padded like SamplingArrays; padding rows: slot -1, no penalty)."""
 
-    slot: Int[Array, "num_rows"]  # int32, the row's TokenState slot, -1 = none
-    presence: Float[Array, "num_rows"]  # float32
-    frequency: Float[Array, "num_rows"]  # float32
-    repetition: Float[Array, "num_rows"]  # float32, 1 = off
+    slot: Int[HostOrDevice, "num_rows"]  # int32, the row's TokenState slot, -1 = none
+    presence: Float[HostOrDevice, "num_rows"]  # float32
+    frequency: Float[HostOrDevice, "num_rows"]  # float32
+    repetition: Float[HostOrDevice, "num_rows"]  # float32, 1 = off
 
 
 def zeros_token_state(num_slots: int, vocab_size: int) -> TokenState:

@@ -53,7 +53,7 @@ class CompletionOutput:
 
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
-                 live_logprobs: list[float] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
+                 live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
         out.index, out.text, out.finish_reason = index, text, finish_reason
