@@ -28,6 +28,7 @@ def tiny():
 def cli(tiny, monkeypatch):
     """main(argv) with `LLM(...)` giving the tiny model; logging restored afterwards."""
     monkeypatch.setattr(jaxpaged, "LLM", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", lambda *args, **kwargs: tiny)  # what cli.main imports
     root, ours = logging.getLogger(), logging.getLogger("jaxpaged")
     saved = root.level, root.handlers[:], ours.level, ours.handlers[:], ours.propagate
     # Like a fresh process: pytest's own handlers on the root would make basicConfig a no-op.

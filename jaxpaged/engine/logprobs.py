@@ -29,8 +29,9 @@ class TokenSlots:
     A preempted sequence gets a fresh slot built from its landed tokens when it samples again.
     """
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, place=None):
         self.num_slots, self.vocab_size = num_slots, vocab_size
+        self._place = place  # tensor parallelism: replicate over the mesh, as the logits are
         self._state: TokenState | None = None  # allocated on first use (or at warm-up)
         self._free = list(range(num_slots - 1, -1, -1))
         self._owner: dict[int, tuple[int, Sequence]] = {}  # seq_id -> (slot, seq)
@@ -38,7 +39,8 @@ class TokenSlots:
     @property
     def state(self) -> TokenState:
         if self._state is None:
-            self._state = zeros_token_state(self.num_slots, self.vocab_size)
+            state = zeros_token_state(self.num_slots, self.vocab_size)
+            self._state = state if self._place is None else self._place(state)
         return self._state
 
     @state.setter

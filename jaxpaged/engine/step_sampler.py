@@ -40,7 +40,8 @@ class StepSampler:
         self.runner, self.logprobs_mode = runner, logprobs_mode
         # One slot per running sequence is enough; twice that leaves room for the fan-out rows of a
         # step whose children are not yet running.
-        self.slots = TokenSlots(2 * max_num_seqs, vocab_size)
+        place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
+        self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
 
     def sample(self, out, logits, owner, beam_owner) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
         """Builds the rows of every sampling sequence of `out` and dispatches the sampler; returns
