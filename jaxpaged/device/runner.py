@@ -27,7 +27,7 @@ from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes,
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
-from jaxpaged.device.sampler_ext import token_logprobs
+from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.device.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
@@ -203,20 +203,13 @@ class ModelRunner:
             rows = step_input.prev_token_rows
             token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
         model = self.decode_model if decode_only else self.model  # static: a compiled program each
-        targets = step_input.prompt_logprob_targets
-        logits_indices = step_input.logits_indices
-        if targets is not None:  # logits at every token too, after the sequences' last tokens
-            logits_indices = jnp.concatenate([logits_indices, jnp.arange(targets.shape[0], dtype=jnp.int32)])
+        targets = step_input.prompt_logprob_targets  # prompt logprobs: logits at every token too
         logits, kv_pages = model.apply(
             params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
             step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
-            logits_indices,
+            with_every_token(step_input.logits_indices, targets),
         )
-        if targets is None:
-            return logits, kv_pages
-        num_seqs = step_input.logits_indices.shape[0]
-        per_token = jax.nn.log_softmax(logits[num_seqs:], axis=1)
-        return (logits[:num_seqs], token_logprobs(per_token, jnp.maximum(targets, 0))), kv_pages
+        return split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets), kv_pages
 
     def _copy_fn(self, kv_pages, src, dst):
         self.num_copy_compiles += 1  # runs only while tracing
@@ -260,8 +253,8 @@ class ModelRunner:
 
     def execute(self, step_input: StepInput, prev_tokens=None) -> (
             Float[Array, "num_seqs vocab_size"] | tuple[Float[Array, "num_seqs vocab_size"], dict]):
-        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (and,
-        if `step_input.prompt_logprob_targets` is set, the targets' logprobs: see the return).
+        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (with
+        `step_input.prompt_logprob_targets`: (logits, sampler_ext.token_logprobs of every token)).
 
         `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
         read where `step_input.prev_token_rows` says; None when no input token is a placeholder.
@@ -276,7 +269,7 @@ class ModelRunner:
         logits, self.kv_pages = self._step(
             self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
         )
-        return logits  # with prompt_logprob_targets: (logits, sampler_ext.token_logprobs of every token)
+        return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copies whole pages (all layers, K and V) `src -> dst`; call before the step that needs them."""
@@ -331,9 +324,7 @@ class ModelRunner:
         for bucket in self.decode_buckets:
             self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
         for bucket in self.buckets:  # the prompt-logprobs program of each (decode buckets never need one)
-            step_input = dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(
-                bucket, -1, np.int32))
-            jax.block_until_ready(self.execute(step_input))
+            jax.block_until_ready(self.execute(dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))))
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
         if host_transfers:  # one program each way
             jax.block_until_ready(self.gather_pages([]))

@@ -77,3 +77,18 @@ def token_logprobs(logprobs: Float[Array, "rows vocab_size"], token_ids: Int[Arr
     rank = 1 + jnp.sum(logprobs > chosen, axis=1).astype(jnp.int32)
     top_values, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[1]))
     return {"chosen": chosen[:, 0], "rank": rank, "top_values": top_values, "top_ids": top_ids.astype(jnp.int32)}
+
+
+def with_every_token(logits_indices: Int[Array, "num_seqs"], targets: Int[Array, "num_tokens"] | None):
+    """The model's logits rows: each sequence's last token, then (prompt logprobs) every token."""
+    if targets is None:
+        return logits_indices
+    return jnp.concatenate([logits_indices, jnp.arange(targets.shape[0], dtype=jnp.int32)])
+
+
+def split_prompt_logprobs(logits, num_seqs: int, targets: Int[Array, "num_tokens"] | None):
+    """logits (no targets), or (the sequences' logits, token_logprobs of every token at its target)."""
+    if targets is None:
+        return logits
+    per_token = jax.nn.log_softmax(logits[num_seqs:], axis=1)
+    return logits[:num_seqs], token_logprobs(per_token, jnp.maximum(targets, 0))
