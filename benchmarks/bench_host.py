@@ -16,10 +16,13 @@ Two modes, as the two real callers step the engine, each measured in its own run
   streaming  the server and `LLM.generate_stream`: engine.step(). Every step detokenizes each new
              token and builds a RequestOutput (text, token ids, deltas) for every request.
 
-Not covered: the engine's per-step sampling rows (RowSpecs -> SamplingArrays, engine._dispatch)
-and the device transfers. Prints one table and writes benchmarks/results/bench_host_cpu.json.
+Every mode also builds the step's sampler rows (RowSpecs -> SamplingArrays, as engine/step_sampler.py)
+("rows" column). A mode suffixed `_lp20_pen` runs every request with logprobs=20 and penalties
+(presence, frequency, repetition): its rows add the PenaltyArrays, and its output phase turns the
+sampler's logprobs arrays (256 x 20, from numpy as they come back) into {id: Logprob} dicts.
+Not covered: the device transfers. Prints one table and writes benchmarks/results/bench_host_cpu.json.
 
-    python -m benchmarks.bench_host [--steps 200] [--repeats 3] [--modes offline,streaming]
+    python -m benchmarks.bench_host [--steps 200] [--repeats 3] [--modes offline,streaming,streaming_lp20_pen]
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+from jaxpaged.device.sampler import make_sampling_arrays
+from jaxpaged.device.sampling import row_spec
+from jaxpaged.device.token_state import make_penalty_arrays
+from jaxpaged.engine.logprobs import HostLogprobs
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.models.loading import default_model_path
 from jaxpaged.engine.output_processor import OutputProcessor, _catch_up
@@ -85,7 +94,15 @@ def one_run(num_steps: int, seed: int, tokenizer, mode: str) -> dict[str, float]
     sched = Scheduler(bm, max_num_seqs=NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                       max_model_len=MAX_MODEL_LEN)
     processor = OutputProcessor(tokenizer)
-    params = SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+    features = mode.endswith("_lp20_pen")
+    mode_base = mode.split("_")[0]
+    extra = dict(logprobs=20, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1) if features else {}
+    params = SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True, **extra)
+    np_rng = np.random.default_rng(seed)
+    lp_arrays = {"chosen": np_rng.normal(size=NUM_SEQS).astype(np.float32),
+                 "rank": np_rng.integers(1, 50, NUM_SEQS).astype(np.int32),
+                 "top_values": np_rng.normal(size=(NUM_SEQS, 20)).astype(np.float32),
+                 "top_ids": np_rng.integers(100, 40000, (NUM_SEQS, 20)).astype(np.int32)}
     for i in range(NUM_SEQS):
         prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(*PROMPT_TOKENS))]
         seq = Sequence(prompt, params, eos_token_id=0)
@@ -113,10 +130,10 @@ def one_run(num_steps: int, seed: int, tokenizer, mode: str) -> dict[str, float]
             break
     sampled = [rng.randrange(100, 40000) for _ in range(NUM_SEQS)]
 
-    phases = {"schedule": [], "prepare": [], "advance+commit": [], "output": []}
+    phases = {"schedule": [], "prepare": [], "rows": [], "advance+commit": [], "output": []}
     step_ms, step_cpu_ms = [], []
     in_flight = None
-    offline = mode == "offline"
+    offline = mode_base == "offline"
     gc.collect()
     gc.disable()  # measure the code, not the collector's pauses
     try:
@@ -127,18 +144,26 @@ def one_run(num_steps: int, seed: int, tokenizer, mode: str) -> dict[str, float]
             t1 = time.perf_counter()
             pack_step_input(prepare_step_input(out, **prepare_args))  # as ModelRunner.execute: one packed array
             t2 = time.perf_counter()
+            specs = [row_spec(i, params, 0, 0, seq, len(seq.token_ids) - seq.num_prompt_tokens)
+                     for i, seq in enumerate(out.seqs)]
+            make_sampling_arrays(specs, NUM_SEQS)
+            if features:  # slots: one per sequence, as TokenSlots gives them
+                make_penalty_arrays([(i, params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+                                     for i in range(len(out.seqs))], NUM_SEQS)
+            t2r = time.perf_counter()
             rows, _ = rows_of(out)
             sched.advance(out, rows)
             update = sched.commit(in_flight, sampled) if in_flight is not None else None
             in_flight = out
             t3 = time.perf_counter()
             if update is not None:
-                outputs, _ = processor.process(update.appended, update.rows, None, only_finished=offline)
+                logprobs = HostLogprobs.read(lp_arrays) if features else None
+                outputs, _ = processor.process(update.appended, update.rows, logprobs, only_finished=offline)
                 assert len(outputs) == (0 if offline else NUM_SEQS)
             t4 = time.perf_counter()
             c1 = time.thread_time()
             assert len(out.seqs) == NUM_SEQS
-            for name, ms in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for name, ms in zip(phases, (t1 - t0, t2 - t1, t2r - t2, t3 - t2r, t4 - t3)):
                 phases[name].append(ms * 1e3)
             step_ms.append((t4 - t0) * 1e3)
             step_cpu_ms.append((c1 - c0) * 1e3)
@@ -192,11 +217,11 @@ def main() -> None:
     print(f"host step, {NUM_SEQS} decoding sequences of ~4000 tokens, page_size {PAGE_SIZE}, "
           f"{args.steps} steps x {args.repeats} runs (median ms per step)")
     print(f"machine: {machine['cpu']} ({machine['num_cpus']} cpus), {machine['platform']}, Python {machine['python']}")
-    print(f"{'run':>4} {'mode':>9} {'step':>8} {'p99':>8} {'schedule':>9} {'prepare':>8} {'adv+commit':>11} "
+    print(f"{'run':>4} {'mode':>18} {'step':>8} {'p99':>8} {'schedule':>9} {'prepare':>8} {'rows':>6} {'adv+commit':>11} "
           f"{'output':>8} {'deferred':>9} {'cpu':>8} {'cpu p99':>8}")
     for idx, run in enumerate(runs):
-        print(f"{idx:>4} {run['mode']:>9} {run['step_median_ms']:>8.3f} {run['step_p99_ms']:>8.3f} "
-              f"{run['schedule_median_ms']:>9.3f} {run['prepare_median_ms']:>8.3f} "
+        print(f"{idx:>4} {run['mode']:>18} {run['step_median_ms']:>8.3f} {run['step_p99_ms']:>8.3f} "
+              f"{run['schedule_median_ms']:>9.3f} {run['prepare_median_ms']:>8.3f} {run['rows_median_ms']:>6.3f} "
               f"{run['advance+commit_median_ms']:>11.3f} {run['output_median_ms']:>8.3f} "
               f"{run['deferred_decode_ms_per_step']:>9.4f} {run['step_cpu_median_ms']:>8.3f} {run['step_cpu_p99_ms']:>8.3f}")
     print(f"load average (1 min) {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
@@ -222,10 +247,11 @@ def main() -> None:
         "config": {"num_seqs": NUM_SEQS, "page_size": PAGE_SIZE, "prompt_tokens": "%d..%d" % PROMPT_TOKENS,
                    "max_model_len": MAX_MODEL_LEN, "steps": args.steps, "repeats": args.repeats,
                    "prefix_caching": True, "gc_disabled": True,
-                   "covers": "schedule + prepare_step_input + advance + commit + output processing",
+                   "covers": "schedule + prepare_step_input + sampler rows + advance + commit + output processing",
                    "modes": {"offline": "engine.step(only_finished=True) as LLM.generate; deferred decode at finish "
                                         "amortized into each step",
-                             "streaming": "engine.step() as the server: a RequestOutput per request per step"}},
+                             "streaming": "engine.step() as the server: a RequestOutput per request per step",
+                             "*_lp20_pen": "every request logprobs=20 + presence/frequency/repetition penalties"}},
         "modes": summary,
         "load_average_1m": os.getloadavg()[0],
         "target_ms": 1.0,

@@ -39,6 +39,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int | None = None  # host bytes for swapped pages; required by preemption_mode="swap"
     host_cache_bytes: int | None = None  # host tier under the device prefix cache; None: no tier
+    # What logprobs report (vLLM's engine argument): "raw_logprobs" = the model's distribution;
+    # "processed_logprobs" = the one each token was drawn from (penalties, bias, temperature, top-k/p, min-p).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -71,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
         if self.host_cache_bytes is not None and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes is a tier of the prefix cache; set enable_prefix_caching=True")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -92,7 +92,7 @@ def mixed_requests():
 
 def summary(outputs):
     return [
-        [(c.token_ids, c.text, c.finish_reason, None if c.logprobs is None else np.round(c.logprobs, 4).tolist())
+        [(c.token_ids, c.text, c.finish_reason, None if c.logprobs is None else np.round([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], 4).tolist())
          for c in out.outputs]
         for out in outputs
     ]

@@ -56,7 +56,8 @@ def test_logprobs_are_printed_without_json(cli, tiny, capsys):
     assert cli(["--no-chat", "--prompt", "Hello there", "--max-tokens", "4", "--ignore-eos", "--logprobs"]) == 0
     out = capsys.readouterr().out
     want = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                      logprobs=True))[0].outputs[0].logprobs
+                                                      logprobs=True))[0].outputs[0]
+    want = [entry[t].logprob for entry, t in zip(want.logprobs, want.token_ids)]
     assert f"logprobs (sum {sum(want):.3f} over 4 tokens): " + " ".join(f"{x:.3f}" for x in want) in out
 
 

@@ -69,12 +69,12 @@ def test_logprobs_in_a_mixed_batch_equal_alone_and_the_models_log_softmax(engine
         alone = run(engine, [(prompt, params)])[1][0]
         for sample, sample_alone in zip(out.outputs, alone.outputs, strict=True):
             assert sample.token_ids == sample_alone.token_ids
-            if not params.logprobs:
+            if params.logprobs is None:
                 assert sample.logprobs is None
                 continue
-            np.testing.assert_allclose(sample.logprobs, sample_alone.logprobs, atol=1e-5)
+            np.testing.assert_allclose([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)], [d[t].logprob for d, t in zip(sample_alone.logprobs, sample_alone.token_ids)], atol=1e-5)
             tokens = sample.token_ids
             logits = hf_logits(MODEL, prompt + tokens)  # row i predicts token i + 1
             want = log_softmax(logits)[np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens)), tokens]
-            np.testing.assert_allclose(sample.logprobs, want, atol=1e-4)
+            np.testing.assert_allclose([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)], want, atol=1e-4)
     assert len({tuple(c.token_ids) for c in batch[1].outputs}) == 2

@@ -187,7 +187,7 @@ def test_no_compilation_after_warmup_with_decode_buckets(tiny_params):
     runner = _runner(tiny_params, None, max_num_batched_tokens=32, buckets=(8, 32))
     runner.warmup()
     assert runner.decode_buckets == (1, 2, 4)
-    assert runner.num_compiles == runner.num_step_programs == 2 + 3
+    assert runner.num_compiles == runner.num_step_programs == 2 * 2 + 3  # buckets with and without prompt logprobs
     seqs = [make_seq(list(range(1, n + 1)), n - 1, [i + 1, i + 11]) for i, n in enumerate((5, 7, 2, 6))]
     for count in (1, 2, 3, 4):  # decode buckets 1, 2, 4, 4
         runner.run(make_scheduler_output(seqs[:count], [1] * count))

@@ -108,9 +108,10 @@ def _run(runner, pages, pairs, copies=()):
 def test_no_recompilation_after_warmup(tiny_params):
     runner = _runner(tiny_params)
     runner.warmup()
-    # One program per token bucket (8, 16, 32) and per decode bucket (1, 2, 4 sequences).
+    # Two programs per token bucket (8, 16, 32; with and without prompt logprobs) and one per decode
+    # bucket (1, 2, 4 sequences).
     assert runner.decode_buckets == (1, 2, 4)
-    assert (runner.num_compiles, runner.num_copy_compiles) == (len(runner.buckets) + 3, 1)
+    assert (runner.num_compiles, runner.num_copy_compiles) == (2 * len(runner.buckets) + 3, 1)
     compiled = runner.num_compiles
 
     pages, rng = _Pages(), np.random.default_rng(0)

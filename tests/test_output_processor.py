@@ -181,7 +181,8 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     """Outputs share the engine's growing token and logprob lists instead of copying them; an
     output read steps later (or after its request finished) still shows the tokens, logprobs and
     text it had when it was made, and compares and prints like a plain record."""
-    from jaxpaged.engine.outputs import CompletionOutput
+    from jaxpaged.engine.logprobs import HostLogprobs
+    from jaxpaged.engine.outputs import CompletionOutput, Logprob
 
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
@@ -193,13 +194,16 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
         seq.append_token(token_id)
         if step + 1 == len(ids):
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        outputs, _ = processor.process([(seq, token_id)], [step], [-0.5 * i for i in range(len(ids))])
+        step_logprobs = HostLogprobs([-0.5 * i for i in range(len(ids))], [1] * len(ids), [[]] * len(ids), [[]] * len(ids))
+        outputs, _ = processor.process([(seq, token_id)], [step], step_logprobs)
         kept.append(outputs[0].outputs[0])
     for step, completion in enumerate(kept):  # read only now, after the request finished
         assert completion.token_ids == ids[: step + 1]
-        assert completion.logprobs == [-0.5 * i for i in range(step + 1)]
+        assert [d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids)] == [
+            -0.5 * i for i in range(step + 1)]
         assert completion.text == tokenizer.decode(ids[: step + 1])
         assert completion.delta_token_ids == [ids[step]]
     first = kept[0]
-    assert first == CompletionOutput(0, first.text, [ids[0]], None, [0.0], first.text, [ids[0]])
+    assert first == CompletionOutput(0, first.text, [ids[0]], None, first.logprobs, first.text, [ids[0]])
+    assert first.logprobs == [{ids[0]: Logprob(-0.0, 1, tokenizer.decode([ids[0]]))}]
     assert "token_ids=[330]" in repr(first) and first.token_ids is first.token_ids  # sliced once

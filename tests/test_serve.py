@@ -145,7 +145,7 @@ def test_n_seed_logprobs_and_stop_behave_as_in_the_python_api(served, client):
     assert [c.message.content for c in got] == [w.text for w in want]
     assert want[0].text != want[1].text  # the two samples really differ
     for c, w in zip(got, want):
-        assert [t.logprob for t in c.logprobs.content] == pytest.approx(w.logprobs, abs=1e-5)
+        assert [t.logprob for t in c.logprobs.content] == pytest.approx([d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
         assert all(t.logprob <= 0 for t in c.logprobs.content)
     assert resp.usage.completion_tokens == sum(len(w.token_ids) for w in want)
 

@@ -27,7 +27,9 @@ from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes,
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
+from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import grouped_experts
+from jaxpaged.device.kv_cache import apply_page_copies
 from jaxpaged.device.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
@@ -38,7 +40,7 @@ jax.tree_util.register_dataclass(
     data_fields=[f.name for f in dataclasses.fields(StepInput) if f.name not in _STEP_META_FIELDS],
     meta_fields=list(_STEP_META_FIELDS),
 )
-__all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input", "apply_page_copies"]
+__all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input"]
 
 
 def enable_compilation_cache() -> str:
@@ -206,11 +208,13 @@ class ModelRunner:
             rows = step_input.prev_token_rows
             token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
         model = self.decode_model if decode_only else self.model  # static: a compiled program each
-        return model.apply(
+        targets = step_input.prompt_logprob_targets  # prompt logprobs: logits at every token too
+        logits, kv_pages = model.apply(
             params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
             step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
-            step_input.logits_indices,
+            with_every_token(step_input.logits_indices, targets),
         )
+        return split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets), kv_pages
 
     def _copy_fn(self, kv_pages, src, dst):
         self.num_copy_compiles += 1  # runs only while tracing
@@ -252,8 +256,10 @@ class ModelRunner:
             decode_buckets=self.decode_buckets,
         )
 
-    def execute(self, step_input: StepInput, prev_tokens=None) -> Float[Array, "num_seqs vocab_size"]:
-        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket.
+    def execute(self, step_input: StepInput, prev_tokens=None) -> (
+            Float[Array, "num_seqs vocab_size"] | tuple[Float[Array, "num_seqs vocab_size"], dict]):
+        """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (with
+        `step_input.prompt_logprob_targets`: (logits, sampler_ext.token_logprobs of every token)).
 
         `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
         read where `step_input.prev_token_rows` says; None when no input token is a placeholder.
@@ -297,8 +303,9 @@ class ModelRunner:
 
     @property
     def num_step_programs(self) -> int:
-        """Compiled step programs after `warmup`: one per token bucket and one per decode bucket."""
-        return len(self.buckets) + len(self.decode_buckets)
+        """Compiled step programs after `warmup`: two per token bucket (with and without prompt
+        logprobs) and one per decode bucket."""
+        return 2 * len(self.buckets) + len(self.decode_buckets)
 
     def dummy_step_input(self, bucket: int, *, decode_only: bool = False) -> StepInput:
         """An all-padding step of `bucket` tokens (a decode bucket of `bucket` sequences if `decode_only`):
@@ -321,6 +328,8 @@ class ModelRunner:
             self.execute(self.dummy_step_input(bucket)).block_until_ready()
         for bucket in self.decode_buckets:
             self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
+        for bucket in self.buckets:  # the prompt-logprobs program of each (decode buckets never need one)
+            jax.block_until_ready(self.execute(dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))))
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
         if host_transfers:  # one program each way
             jax.block_until_ready(self.gather_pages([]))
@@ -383,14 +392,3 @@ class ModelRunner:
         step_input = self.dummy_step_input(self.buckets[-1] if bucket is None else bucket)
         compiled = self.trace_step(step_input).lower().compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
-
-
-def apply_page_copies(
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
-    src: Int[Array, "num_copies"],
-    dst: Int[Array, "num_copies"],
-) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV:
-    """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
-    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped.
-    A quantized cache's scales move with their pages (every leaf has page axis 3)."""
-    return jax.tree.map(lambda leaf: leaf.at[:, :, :, dst].set(leaf[:, :, :, src], mode="drop"), kv_pages)

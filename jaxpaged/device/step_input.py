@@ -50,6 +50,10 @@ class StepInput:
     # Per token, -1 if token_ids holds it; else the row of the previous step's sampled tokens (still
     # on the device) that holds it, and token_ids has 0 there. Asynchronous stepping only; padding -1.
     prev_token_rows: Int[_Arr, "num_tokens"] | None = None
+    # Prompt logprobs (engine-filled, only in steps where some request asks): per token, the id whose
+    # log-probability its logits give (the next prompt token), -1 where none is wanted. Its presence
+    # makes the step also return every token's logprobs (runner.py): a compiled program of its own.
+    prompt_logprob_targets: Int[_Arr, "num_tokens"] | None = None
     # Static (pytree metadata, not an array): every real sequence has exactly one token and
     # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
     # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.

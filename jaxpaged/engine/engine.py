@@ -35,11 +35,13 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.device.kv_cache import bytes_per_page
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
-from jaxpaged.device.sampler import RowSpec, beam_candidates, make_sampling_arrays
-from jaxpaged.device.sampling import num_sample_rows, row_spec, sample_padded, warmup_sampler
+from jaxpaged.device.sampler import beam_candidates
+from jaxpaged.device.sampling import warmup_sampler
 from jaxpaged.device.step_input import BlockTableRows
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
+from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, prompt_targets
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.step_sampler import StepSampler
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
 from jaxpaged.planner.block_manager import BlockManager
@@ -58,12 +60,15 @@ class _Dispatched:
     idx: int  # engine step number
     out: SchedulerOutput  # advanced: out.sampled names each token's sampler row
     tokens: jax.Array | None  # int32 [num_rows padded], None if nothing sampled
-    logprobs: jax.Array | None  # float32 [num_rows], None unless some row asked for logprobs
+    logprobs: dict | None  # sampler_ext.token_logprobs' arrays, None unless some row asked for logprobs
     next_can_read: bool  # its tokens fit the next step's prev_tokens input (else commit at once)
     # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
     # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).
     beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
     beam_candidates: tuple[jax.Array, jax.Array] | None = None
+    # Prompt logprobs: every token's token_logprobs arrays, and which requests' prompt positions they fill.
+    prompt_logprobs: dict | None = None
+    prompt_chunks: list[PromptChunk] = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -114,6 +119,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
         )
         self.processor = OutputProcessor(tokenizer)
+        self.sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
@@ -152,6 +158,15 @@ class LLMEngine:
             )
         check_prompt_fits(len(prompt_token_ids), self.config.max_model_len)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raises ValueError for token ids in `params` outside this model's vocabulary."""
+        vocab_size = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -162,6 +177,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
@@ -259,6 +275,9 @@ class LLMEngine:
             log_step(logger, self._num_steps, out, self.block_manager.stats())
         t0 = time.perf_counter()
         step_input = self.runner.prepare(out, self._block_table_rows)
+        targets, prompt_chunks = prompt_targets(out, self.processor.owner, step_input.num_tokens)
+        if targets is not None:  # some request wants prompt logprobs: the step's program that gives them
+            step_input = dataclasses.replace(step_input, prompt_logprob_targets=targets)
         self.timings["prepare"] += time.perf_counter() - t0
         if out.copies:
             self.runner.copy_pages(out.copies)
@@ -267,43 +286,17 @@ class LLMEngine:
         previous = self._in_flight
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
+        prompt_logprobs = None
+        if targets is not None:
+            logits, prompt_logprobs = logits
+            for array in prompt_logprobs.values():
+                array.copy_to_host_async()
 
         t1 = time.perf_counter()
         # Rows to sample: one per sampling sequence; a request with n > 1 draws n rows from its
         # parent's logits row at its first token, and advance() forks the parent n-1 times.
-        rows: list[RowSpec] = []
-        entries: list[int | list[int] | None] = [None] * len(out.seqs)  # row(s) per scheduled sequence
-        want_logprobs = False
-        owner = self.processor.owner
-        beam_seqs: list[tuple[int, Sequence]] = []
-        for i, seq in enumerate(out.seqs):
-            if not out.samples[i]:
-                continue
-            if seq.seq_id in self.beams.owner:  # no placeholder: the search picks its next token
-                beam_seqs.append((i, seq))
-                continue
-            request, sample_idx = owner[seq.seq_id]
-            params = request.params
-            want_logprobs = want_logprobs or params.logprobs
-            step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
-            if len(request.samples) < params.n:
-                entries[i] = list(range(len(rows), len(rows) + params.n))
-                rows += [row_spec(i, params, request.seed, j, seq, step) for j in range(params.n)]
-            else:
-                entries[i] = len(rows)
-                rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
-
-        tokens = logprobs = None
-        num_rows = 0
-        if rows:
-            num_rows = num_sample_rows(len(rows), logits.shape[0])
-            num_out = max(num_rows, self.runner.num_prev_token_rows)
-            tokens, logprobs = sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=num_out)
-            tokens.copy_to_host_async()  # lands while the host plans the next step
-            if want_logprobs:
-                logprobs.copy_to_host_async()
-            else:
-                logprobs = None
+        sampled, beam_seqs = self.sampler.sample(out, logits, self.processor.owner, self.beams.owner)
+        entries, num_rows = sampled.entries, sampled.num_rows
         candidates = None
         if beam_seqs:
             num_candidates = min(self.beams.num_candidates([s for _, s in beam_seqs]), logits.shape[-1])
@@ -313,13 +306,17 @@ class LLMEngine:
         if self.events is not None:
             self.events.append(("dispatch", self._num_steps))
 
-        for child, (request, j) in zip(self.scheduler.advance(out, entries), self._fan_out_order(out, entries)):
+        children = self.scheduler.advance(out, entries)
+        for child, (request, j) in zip(children, self._fan_out_order(out, entries)):
             self.processor.add_sample(request, child)
+        if sampled.fan_out_slots:
+            self.sampler.assign_children(out, entries, sampled.fan_out_slots, children)
         self.timings["postprocess"] += time.perf_counter() - t1
         return _Dispatched(
-            idx=self._num_steps, out=out, tokens=tokens, logprobs=logprobs,
+            idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
             next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
-            beam_seqs=beam_seqs, beam_candidates=candidates,
+            beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
+            prompt_chunks=prompt_chunks,
         )
 
     def _fan_out_order(self, out: SchedulerOutput, entries):
@@ -339,7 +336,9 @@ class LLMEngine:
                 self.events.append(("readback", dispatched.idx))
             tokens = np.asarray(dispatched.tokens).tolist()  # waits for the device
             if dispatched.logprobs is not None:
-                logprobs = np.asarray(dispatched.logprobs).tolist()
+                logprobs = HostLogprobs.read(dispatched.logprobs)
+        if dispatched.prompt_chunks:
+            self.processor.add_prompt_logprobs(HostLogprobs.read(dispatched.prompt_logprobs), dispatched.prompt_chunks)
         t1 = time.perf_counter()
         self.timings["device"] += t1 - t0
 
@@ -361,6 +360,7 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         warmup_sampler(self.runner, self.config.max_num_seqs)
+        self.sampler.warmup(self.config.max_num_seqs)
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, TokenDecoder
 from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
 from jaxpaged.planner.request import SamplingParams, stop_string_start
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
@@ -33,7 +34,7 @@ class Sample:
     detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str, .decode(ids)
     text: str = ""  # detokenized output of seq.output_token_ids[:num_decoded], cut before a stop string
     finish_reason: str | None = None
-    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token_id: Logprob} per token
     num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
     num_sent_chars: int = 0  # characters of `text` already reported
     num_decoded: int = 0  # leading seq.output_token_ids the detokenizer has taken (`text` covers them)
@@ -49,6 +50,9 @@ class RequestState:
     samples: list[Sample]  # starts with the parent alone; siblings join when it forks
     hold_back: int  # characters held back while streaming: max(len(stop)) - 1, or 0
     num_finished: int = 0  # samples with a finish_reason
+    # SamplingParams.prompt_logprobs: [None, {id: Logprob}, ...] filled chunk by chunk; shown once complete.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_done: bool = False
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -64,6 +68,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.decode_token = TokenDecoder(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, sample index)
 
@@ -74,6 +79,9 @@ class OutputProcessor:
             request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
             seed=seed, samples=[], hold_back=max((len(s) for s in stops), default=1) - 1,
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+            request.prompt_logprobs_done = len(request.prompt_token_ids) == 1
         self.requests[request_id] = request
         self.add_sample(request, seq)
         return request
@@ -84,6 +92,20 @@ class OutputProcessor:
         sample = Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids))
         sample.num_decoded = len(seq.output_token_ids)  # its text starts with the tokens it gets from now on
         request.samples.append(sample)
+
+    def add_prompt_logprobs(self, logprobs: HostLogprobs, chunks: list[PromptChunk]) -> None:
+        """Fills prompt positions from a step's per-token logprobs (a recomputed prompt refills the same values)."""
+        for chunk in chunks:
+            request = chunk.request
+            if request.prompt_logprobs is None:
+                continue
+            prompt, k = request.prompt_token_ids, request.params.prompt_logprobs
+            for i in range(chunk.count):
+                position = chunk.first_position + 1 + i
+                request.prompt_logprobs[position] = logprobs.entry(chunk.flat_start + i, prompt[position], k,
+                                                                   self.decode_token)
+            if chunk.first_position + chunk.count == len(prompt) - 1:
+                request.prompt_logprobs_done = True
 
     def pop(self, request_id: str) -> RequestState | None:
         request = self.requests.pop(request_id, None)
@@ -115,8 +137,8 @@ class OutputProcessor:
                 continue  # its request was aborted
             request, j = owner
             params = request.params
-            if params.logprobs:
-                request.samples[j].logprobs.append(logprobs[row])
+            if params.logprobs is not None:
+                request.samples[j].logprobs.append(logprobs.entry(row, token_id, params.logprobs, self.decode_token))
             if params.stop:
                 self._step_with_stops(request, request.samples[j], seq, token_id, stopped, done)
             elif seq.status is FINISHED:
@@ -161,7 +183,7 @@ class OutputProcessor:
         """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
         completions = []
         hold_back = request.hold_back
-        want_logprobs = request.params.logprobs
+        want_logprobs = request.params.logprobs is not None
         for j, sample in enumerate(request.samples):
             output_ids = sample.seq.output_token_ids
             num_new = len(output_ids) - sample.num_decoded
@@ -186,6 +208,7 @@ class OutputProcessor:
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions,
             request.samples[0].seq.num_cached_tokens,
+            request.prompt_logprobs if request.prompt_logprobs_done else None,
         )
 
 

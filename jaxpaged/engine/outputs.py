@@ -11,6 +11,20 @@ What a snapshot shows never changes afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    """vLLM's Logprob: one token's log-probability, its 1-based rank in the distribution (1 = most
+    likely), and its text alone (`tokenizer.decode([token_id])`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's log-probabilities: {token_id: Logprob}, the chosen (or prompt) token first, then the top k.
+LogprobsDict = dict[int, Logprob]
 
 
 class CompletionOutput:
@@ -18,7 +32,8 @@ class CompletionOutput:
 
     index: which of the request's n samples; text: detokenized output so far (stop string
     excluded); token_ids: generated token ids so far; finish_reason: "stop" | "length" | "abort",
-    None while running; logprobs: log p(chosen token) per token, if SamplingParams.logprobs;
+    None while running; logprobs: one `{token_id: Logprob}` per token if SamplingParams.logprobs
+    (None otherwise), cumulative_logprob their chosen tokens' sum;
     delta_text / delta_token_ids: what was added since the previous streamed update.
     """
 
@@ -26,7 +41,7 @@ class CompletionOutput:
                  "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
-                 logprobs: list[float] | None = None, delta_text: str = "",
+                 logprobs: list[LogprobsDict] | None = None, delta_text: str = "",
                  delta_token_ids: list[int] | None = None):
         self.index = index
         self.text = text
@@ -38,7 +53,7 @@ class CompletionOutput:
 
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
-                 live_logprobs: list[float] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
+                 live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
         out.index, out.text, out.finish_reason = index, text, finish_reason
@@ -59,14 +74,22 @@ class CompletionOutput:
         self._token_ids, self._num_tokens = value, None
 
     @property
-    def logprobs(self) -> list[float] | None:
+    def logprobs(self) -> list[LogprobsDict] | None:
         if self._num_logprobs is not None:
             self._logprobs, self._num_logprobs = self._logprobs[: self._num_logprobs], None
         return self._logprobs
 
     @logprobs.setter
-    def logprobs(self, value: list[float] | None) -> None:
+    def logprobs(self, value: list[LogprobsDict] | None) -> None:
         self._logprobs, self._num_logprobs = value, None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the chosen tokens' log-probabilities (None without logprobs), as vLLM reports it."""
+        logprobs, token_ids = self.logprobs, self.token_ids
+        if logprobs is None:
+            return None
+        return float(sum(entry[t].logprob for entry, t in zip(logprobs, token_ids)))
 
     @property
     def finished(self) -> bool:
@@ -93,6 +116,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
+    # per prompt token (the token itself and the top k), once the whole prompt is computed; else None.
+    prompt_logprobs: list[LogprobsDict | None] | None = None
 
     @property
     def finished(self) -> bool:

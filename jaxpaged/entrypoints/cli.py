@@ -42,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--logprobs", action="store_true", help="report the chosen tokens' log-probabilities")
+    s.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
+                   help="report each token's log-probability and its K most likely alternatives (0..20; bare: 0)")
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    s.add_argument("--allowed-token-ids", type=int, nargs="+", default=None, metavar="ID")
     s.add_argument("--beam-width", type=int, default=None,
                    help="beam search with this many beams (Hugging Face's semantics; sampling flags are ignored)")
     s.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length ** this")
@@ -77,6 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn = quantized values plus a "
                         "scale per token and KV head (about 2x the sequences of a bfloat16 cache in the same memory)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
+                   help="logprobs of the model's distribution, or of the one each token was drawn from")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
     e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
@@ -96,6 +105,7 @@ def engine_args(args) -> dict:
         attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,
+        logprobs_mode=args.logprobs_mode,
     )
 
 
@@ -155,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
             max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-            n=args.n, logprobs=args.logprobs,
+            n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+            logit_bias=_logit_bias(args.logit_bias), allowed_token_ids=args.allowed_token_ids,
         )
         t_load = time.perf_counter()
         llm = LLM(args.model, **engine_args(args))
@@ -188,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                 record = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
                           "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
                           "num_cached_tokens": out.num_cached_tokens}
-                if args.logprobs:
-                    record["logprobs"] = c.logprobs
+                if args.logprobs is not None:
+                    record["logprobs"] = [[{"token_id": t, **lp._asdict()} for t, lp in entry.items()]
+                                          for entry in c.logprobs]
                 print(json.dumps(record, ensure_ascii=False))
             elif not args.stream:
                 print(_completion_text(prompt, c, args))
@@ -237,11 +250,24 @@ def _completion_text(prompt: str, c, args) -> str:
     return f">>> {prompt}\n{tag}{c.text}\n{_logprobs_line(c, args)}"
 
 
+def _logit_bias(items: list[str]) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS flags as a dict (ValueError names the bad one)."""
+    bias = {}
+    for item in items:
+        token_id, sep, value = item.partition("=")
+        try:
+            bias[int(token_id)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias {item!r} must be ID=BIAS, e.g. 50256=-100") from None
+    return bias or None
+
+
 def _logprobs_line(c, args) -> str:
-    if not args.logprobs or c.logprobs is None:
+    if args.logprobs is None or c.logprobs is None:
         return ""
-    values = " ".join(f"{x:.3f}" for x in c.logprobs)
-    return f"logprobs (sum {sum(c.logprobs):.3f} over {len(c.logprobs)} tokens): {values}\n"
+    chosen = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
+    values = " ".join(f"{x:.3f}" for x in chosen)
+    return f"logprobs (sum {sum(chosen):.3f} over {len(chosen)} tokens): {values}\n"
 
 
 def _stream(llm, prompts, formatted, params, args):

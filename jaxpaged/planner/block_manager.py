@@ -97,7 +97,9 @@ class BlockManager:
             tokens:  [ a b c d | e f g h | i ]   len 9, page_size 4: pages 0 and 1 may hit
             tokens:  [ a b c d | e f g h ]       len 8: only page 0 may hit; page 1 is recomputed
         """
-        if not self.enable_prefix_caching:
+        # A request asking for prompt logprobs needs the logits of every prompt token, which cached
+        # pages do not hold: it computes its whole prompt (as vLLM does); its pages are still cached.
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         max_hit_pages = (len(seq.token_ids) - 1) // self.page_size
         self._hash_full_pages(seq, max_hit_pages)

@@ -36,7 +36,16 @@ class SamplingParams:
     stop_token_ids: list[int] | tuple[int, ...] | None = ()  # token ids that stop ("stop"); a tuple, None = ()
     ignore_eos: bool = False  # keep generating past the model's eos token
     n: int = 1  # number of samples of the same prompt (forks share the prompt's pages)
-    logprobs: bool = False  # also return the chosen tokens' log-probabilities
+    # Log-probabilities (vLLM): k in 0..MAX_LOGPROBS = the chosen token plus the k most likely, per
+    # generated token; None = none. True is accepted as 0 (the chosen token only), False as None.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token (teacher-forced); None = none
+    # Penalties and biases (vLLM / OpenAI semantics), applied on the device:
+    presence_penalty: float = 0.0  # subtracted once from every token already generated; in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens; in [-2, 2]
+    repetition_penalty: float = 1.0  # HF: logits of prompt or generated tokens / p (> 0) or * p (<= 0); > 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (in [-100, 100])
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn; None = all
 
     def __post_init__(self) -> None:
         # Normalise the two list fields to tuples, so the object is hashable and immutable; None
@@ -81,12 +90,47 @@ class SamplingParams:
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1; ask for at least one sample")
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"logprobs={self.logprobs!r} must be True or False")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # the old boolean form: True = the chosen token only
+                object.__setattr__(self, name, 0 if value else None)
+            elif value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]; 0 turns it off")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; 1 turns it off")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_token_id(k) and isinstance(v, (int, float)) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids (ints >= 0) to biases in "
+                                 "[-100, 100]")
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                    map(_is_token_id, self.allowed_token_ids)):
+                raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of "
+                                 "token ids (ints >= 0), or None for all")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+
+    @property
+    def needs_token_state(self) -> bool:
+        """Whether sampling needs the per-sequence token counts and bias row kept on the device."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGPROBS = 20  # the most log-probabilities per token a request may ask for (vLLM's default cap)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # Seeds are drawn and derived in [0, SEED_MASK]: the sampler folds them into a 32-bit PRNG key.

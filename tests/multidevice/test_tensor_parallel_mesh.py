@@ -290,3 +290,32 @@ def test_quantized_kv_cache_is_split_like_its_pages(params, prompts, kv_cache_dt
     np.testing.assert_allclose(np.asarray(kv.scales), np.asarray(one.scales), rtol=1e-5, atol=1e-7)
     # Values: equal up to a rare rounding-boundary flip (the sharded K/V projection may differ in the last bit).
     assert np.mean(np.asarray(kv.pages) != np.asarray(one.pages)) < 1e-3
+
+
+def test_logprobs_prompt_logprobs_and_penalties_split_equal_one_device(params, prompts):
+    """The extended sampler's token state is replicated like the logits: tp=2 gives one device's
+    tokens, logprobs and prompt logprobs, and compiles nothing after warm-up."""
+    from test_async_engine import run
+
+    requests = [
+        (prompts[4], SamplingParams(temperature=0.0, max_tokens=5, logprobs=4, prompt_logprobs=2, ignore_eos=True)),
+        # n = 1: a fan-out whose rows outgrow a decode bucket's logits rows compiles that (logits
+        # rows, rows) pair of the sampler (plain or extended) on first use; warm-up covers equal counts.
+        (prompts[5], SamplingParams(temperature=0.9, seed=3, max_tokens=5, repetition_penalty=1.4,
+                                    logit_bias={7: 3.0}, presence_penalty=0.5, logprobs=0, ignore_eos=True)),
+    ]
+    results = []
+    for tp in (1, 2):
+        engine = make_engine(params, mesh=make_mesh(tp) if tp > 1 else None)
+        _COUNTER.start()
+        results.append(run(engine, requests)[1])
+        _COUNTER.active = False
+        assert _COUNTER.events == [], f"tp={tp}: compiled after warm-up: {_COUNTER.events}"
+    for want, got in zip(*results):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        for wc, gc in zip(want.outputs, got.outputs):
+            np.testing.assert_allclose([lp.logprob for e in gc.logprobs for lp in e.values()],
+                                       [lp.logprob for e in wc.logprobs for lp in e.values()], atol=1e-5)
+    np.testing.assert_allclose([e[t].logprob for e, t in zip(results[1][0].prompt_logprobs[1:], prompts[4][1:])],
+                               [e[t].logprob for e, t in zip(results[0][0].prompt_logprobs[1:], prompts[4][1:])],
+                               atol=1e-5)

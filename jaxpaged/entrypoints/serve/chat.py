@@ -9,10 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve.common import (
-    APIError, EngineStreamResponse, check_model, collect, deltas_to_send, sampling_params, server_state, sse, start,
-    token_strings, usage,
+    APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
+    server_state, sse, start, usage,
 )
-from jaxpaged.entrypoints.serve.protocol import ChatCompletionRequest
+from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
+from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 
 router = APIRouter()
 
@@ -21,6 +22,7 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, body.model)
+    check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     tokenizer = state.tokenizer
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -30,23 +32,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     except Exception as err:  # the template raised (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from None
     token_ids = tokenizer.encode(text)
-    if body.top_logprobs is not None and body.top_logprobs > 1:
-        raise APIError(400, f"top_logprobs={body.top_logprobs}: only the chosen token's log-probability is "
-                            "available; use top_logprobs=0 or 1", param="top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", param="top_logprobs")
+    top_n = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(state, body, len(token_ids), max_tokens, logprobs=body.logprobs, prompt_param="messages")
+    params = sampling_params(state, body, len(token_ids), max_tokens, logprobs=top_n if body.logprobs else None,
+                             prompt_param="messages")
     stream = await start(state, token_ids, params, body.cache_salt)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def logprobs_of(token_ids, lps):
-        if not body.logprobs:
-            return None
-        content = []
-        for token, lp in zip(token_strings(tokenizer, token_ids), lps):
-            top = [{"token": token, "logprob": lp, "bytes": list(token.encode())}] if body.top_logprobs else []
-            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top})
-        return {"content": content}
+        return chat_logprobs(tokenizer, token_ids, lps, top_n) if body.logprobs else None
 
     def chunk(choices, usage_=None):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -63,8 +63,27 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: bool,
-                    prompt_param: str) -> SamplingParams:
+def check_unsupported(body, fields: dict) -> None:
+    """400 naming the first field the client set that this server does not implement."""
+    for name, unused in fields.items():
+        value = getattr(body, name)
+        if all(value != u for u in unused):
+            raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out", param=name)
+
+
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}."""
+    if logit_bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in logit_bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids, got {list(logit_bias)[:5]}",
+                       param="logit_bias") from None
+
+
+def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None,
+                    prompt_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
     max_model_len, max_num_seqs = state.config.max_model_len, state.config.max_num_seqs
     if num_prompt_tokens + 1 > max_model_len:
         raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
@@ -84,7 +103,10 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
-            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs)
+            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids)
     except ValueError as err:
         raise APIError(400, str(err)) from None
 
@@ -97,8 +119,8 @@ async def start(state: ServerState, token_ids: list[int], params: SamplingParams
         raise APIError(503, str(err), "server_overloaded", code="queue_full") from None
     try:
         await stream.accepted()
-    except ValueError as err:  # the engine refused the prompt (bad token ids, can never fit)
-        raise APIError(400, str(err), param="prompt") from None
+    except ValueError as err:  # the engine refused the request (bad token ids, can never fit)
+        raise APIError(400, str(err), param="prompt" if "prompt" in str(err) else None) from None
     except BaseException:  # cancelled while waiting (client gone): do not leave the request running
         stream.close()
         raise
@@ -127,10 +149,6 @@ def usage(output) -> dict:
             "total_tokens": num_prompt + num_completion}
 
 
-def token_strings(tokenizer, token_ids) -> list[str]:
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
-
-
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -157,13 +175,5 @@ def deltas_to_send(output, done: set[int]):
             continue
         if c.finish_reason is not None:
             done.add(c.index)
-        yield c, (c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else [])
+        yield c, (c.logprobs[len(c.logprobs) - len(c.delta_token_ids):] if c.logprobs else [])  # {id: Logprob} each
 
-
-def text_offsets(lengths: list[int], start: int) -> list[int]:
-    """Character offset of each token's text: [start, start + len0, start + len0 + len1, ...]."""
-    offsets, offset = [], start
-    for n in lengths:
-        offsets.append(offset)
-        offset += n
-    return offsets

@@ -1,4 +1,10 @@
-"""POST /v1/completions: one prompt (text or token ids) in, its completions out, streamed or whole."""
+"""POST /v1/completions: prompts (text or token ids, one or a list) in, their completions out, streamed or whole.
+
+A list of prompts gives one choice per prompt (n per prompt: choice index = prompt index * n + j),
+as OpenAI does. `echo=true` puts the prompt before the output, and with `logprobs` the prompt's
+tokens and their logprobs before the output's (the engine's prompt_logprobs); `max_tokens=0` (echo
+only) returns the prompt alone: how lm-eval scores loglikelihoods.
+"""
 
 from __future__ import annotations
 
@@ -9,49 +15,78 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve.common import (
-    APIError, EngineStreamResponse, check_model, collect, deltas_to_send, sampling_params, server_state, sse, start,
-    text_offsets, token_strings, usage,
+    APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
+    server_state, sse, start,
 )
-from jaxpaged.entrypoints.serve.protocol import CompletionRequest
+from jaxpaged.entrypoints.serve.logprobs_format import completion_logprobs
+from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
 
 router = APIRouter()
+
+
+def _prompts(tokenizer, prompt) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt of the request."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty; send some text or token ids", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "a prompt is empty; send some text", param="prompt")
+            out.append((p, tokenizer.encode(p)))
+        else:
+            out.append((None, list(p)))
+    return out
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, body.model)
+    check_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
     tokenizer = state.tokenizer
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"{len(prompt)} prompts in one request; send one prompt per request",
-                           param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt is empty; send some text", param="prompt")
-        token_ids = tokenizer.encode(prompt)
-    else:
-        token_ids = list(prompt)
-    if body.logprobs is not None and body.logprobs > 1:
-        raise APIError(400, f"logprobs={body.logprobs}: only the chosen token's log-probability is available; "
-                            "use logprobs=0 or 1", param="logprobs")
-    if body.echo:
-        raise APIError(400, "echo is not supported; drop it", param="echo")
-    params = sampling_params(state, body, len(token_ids), body.max_tokens, logprobs=body.logprobs is not None,
-                             prompt_param="prompt")
-    stream = await start(state, token_ids, params, body.cache_salt)
+    prompts = _prompts(tokenizer, body.prompt)
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens=0 generates nothing; use it with echo=true (prompt logprobs) or ask "
+                            "for >= 1 token", param="max_tokens")
+    if body.max_tokens == 0 and body.stream:
+        raise APIError(400, "max_tokens=0 cannot be streamed; set stream=false", param="stream")
+    prompt_only = body.max_tokens == 0  # one token is generated and dropped
+    want_prompt_logprobs = body.logprobs if body.echo else None
+    streams = []
+    try:
+        for _, token_ids in prompts:
+            params = sampling_params(state, body, len(token_ids), 1 if prompt_only else body.max_tokens,
+                                     logprobs=body.logprobs, prompt_param="prompt",
+                                     prompt_logprobs=want_prompt_logprobs)
+            streams.append(await start(state, token_ids, params, body.cache_salt))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def logprobs_of(token_ids, lps, text_offset0: int):
+    def echo_text(p: int) -> str:
+        text, token_ids = prompts[p]
+        return text if text is not None else tokenizer.decode(token_ids)
+
+    def logprobs_of(p, output, token_ids, entries, echo: bool):
         if body.logprobs is None:
             return None
-        tokens = token_strings(tokenizer, token_ids)
-        offsets = text_offsets([len(t) for t in tokens], text_offset0)
-        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if body.logprobs else None}
+        if echo:
+            prompt_ids = prompts[p][1]
+            prompt_entries = output.prompt_logprobs or [None] * len(prompt_ids)
+            token_ids, entries = prompt_ids + list(token_ids), list(prompt_entries) + list(entries)
+        return completion_logprobs(tokenizer, token_ids, entries)
+
+    def usage_of(finals) -> dict:
+        num_prompt = sum(len(f.prompt_token_ids) for f in finals)
+        num_completion = 0 if prompt_only else sum(len(c.token_ids) for f in finals for c in f.outputs)
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion}
 
     def chunk(choices, usage_=None):
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -59,26 +94,57 @@ async def completions(body: CompletionRequest, request: Request):
 
     if body.stream:
         async def events():
-            final, done = None, set()  # done: choices whose finish_reason was sent
-            async for output in stream:
-                final = output
-                choices = [{"index": c.index, "text": c.delta_text, "finish_reason": c.finish_reason,
-                            "logprobs": logprobs_of(c.delta_token_ids, new_lps, 0)}
-                           for c, new_lps in deltas_to_send(output, done)]
-                if choices:
-                    yield sse(chunk(choices, None))
-            if include_usage and final is not None:
-                yield sse(chunk([], usage(final)))
+            finals = []
+            for p, stream in enumerate(streams):  # prompt by prompt; all run in the engine together
+                final, done, echoed = None, set(), set()
+                async for output in stream:
+                    final = output
+                    choices = []
+                    for c, new_lps in deltas_to_send(output, done):
+                        echo = body.echo and c.index not in echoed
+                        echoed.add(c.index)
+                        choices.append({
+                            "index": p * body.n + c.index, "finish_reason": c.finish_reason,
+                            "text": (echo_text(p) if echo else "") + c.delta_text,
+                            "logprobs": logprobs_of(p, output, c.delta_token_ids, new_lps, echo)})
+                    if choices:
+                        yield sse(chunk(choices, None))
+                if final is not None:
+                    finals.append(final)
+            if include_usage and finals:
+                yield sse(chunk([], usage_of(finals)))
             yield "data: [DONE]\n\n"
 
-        return EngineStreamResponse(events(), stream)
+        return EngineStreamResponse(events(), _AllStreams(streams))
 
-    final = await collect(stream, request)
-    if final is None or not final.finished:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                     "logprobs": logprobs_of(c.token_ids, c.logprobs or [], 0)} for c in final.outputs],
-        "usage": usage(final),
-    }
+    finals = []
+    for stream in streams:
+        final = await collect(stream, request)
+        if final is None or not final.finished:
+            for other in streams:
+                other.close()
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        finals.append(final)
+    choices = []
+    for p, final in enumerate(finals):
+        for c in final.outputs:
+            token_ids, entries, text = c.token_ids, c.logprobs or [], c.text
+            if prompt_only:
+                token_ids, entries, text = [], [], ""
+            choices.append({
+                "index": p * body.n + c.index, "finish_reason": "length" if prompt_only else c.finish_reason,
+                "text": (echo_text(p) if body.echo else "") + text,
+                "logprobs": logprobs_of(p, final, token_ids, entries, body.echo)})
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage_of(finals)}
+
+
+class _AllStreams:
+    """The request streams of one response, closed together when it ends."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()

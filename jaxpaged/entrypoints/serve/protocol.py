@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (validated by pydantic) and the error body.
 
 Requests accept OpenAI's fields plus jaxpaged's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `cache_salt`), which the `openai` client sends through `extra_body`,
-as vLLM accepts them. Unknown fields are ignored, as OpenAI's and vLLM's servers ignore them.
+`ignore_eos`, `stop_token_ids`, `cache_salt`, `repetition_penalty`, `allowed_token_ids`), which the
+`openai` client sends through `extra_body`, as vLLM accepts them. OpenAI fields the server does not
+implement (`best_of` > 1, `suffix`, `tools`, ...) get a 400 naming the field; fields unknown to
+OpenAI are ignored, as OpenAI's and vLLM's servers ignore them.
 
 Every error, whatever raised it, leaves the server as one JSON body built by `error_body`:
 
@@ -54,14 +56,32 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # requests with different salts never share prefix-cache pages
+    # Penalties and biases (OpenAI's, plus vLLM's repetition_penalty and allowed_token_ids)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    user: str | None = None  # accepted and unused (OpenAI's servers only log it)
+
+
+# Fields this server does not implement, with the values that mean "unused": any other value is a
+# 400 that names the field (common.check_unsupported) instead of being silently ignored.
+UNSUPPORTED_COMPLETION_FIELDS = {"best_of": (None, 1), "suffix": (None,)}
+UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                           "function_call": (None, "none"), "audio": (None,), "prediction": (None,)}
 
 
 class CompletionRequest(_SamplingFields):
     # One prompt per request: a string, or token ids (a one-element list of either is accepted too).
+    # A string, token ids, or a list of either: one choice (n choices) per prompt, in order.
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0)  # 0 or 1: the chosen token's log-probability
-    echo: bool = False
+    # OpenAI's default for completions; 0 only with echo (prompt logprobs alone, as lm-eval asks).
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the chosen token and the k most likely
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the output
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -85,4 +105,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    prediction: dict | None = None

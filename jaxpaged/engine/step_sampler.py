@@ -1,0 +1,141 @@
+"""A step's sampling, engine side: one sampler row per token drawn, and which sampler runs.
+
+    scheduled sequences ──► RowSpec per row (device/sampling.py) ──► sampler.sample          (plain)
+                        └─► + PenaltyArrays / logprobs wanted   ──► sampler_ext.sample_ext  (else)
+
+Only a step where some row asks for logprobs or uses penalties, logit_bias or allowed_token_ids
+pays for the extended sampler; only a step where some row asks for logprobs copies them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
+from jaxpaged.device.sampler_ext import LOGPROBS_MODES, sample_ext
+from jaxpaged.device.sampling import num_sample_rows, row_spec, sample_padded, sampler_row_counts
+from jaxpaged.device.token_state import host_slot_rows, init_slot, make_penalty_arrays
+from jaxpaged.engine.logprobs import TokenSlots
+from jaxpaged.planner.sequence import Sequence
+
+_NO_PENALTY = (-1, 0.0, 0.0, 1.0)
+
+
+@dataclasses.dataclass
+class SampledStep:
+    tokens: jax.Array | None  # int32 [num_out], None if nothing sampled
+    logprobs: dict | None  # sampler_ext.token_logprobs' device arrays, None unless some row asked
+    entries: list  # per scheduled sequence: None, its sampler row, or n rows (fan-out)
+    num_rows: int
+    fan_out_slots: list[list[int]]  # per fan-out (in order): the token-state slot of each of its n rows
+
+
+class StepSampler:
+    def __init__(self, runner, max_num_seqs: int, vocab_size: int, logprobs_mode: str):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
+        self.runner, self.logprobs_mode = runner, logprobs_mode
+        # One slot per running sequence is enough; twice that leaves room for the fan-out rows of a
+        # step whose children are not yet running.
+        place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
+        self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
+
+    def sample(self, out, logits, owner, beam_owner) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
+        """Builds the rows of every sampling sequence of `out` and dispatches the sampler; returns
+        the step's sampled arrays and the (logits row, beam) pairs left to beam search."""
+        rows: list[RowSpec] = []
+        penalty_rows: list[tuple] = []
+        entries: list = [None] * len(out.seqs)
+        fan_out_slots: list[list[int]] = []
+        beam_seqs: list[tuple[int, Sequence]] = []
+        want_logprobs = use_slots = False
+        for i, seq in enumerate(out.seqs):
+            if not out.samples[i]:
+                continue
+            if seq.seq_id in beam_owner:  # no placeholder: the search picks its next token
+                beam_seqs.append((i, seq))
+                continue
+            request, sample_idx = owner[seq.seq_id]
+            params = request.params
+            want_logprobs = want_logprobs or params.logprobs is not None
+            step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
+            if params.needs_token_state and not use_slots:
+                use_slots = True
+                self.slots.release_stopped()
+                penalty_rows = [_NO_PENALTY] * len(rows)
+            if len(request.samples) < params.n:
+                entries[i] = list(range(len(rows), len(rows) + params.n))
+                rows += [row_spec(i, params, request.seed, j, seq, step) for j in range(params.n)]
+                if params.needs_token_state:
+                    slots = [self.slots.slot_of(seq)] + [self.slots.new_slot(seq) for _ in range(params.n - 1)]
+                    fan_out_slots.append(slots)
+                    penalty_rows += [_penalty_row(s, params) for s in slots]
+                else:
+                    fan_out_slots.append([])
+                    if use_slots:
+                        penalty_rows += [_NO_PENALTY] * params.n
+            else:
+                entries[i] = len(rows)
+                rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
+                if params.needs_token_state:
+                    penalty_rows.append(_penalty_row(self.slots.slot_of(seq), params))
+                elif use_slots:
+                    penalty_rows.append(_NO_PENALTY)
+        if not rows:
+            return SampledStep(None, None, entries, 0, fan_out_slots), beam_seqs
+        num_rows = num_sample_rows(len(rows), logits.shape[0])
+        num_out = max(num_rows, self.runner.num_prev_token_rows)
+        arrays = make_sampling_arrays(rows, num_rows)
+        logprobs = None
+        if want_logprobs or use_slots:
+            penalties = make_penalty_arrays(penalty_rows, num_rows) if use_slots else None
+            tokens, logprobs, state = sample_ext(
+                logits, arrays, penalties, self.slots.state if use_slots else None,
+                logprobs_mode=self.logprobs_mode, num_out=num_out)
+            if use_slots:
+                self.slots.state = state
+            if want_logprobs:
+                for array in logprobs.values():
+                    array.copy_to_host_async()
+            else:
+                logprobs = None
+        else:
+            tokens, _ = sample_padded(logits, arrays, num_out=num_out)
+        tokens.copy_to_host_async()  # lands while the host plans the next step
+        return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots), beam_seqs
+
+    def assign_children(self, out, entries, fan_out_slots, children) -> None:
+        """After advance(): child j of each fan-out owns the slot of its row j."""
+        children = iter(children)
+        fan_outs = iter(fan_out_slots)
+        for entry in entries:
+            if isinstance(entry, list):
+                slots = next(fan_outs)
+                for j in range(1, len(entry)):
+                    child = next(children)
+                    if slots:
+                        self.slots.assign(child, slots[j])
+
+    def warmup(self, max_num_seqs: int) -> None:
+        """Compiles sample_ext for every row count `warmup_sampler` compiles `sample` for, with and
+        without penalties, and the slot write."""
+        vocab_size = self.slots.vocab_size
+        self.slots.state = init_slot(self.slots.state, np.int32(0), *host_slot_rows(vocab_size, [0], [], None, None))
+        for num_rows in sampler_row_counts(self.runner, max_num_seqs):
+            logits = self.runner.zeros_logits(num_rows)
+            arrays = make_sampling_arrays([RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9)], num_rows)
+            for penalized in (False, True):
+                penalties = make_penalty_arrays([], num_rows) if penalized else None
+                tokens, logprobs, state = sample_ext(
+                    logits, arrays, penalties, self.slots.state if penalized else None,
+                    logprobs_mode=self.logprobs_mode, num_out=max(num_rows, self.runner.num_prev_token_rows))
+                if penalized:
+                    self.slots.state = state
+                jax.block_until_ready((tokens, logprobs))
+
+
+def _penalty_row(slot: int, params) -> tuple[int, float, float, float]:
+    return slot, params.presence_penalty, params.frequency_penalty, params.repetition_penalty
