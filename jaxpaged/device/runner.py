@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.ops.attention import reference_paged_attention
-from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes, zeros_kv_cache
+from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
