@@ -42,6 +42,7 @@ from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutp
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
+from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
@@ -111,6 +112,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
         )
         self.processor = OutputProcessor(tokenizer)
+        self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
@@ -167,7 +169,10 @@ class LLMEngine:
             [int(t) for t in prompt_token_ids], params, cache_salt=cache_salt,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
+        else:  # validates the spec (ValueError); the request waits there until its grammar compiled
+            self.structured.hold(request_id, seq, params.structured_outputs)
         self.processor.add_request(request_id, prompt, seq, params, seed)
         return request_id
 
@@ -198,6 +203,7 @@ class LLMEngine:
         A token of it still on the device is discarded when it lands."""
         if self.beams.abort(request_id, self.scheduler):
             return
+        self.structured.abort(request_id)
         request = self.processor.pop(request_id)
         if request is None:
             return
@@ -230,6 +236,7 @@ class LLMEngine:
         copies every moved request's tokens, which offline generation does not need.
         """
         t0 = time.perf_counter()
+        failed = self.structured.admit(wait=not self.scheduler.has_unfinished()) if self.structured.pending else []
         out = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
         if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
@@ -239,13 +246,13 @@ class LLMEngine:
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
-        outputs = self._commit(previous, only_finished) if previous is not None else []
+        outputs = failed + (self._commit(previous, only_finished) if previous is not None else [])
         if dispatched is not None:
             if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
                 self._in_flight = dispatched
             else:  # synchronous, beams, or nothing left to overlap with (the drain)
                 outputs += self._commit(dispatched, only_finished)
-        elif previous is None and self.has_unfinished_requests():
+        elif previous is None and not failed and self.has_unfinished_requests():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting; this is a bug")
         return outputs
 
@@ -289,13 +296,13 @@ class LLMEngine:
             else:
                 entries[i] = len(rows)
                 rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
-
-        tokens = logprobs = None
+        tokens = logprobs = bitmask = None
         num_rows = 0
         if rows:
             num_rows = num_sample_rows(len(rows), logits.shape[0])
             num_out = max(num_rows, self.runner.num_prev_token_rows)
-            tokens, logprobs = sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=num_out)
+            bitmask = self.structured.bitmask(out.seqs, entries, num_rows)  # None: no row has a grammar
+            tokens, logprobs = sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out, bitmask)
             tokens.copy_to_host_async()  # lands while the host plans the next step
             if want_logprobs:
                 logprobs.copy_to_host_async()
@@ -315,7 +322,7 @@ class LLMEngine:
         self.timings["postprocess"] += time.perf_counter() - t1
         return _Dispatched(
             idx=self._num_steps, out=out, tokens=tokens, logprobs=logprobs,
-            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
+            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs and bitmask is None,
             beam_seqs=beam_seqs, beam_candidates=candidates,
         )
 
@@ -345,6 +352,7 @@ class LLMEngine:
         outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
+        self.structured.release()
         if dispatched.beam_seqs:
             beam_logprobs, beam_token_ids = (np.asarray(a) for a in dispatched.beam_candidates)
             for search in self.beams.commit(self.scheduler, dispatched.beam_seqs, beam_logprobs, beam_token_ids):

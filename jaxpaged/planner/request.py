@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import no_type_check
 
+from jaxpaged.structured.params import StructuredOutputsParams
+
 
 # no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
 # tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
@@ -37,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's eos token
     n: int = 1  # number of samples of the same prompt (forks share the prompt's pages)
     logprobs: bool = False  # also return the chosen tokens' log-probabilities
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         # Normalise the two list fields to tuples, so the object is hashable and immutable; None
@@ -83,6 +86,11 @@ class SamplingParams:
             raise ValueError(f"n={self.n} must be >= 1; ask for at least one sample")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs={self.logprobs!r} must be True or False")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams "
+                "(from jaxpaged import StructuredOutputsParams) or None"
+            )
 
     @property
     def greedy(self) -> bool:
