@@ -158,18 +158,18 @@ def test_unsatisfiable_regex_finishes_with_abort_and_the_engine_keeps_serving(ll
     _assert_idle(llm)
 
 
-def test_preemption_and_prefix_caching_keep_outputs_valid(tmp_path):
-    # A pool too small for all of them at once: sequences are preempted (recompute) and resumed with
-    # their matcher kept; a repeated prompt hits the prefix cache.
-    llm = LLM(write_tiny_checkpoint(str(tmp_path)), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-              num_pages=40, page_size=4)
-    schemas = SCHEMAS[:12]
-    prompt = "a shared prompt long enough to fill some pages of four tokens"
-    outs = llm.generate([prompt] * len(schemas), [_json_params(s, temperature=0.8, seed=i) for i, s in enumerate(schemas)])
-    for schema, out in zip(schemas, outs):
+def test_preemption_and_prefix_caching_keep_outputs_valid(llm):
+    # 16 requests of ~140 prompt tokens and 64+ output tokens do not fit the 159 pages of 8 tokens together: sequences are
+    # preempted (recompute) and resumed with their matcher kept; the common first pages hit the
+    # prefix cache.
+    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 4}, "minItems": 8,
+              "maxItems": 8}  # >= 64 output tokens each: running sequences outgrow the pool
+    prompts = ["a common prefix of two pages..." + f" request {i:02d} " + chr(ord("a") + i) * 100 for i in range(16)]
+    before = _engine(llm).stats()["num_preemptions"]
+    outs = llm.generate(prompts, [_json_params(schema, temperature=1.0, seed=i) for i in range(16)])
+    for out in outs:
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
-    stats = llm.engine.stats()
-    assert stats["num_preemptions"] > 0, stats
-    assert max(o.num_cached_tokens for o in outs) > 0
+    assert _engine(llm).stats()["num_preemptions"] > before
+    assert max(o.num_cached_tokens for o in outs) >= 16
     _assert_idle(llm)

@@ -99,8 +99,9 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is invalid: {matcher.get_error()}")
         mask = np.zeros((self.vocab_size + 31) // 32, np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        if not mask.any():
+        if matcher.is_error() or not mask.any():  # llguidance errs when no token can start the output
             raise ValueError(f"structured_outputs.{kind} matches no output: no token can start it")
+        matcher.reset()  # out of the error-free first-mask state: the template is clean
         return matcher
 
     def shutdown(self) -> None:

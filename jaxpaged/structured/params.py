@@ -31,6 +31,11 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON schema: a dict or a JSON string")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON ({e}); pass a JSON schema") from None
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be True or None")
         for name in ("regex", "grammar"):
@@ -54,14 +59,11 @@ class StructuredOutputsParams:
         kind = self.kind
         value: Any = getattr(self, kind)
         if kind == "json":
-            value = _json.loads(value) if isinstance(value, str) else value  # may raise: checked in grammar.py
+            value = _json.loads(value) if isinstance(value, str) else value  # parses: checked above
             return kind, _json.dumps(value, sort_keys=True)
         if kind == "choice":
             return kind, _json.dumps(list(value))
         return kind, "" if kind == "json_object" else value
 
     def __hash__(self) -> int:  # json may be a dict: hash the canonical text
-        try:
-            return hash(self.key())
-        except ValueError:
-            return hash(str(self.json))
+        return hash(self.key())
