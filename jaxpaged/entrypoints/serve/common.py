@@ -64,7 +64,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: bool,
-                    prompt_param: str) -> SamplingParams:
+                    prompt_param: str, structured_outputs=None) -> SamplingParams:
     max_model_len, max_num_seqs = state.config.max_model_len, state.config.max_num_seqs
     if num_prompt_tokens + 1 > max_model_len:
         raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
@@ -84,7 +84,8 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
-            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs)
+            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs,
+            structured_outputs=structured_outputs)
     except ValueError as err:
         raise APIError(400, str(err)) from None
 
@@ -97,8 +98,9 @@ async def start(state: ServerState, token_ids: list[int], params: SamplingParams
         raise APIError(503, str(err), "server_overloaded", code="queue_full") from None
     try:
         await stream.accepted()
-    except ValueError as err:  # the engine refused the prompt (bad token ids, can never fit)
-        raise APIError(400, str(err), param="prompt") from None
+    except ValueError as err:  # the engine refused it (bad token ids, can never fit, an invalid grammar)
+        raise APIError(400, str(err), param="structured_outputs" if "structured_outputs" in str(err) else "prompt") \
+            from None
     except BaseException:  # cancelled while waiting (client gone): do not leave the request running
         stream.close()
         raise

@@ -13,6 +13,7 @@ from jaxpaged.entrypoints.serve.common import (
     text_offsets, token_strings, usage,
 )
 from jaxpaged.entrypoints.serve.protocol import CompletionRequest
+from jaxpaged.entrypoints.serve.tools import structured_spec
 
 router = APIRouter()
 
@@ -40,7 +41,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo:
         raise APIError(400, "echo is not supported; drop it", param="echo")
     params = sampling_params(state, body, len(token_ids), body.max_tokens, logprobs=body.logprobs is not None,
-                             prompt_param="prompt")
+                             prompt_param="prompt", structured_outputs=structured_spec(body))
     stream = await start(state, token_ids, params, body.cache_salt)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -54,6 +54,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # requests with different salts never share prefix-cache pages
+    # Structured outputs (serve/tools.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict | None = None
+    structured_outputs: dict | None = None  # {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
 
 
 class CompletionRequest(_SamplingFields):
@@ -68,9 +71,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict]  # a string, or OpenAI's content parts ([{"type": "text", "text": ...}])
+    # a string, or OpenAI's content parts ([{"type": "text", "text": ...}]); None on an assistant
+    # turn that only calls tools
+    content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # assistant: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
-    def text(self) -> str:
+    def text(self) -> str | None:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return None
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls "
+                             "may leave it null)")
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -86,3 +99,5 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict] | None = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
