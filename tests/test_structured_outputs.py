@@ -173,3 +173,35 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(llm):
     assert _engine(llm).stats()["num_preemptions"] > before
     assert max(o.num_cached_tokens for o in outs) >= 16
     _assert_idle(llm)
+
+
+def test_sampler_bitmask_equals_masking_the_logits_by_hand():
+    """The device half alone: sample(logits, mask) == sample(logits with -inf where the mask's bit is
+    0, no mask), greedy and sampled rows; an all-ones mask changes nothing."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+
+    rng = np.random.default_rng(0)
+    vocab, num_rows = 100, 8  # 100 is not a multiple of 32: the last word is partly padding
+    logits = rng.normal(size=(num_rows, vocab)).astype(np.float32) * 3
+    rows = [RowSpec(row_idx=r, temperature=0.0 if r < 3 else 0.9, top_k=[0, 5][r % 2], top_p=[1.0, 0.8][r % 3 == 0],
+                    seed=r, step=r) for r in range(num_rows)]
+    arrays = make_sampling_arrays(rows, num_rows)
+    allowed = rng.random((num_rows, vocab)) < 0.3
+    allowed[:, 0] = False  # never the argmax's tie-break default
+    bits = np.zeros((num_rows, 4 * 32), np.uint8)
+    bits[:, :vocab] = allowed
+    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [R, 4] int32 words
+    tokens, logprobs = sample(logits, arrays, token_bitmask=mask)
+    by_hand, _ = sample(np.where(allowed, logits, -np.inf).astype(np.float32), arrays)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(by_hand))
+    assert allowed[np.arange(num_rows), np.asarray(tokens)].all()
+    # The logprob stays the model's own (unmasked) log-softmax at the chosen token.
+    want = np.asarray(jnp.take_along_axis(jnp.asarray(logits) - jnp.log(jnp.exp(logits).sum(1, keepdims=True)),
+                                          jnp.asarray(tokens)[:, None], 1))[:, 0]
+    np.testing.assert_allclose(np.asarray(logprobs), want, rtol=1e-5, atol=1e-5)
+    ones = np.full((num_rows, 4), -1, np.int32)
+    np.testing.assert_array_equal(np.asarray(sample(logits, arrays, token_bitmask=ones)[0]),
+                                  np.asarray(sample(logits, arrays)[0]))
