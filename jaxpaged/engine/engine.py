@@ -296,13 +296,13 @@ class LLMEngine:
             else:
                 entries[i] = len(rows)
                 rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
-        tokens = logprobs = bitmask = None
-        num_rows = 0
+        num_rows, tokens, logprobs, bitmask = 0, None, None, None
         if rows:
             num_rows = num_sample_rows(len(rows), logits.shape[0])
             num_out = max(num_rows, self.runner.num_prev_token_rows)
             bitmask = self.structured.bitmask(out.seqs, entries, num_rows)  # None: no row has a grammar
-            tokens, logprobs = sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out, bitmask)
+            arrays = make_sampling_arrays(rows, num_rows)  # keywords as warmup_sampler passes them: one cache
+            tokens, logprobs = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
             tokens.copy_to_host_async()  # lands while the host plans the next step
             if want_logprobs:
                 logprobs.copy_to_host_async()
