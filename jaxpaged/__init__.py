@@ -9,9 +9,10 @@ The host side (sequence, block manager, scheduler, sampling params) never import
 from jaxpaged.engine.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
 from jaxpaged.planner.request import SamplingParams
+from jaxpaged.structured import StructuredOutputsParams
 
 __all__ = [
-    "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+    "LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput",
     "BeamSearchParams", "BeamSearchOutput", "BeamOutput",
 ]
 __version__ = "0.1.0"

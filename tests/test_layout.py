@@ -2,6 +2,7 @@
 
     floor 0  config.py        engine arguments (no jax)
     floor 1  planner/         host planning: stdlib + numpy, never jax
+    floor 1  structured/      structured outputs' host side: stdlib + numpy + llguidance, never jax
     floor 2  ops/             jnp building blocks (attention, KV quantization)
     floor 3  models/          model code, weights, tokenizer
     floor 4  device/          step inputs, runner, sampler, KV pool, sharding
@@ -18,7 +19,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOORS = {"config": 0, "planner": 1, "ops": 2, "models": 3, "device": 4, "engine": 5, "entrypoints": 6}
+FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "device": 4, "engine": 5, "entrypoints": 6}
 # The package's own __init__ and the two entry names (python -m jaxpaged.generate / .serve) sit on top.
 TOP = {"__init__", "generate", "serve"}
 MAX_LINES = 400
@@ -86,7 +87,8 @@ def test_pallas_kernels_import_nothing_of_jaxpaged():
 
 
 def test_the_planner_never_imports_jax():
-    planner = sorted(rel[:-3].replace(os.sep, ".") for rel, _ in _modules("jaxpaged/planner"))
+    planner = sorted(rel[:-3].replace(os.sep, ".") for package in ("jaxpaged/planner", "jaxpaged/structured")
+                     for rel, _ in _modules(package))
     code = ("import sys\n" + "".join(f"import {m.removesuffix('.__init__')}\n" for m in planner)
             + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
             + "assert not bad, bad\nprint(len(sys.modules))")

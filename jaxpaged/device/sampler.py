@@ -3,7 +3,9 @@
 Each output row r reads logits row `row_idx[r]`, so the engine can draw n samples from one prompt's
 logits (fan-out) without copying logits on the host. Per row, in the order of vLLM / Hugging Face:
 
-    raw logits x ─► banned ids to -inf (eos and stop_token_ids while fewer than min_tokens outputs)
+    raw logits x ─► grammar bitmask: tokens outside it to -inf (only when the step passes one)
+         │
+         ├─────► banned ids to -inf (eos and stop_token_ids while fewer than min_tokens outputs)
          │
     masked x ─────► greedy? (temperature 0) ──────────────────► argmax(x)   (ties: lowest id)
          │
@@ -249,6 +251,19 @@ def _mask_banned(
     return raw.at[rows, columns].set(-jnp.inf, mode="drop")
 
 
+def apply_token_bitmask(
+    raw: Float[Array, "num_rows vocab_size"], token_bitmask: Int[Array, "num_rows num_words"]
+) -> Float[Array, "num_rows vocab_size"]:
+    """raw with -inf where the row's bitmask bit is 0: bit (t % 32) of word t // 32 allows token t.
+
+    Structured outputs' grammar mask (jaxpaged/structured/); rows without a grammar are all ones.
+    """
+    vocab_ids = jnp.arange(raw.shape[1], dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(token_bitmask, jnp.uint32)[:, vocab_ids >> 5]  # [R, V]
+    allowed = jax.lax.shift_right_logical(words, jnp.broadcast_to(vocab_ids & 31, words.shape)) & 1
+    return jnp.where(allowed.astype(jnp.bool_), raw, -jnp.inf)
+
+
 def _row_uniforms(params: SamplingArrays) -> Float[Array, "num_rows"]:
     """One uniform in (0, 1) per row, from (seed, step) alone."""
 
@@ -297,7 +312,8 @@ def sampling_logits(
 
 @functools.partial(jax.jit, static_argnames=("branch_free",))
 def sample(
-    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None,
+    token_bitmask: Int[Array, "num_rows num_words"] | None = None,
 ) -> tuple[Int[Array, "num_rows"], Float[Array, "num_rows"]]:
     """Draws one token per output row.
 
@@ -308,16 +324,21 @@ def sample(
       branch_free: static; True computes every path and selects per row (no `cond`, so no device to
         host predicate read on a GPU), False skips unneeded work with `cond`s; None (default) picks
         False on CPU and True elsewhere. The tokens are the same.
+      token_bitmask: int32 [num_rows, ceil(vocab_size / 32)] or None: the structured-output grammar
+        mask (see apply_token_bitmask), applied before everything else. None (a separate compiled
+        variant) costs nothing; a step passes it only when some row has a grammar.
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.
       logprobs: float32 [num_rows], `log_softmax(logits[row_idx])` at the chosen token, i.e. under
         the model's unmodified distribution.
 
-    Compiles once per (num_seqs, num_rows, vocab_size, num_banned); parameter values never retrace.
+    Compiles once per (num_seqs, num_rows, vocab_size, num_banned, bitmask or not); parameter
+    values never retrace.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
-    allowed = _mask_banned(raw, params.banned_ids)  # [R, V]
+    constrained = raw if token_bitmask is None else apply_token_bitmask(raw, token_bitmask)
+    allowed = _mask_banned(constrained, params.banned_ids)  # [R, V]
     greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
     branch_free = _branch_free(branch_free)

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.device.sampler import (
     GREEDY_TEMPERATURE, SamplingArrays, _branch_free, _inverse_cdf_draw, _mask_banned, _processed_logits,
-    _row_uniforms,
+    _row_uniforms, apply_token_bitmask,
 )
 from jaxpaged.device.token_state import PenaltyArrays, TokenState, add_tokens, apply_penalties
 
@@ -38,16 +38,19 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 @functools.partial(jax.jit, static_argnames=("logprobs_mode", "num_out", "branch_free"), donate_argnames=("state",))
 def sample_ext(
     logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, penalties: PenaltyArrays | None,
-    state: TokenState | None, *, logprobs_mode: str, num_out: int, branch_free: bool | None = None,
+    state: TokenState | None, token_bitmask: Int[Array, "num_rows num_words"], *, logprobs_mode: str, num_out: int,
+    branch_free: bool | None = None,
 ):
     """Returns (tokens int32 [num_out] padded with 0, logprobs dict of device arrays, the updated state).
 
     logprobs: "chosen" f32 [R], "rank" int32 [R], "top_values" f32 [R, 20], "top_ids" int32 [R, 20].
     `penalties` None (and state None) skips the penalty path: a separate compiled program.
+    `token_bitmask`: the structured-output mask (all ones for rows without a grammar), applied after
+    the penalties and before the min_tokens ban, as `sample` applies it.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
     x = raw if penalties is None else apply_penalties(raw, state, penalties)
-    allowed = _mask_banned(x, params.banned_ids)
+    allowed = _mask_banned(apply_token_bitmask(x, token_bitmask), params.banned_ids)
     greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
     branch_free = _branch_free(branch_free)

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
 from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
@@ -35,9 +36,10 @@ def row_spec(logits_row: int, params: SamplingParams, seed: int, sample_idx: int
 
 
 @functools.partial(jax.jit, static_argnames=("num_out",))
-def sample_padded(logits, arrays, num_out: int):
-    """`sample`, with the tokens padded to `num_out` rows: the next step reads them at a fixed shape."""
-    tokens, logprobs = sample(logits, arrays)
+def sample_padded(logits, arrays, num_out: int, token_bitmask=None):
+    """`sample`, with the tokens padded to `num_out` rows: the next step reads them at a fixed shape.
+    token_bitmask: the structured-output grammar mask, int32 [rows, ceil(vocab / 32)], or None."""
+    tokens, logprobs = sample(logits, arrays, token_bitmask=token_bitmask)
     return jnp.pad(tokens, (0, num_out - tokens.shape[0])), logprobs
 
 
@@ -61,6 +63,10 @@ def warmup_sampler(runner, max_num_seqs: int) -> None:
     for num_rows in sampler_row_counts(runner, max_num_seqs):
         logits = runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
         rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
-        jax.block_until_ready(
-            sample_padded(logits, make_sampling_arrays(rows, num_rows), num_out=max(num_rows, num_out))
-        )
+        arrays = make_sampling_arrays(rows, num_rows)
+        # Both variants: without a grammar mask, and with one (a step with a structured-output row).
+        all_allowed = np.full((num_rows, (logits.shape[1] + 31) // 32), -1, np.int32)
+        for token_bitmask in (None, all_allowed):
+            jax.block_until_ready(
+                sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)
+            )

@@ -38,12 +38,14 @@ from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.sampler import beam_candidates
 from jaxpaged.device.sampling import warmup_sampler
 from jaxpaged.device.step_input import BlockTableRows
+from jaxpaged.engine.dispatched import Dispatched
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
-from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, prompt_targets
+from jaxpaged.engine.logprobs import HostLogprobs, prompt_targets
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.step_sampler import StepSampler
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
+from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
@@ -51,24 +53,6 @@ from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
 
 logger = logging.getLogger("jaxpaged")
-
-
-@dataclasses.dataclass
-class _Dispatched:
-    """A step on the device whose sampled tokens the host has not read yet."""
-
-    idx: int  # engine step number
-    out: SchedulerOutput  # advanced: out.sampled names each token's sampler row
-    tokens: jax.Array | None  # int32 [num_rows padded], None if nothing sampled
-    logprobs: dict | None  # sampler_ext.token_logprobs' arrays, None unless some row asked for logprobs
-    next_can_read: bool  # its tokens fit the next step's prev_tokens input (else commit at once)
-    # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
-    # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).
-    beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
-    beam_candidates: tuple[jax.Array, jax.Array] | None = None
-    # Prompt logprobs: every token's token_logprobs arrays, and which requests' prompt positions they fill.
-    prompt_logprobs: dict | None = None
-    prompt_chunks: list[PromptChunk] = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -120,10 +104,11 @@ class LLMEngine:
         )
         self.processor = OutputProcessor(tokenizer)
         self.sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
+        self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
-        self._in_flight: _Dispatched | None = None
+        self._in_flight: Dispatched | None = None
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._num_generated_tokens = 0
@@ -186,7 +171,10 @@ class LLMEngine:
             [int(t) for t in prompt_token_ids], params, cache_salt=cache_salt,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
+        else:  # validates the spec (ValueError); the request waits there until its grammar compiled
+            self.structured.hold(request_id, seq, params.structured_outputs)
         self.processor.add_request(request_id, prompt, seq, params, seed)
         return request_id
 
@@ -217,6 +205,7 @@ class LLMEngine:
         A token of it still on the device is discarded when it lands."""
         if self.beams.abort(request_id, self.scheduler):
             return
+        self.structured.abort(request_id)
         request = self.processor.pop(request_id)
         if request is None:
             return
@@ -249,6 +238,7 @@ class LLMEngine:
         copies every moved request's tokens, which offline generation does not need.
         """
         t0 = time.perf_counter()
+        failed = self.structured.admit(wait=not self.scheduler.has_unfinished()) if self.structured.pending else []
         out = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
         if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
@@ -258,17 +248,17 @@ class LLMEngine:
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
-        outputs = self._commit(previous, only_finished) if previous is not None else []
+        outputs = failed + (self._commit(previous, only_finished) if previous is not None else [])
         if dispatched is not None:
             if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
                 self._in_flight = dispatched
             else:  # synchronous, beams, or nothing left to overlap with (the drain)
                 outputs += self._commit(dispatched, only_finished)
-        elif previous is None and self.has_unfinished_requests():
+        elif previous is None and not failed and self.has_unfinished_requests():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting; this is a bug")
         return outputs
 
-    def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
+    def _dispatch(self, out: SchedulerOutput) -> Dispatched:
         """Prepares and launches the step on the device, then advances the scheduler past it."""
         self._num_steps += 1
         if logger.isEnabledFor(logging.DEBUG):
@@ -295,7 +285,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         # Rows to sample: one per sampling sequence; a request with n > 1 draws n rows from its
         # parent's logits row at its first token, and advance() forks the parent n-1 times.
-        sampled, beam_seqs = self.sampler.sample(out, logits, self.processor.owner, self.beams.owner)
+        sampled, beam_seqs = self.sampler.sample(
+            out, logits, self.processor.owner, self.beams.owner,
+            lambda entries, num_rows: self.structured.bitmask(out.seqs, entries, num_rows))  # None: no grammar
         entries, num_rows = sampled.entries, sampled.num_rows
         candidates = None
         if beam_seqs:
@@ -312,9 +304,9 @@ class LLMEngine:
         if sampled.fan_out_slots:
             self.sampler.assign_children(out, entries, sampled.fan_out_slots, children)
         self.timings["postprocess"] += time.perf_counter() - t1
-        return _Dispatched(
+        return Dispatched(
             idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
-            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
+            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained,
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
             prompt_chunks=prompt_chunks,
         )
@@ -327,7 +319,7 @@ class LLMEngine:
                 for j in range(1, len(entry)):
                     yield request, j
 
-    def _commit(self, dispatched: _Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
+    def _commit(self, dispatched: Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
         t0 = time.perf_counter()
         tokens = logprobs = None
@@ -347,6 +339,7 @@ class LLMEngine:
         outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
+        self.structured.release()
         if dispatched.beam_seqs:
             beam_logprobs, beam_token_ids = (np.asarray(a) for a in dispatched.beam_candidates)
             for search in self.beams.commit(self.scheduler, dispatched.beam_seqs, beam_logprobs, beam_token_ids):

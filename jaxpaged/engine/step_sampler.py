@@ -31,6 +31,7 @@ class SampledStep:
     entries: list  # per scheduled sequence: None, its sampler row, or n rows (fan-out)
     num_rows: int
     fan_out_slots: list[list[int]]  # per fan-out (in order): the token-state slot of each of its n rows
+    constrained: bool = False  # some row drew under a structured-output grammar's mask
 
 
 class StepSampler:
@@ -43,9 +44,12 @@ class StepSampler:
         place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
         self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
 
-    def sample(self, out, logits, owner, beam_owner) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
+    def sample(self, out, logits, owner, beam_owner, bitmask_fn=None) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
         """Builds the rows of every sampling sequence of `out` and dispatches the sampler; returns
-        the step's sampled arrays and the (logits row, beam) pairs left to beam search."""
+        the step's sampled arrays and the (logits row, beam) pairs left to beam search.
+
+        `bitmask_fn(entries, num_rows)`: the structured-output mask of the step's rows (int32
+        [num_rows, ceil(vocab / 32)]), or None when no row has a grammar."""
         rows: list[RowSpec] = []
         penalty_rows: list[tuple] = []
         entries: list = [None] * len(out.seqs)
@@ -89,11 +93,14 @@ class StepSampler:
         num_rows = num_sample_rows(len(rows), logits.shape[0])
         num_out = max(num_rows, self.runner.num_prev_token_rows)
         arrays = make_sampling_arrays(rows, num_rows)
+        bitmask = bitmask_fn(entries, num_rows) if bitmask_fn is not None else None
         logprobs = None
         if want_logprobs or use_slots:
             penalties = make_penalty_arrays(penalty_rows, num_rows) if use_slots else None
+            # The extended sampler always takes a mask (all ones without a grammar): no extra variants.
+            mask = bitmask if bitmask is not None else self._all_allowed(num_rows)
             tokens, logprobs, state = sample_ext(
-                logits, arrays, penalties, self.slots.state if use_slots else None,
+                logits, arrays, penalties, self.slots.state if use_slots else None, mask,
                 logprobs_mode=self.logprobs_mode, num_out=num_out)
             if use_slots:
                 self.slots.state = state
@@ -103,9 +110,12 @@ class StepSampler:
             else:
                 logprobs = None
         else:
-            tokens, _ = sample_padded(logits, arrays, num_out=num_out)
+            tokens, _ = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
         tokens.copy_to_host_async()  # lands while the host plans the next step
-        return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots), beam_seqs
+        return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, bitmask is not None), beam_seqs
+
+    def _all_allowed(self, num_rows: int) -> np.ndarray:
+        return np.full((num_rows, -(-self.slots.vocab_size // 32)), -1, np.int32)
 
     def assign_children(self, out, entries, fan_out_slots, children) -> None:
         """After advance(): child j of each fan-out owns the slot of its row j."""
@@ -130,7 +140,7 @@ class StepSampler:
             for penalized in (False, True):
                 penalties = make_penalty_arrays([], num_rows) if penalized else None
                 tokens, logprobs, state = sample_ext(
-                    logits, arrays, penalties, self.slots.state if penalized else None,
+                    logits, arrays, penalties, self.slots.state if penalized else None, self._all_allowed(num_rows),
                     logprobs_mode=self.logprobs_mode, num_out=max(num_rows, self.runner.num_prev_token_rows))
                 if penalized:
                     self.slots.state = state

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import no_type_check
 
+from jaxpaged.structured.params import StructuredOutputsParams
+
 
 # no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
 # tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
@@ -46,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF: logits of prompt or generated tokens / p (> 0) or * p (<= 0); > 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (in [-100, 100])
     allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn; None = all
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         # Normalise the two list fields to tuples, so the object is hashable and immutable; None
@@ -114,6 +117,12 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of "
                                  "token ids (ints >= 0), or None for all")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams "
+                "(from jaxpaged import StructuredOutputsParams) or None"
+            )
 
     @property
     def needs_token_state(self) -> bool:

@@ -14,6 +14,7 @@ from jaxpaged.entrypoints.serve.common import (
 )
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from jaxpaged.entrypoints.serve.tools import parse_tool_calls, render_messages, structured_spec, tool_mode
 
 router = APIRouter()
 
@@ -24,9 +25,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(state, body.model)
     check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     tokenizer = state.tokenizer
+    mode, tool_name = tool_mode(body)
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages = [{"role": m.role, "content": m.text(),
+                     **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}}
+                    for m in body.messages]
+        text = render_messages(tokenizer, messages, body.tools, mode)
     except ValueError as err:
         raise APIError(400, str(err), param="messages") from None
     except Exception as err:  # the template raised (e.g. roles out of order)
@@ -37,7 +41,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     top_n = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(state, body, len(token_ids), max_tokens, logprobs=top_n if body.logprobs else None,
-                             prompt_param="messages")
+                             prompt_param="messages", structured_outputs=structured_spec(body, mode, tool_name))
+    calls_tools = mode in ("auto", "required", "named")
     stream = await start(state, token_ids, params, body.cache_salt)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -56,9 +61,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             final, done = None, set()  # done: choices whose finish_reason was sent
             async for output in stream:
                 final = output
-                choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                            "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
-                           for c, new_lps in deltas_to_send(output, done)]
+                if calls_tools:  # the text is held until a choice finishes (see _delta)
+                    choices = [{"index": c.index, "logprobs": logprobs_of(c.token_ids, c.logprobs or []),
+                                **_delta(c, mode, tool_name)}
+                               for c, _ in deltas_to_send(output, done) if c.finish_reason is not None]
+                else:
+                    choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
+                               for c, new_lps in deltas_to_send(output, done)]
                 if choices:
                     yield sse(chunk(choices))
             if include_usage and final is not None:
@@ -72,8 +82,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return Response(status_code=499)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": logprobs_of(c.token_ids, c.logprobs or []), "finish_reason": c.finish_reason}
-                    for c in final.outputs],
+        "choices": [{"index": c.index, **_message(c, mode, tool_name),
+                     "logprobs": logprobs_of(c.token_ids, c.logprobs or [])} for c in final.outputs],
         "usage": usage(final),
     }
+
+
+def _message(c, mode: str, tool_name: str | None) -> dict:
+    """A finished choice's message and finish_reason; tool calls when the output holds whole ones."""
+    content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name)
+    if not calls:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
+
+
+def _delta(c, mode: str, tool_name: str | None) -> dict:
+    """A streamed choice of a request with tools: its text is held until it finishes, then sent as
+    one delta: the tool calls (each whole, as the last chunk of OpenAI's stream carries them) or
+    the content."""
+    message = _message(c, mode, tool_name)
+    delta = {k: v for k, v in message["message"].items() if k != "role" and v is not None}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    return {"delta": delta, "finish_reason": message["finish_reason"]}

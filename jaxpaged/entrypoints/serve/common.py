@@ -83,7 +83,8 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
 
 
 def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None,
-                    prompt_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_param: str, prompt_logprobs: int | None = None,
+                    structured_outputs=None) -> SamplingParams:
     max_model_len, max_num_seqs = state.config.max_model_len, state.config.max_num_seqs
     if num_prompt_tokens + 1 > max_model_len:
         raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
@@ -106,7 +107,8 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
             stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids)
+            logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
+            structured_outputs=structured_outputs)
     except ValueError as err:
         raise APIError(400, str(err)) from None
 
@@ -119,8 +121,10 @@ async def start(state: ServerState, token_ids: list[int], params: SamplingParams
         raise APIError(503, str(err), "server_overloaded", code="queue_full") from None
     try:
         await stream.accepted()
-    except ValueError as err:  # the engine refused the request (bad token ids, can never fit)
-        raise APIError(400, str(err), param="prompt" if "prompt" in str(err) else None) from None
+    except ValueError as err:  # the engine refused it (bad token ids, can never fit, an invalid grammar)
+        message = str(err)
+        param = "structured_outputs" if "structured_outputs" in message else "prompt" if "prompt" in message else None
+        raise APIError(400, message, param=param) from None
     except BaseException:  # cancelled while waiting (client gone): do not leave the request running
         stream.close()
         raise

@@ -20,6 +20,7 @@ from jaxpaged.entrypoints.serve.common import (
 )
 from jaxpaged.entrypoints.serve.logprobs_format import completion_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
+from jaxpaged.entrypoints.serve.tools import structured_spec
 
 router = APIRouter()
 
@@ -60,7 +61,7 @@ async def completions(body: CompletionRequest, request: Request):
         for _, token_ids in prompts:
             params = sampling_params(state, body, len(token_ids), 1 if prompt_only else body.max_tokens,
                                      logprobs=body.logprobs, prompt_param="prompt",
-                                     prompt_logprobs=want_prompt_logprobs)
+                                     prompt_logprobs=want_prompt_logprobs, structured_outputs=structured_spec(body))
             streams.append(await start(state, token_ids, params, body.cache_salt))
     except BaseException:
         for stream in streams:

@@ -64,12 +64,16 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     user: str | None = None  # accepted and unused (OpenAI's servers only log it)
 
+    # Structured outputs (serve/tools.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict | None = None
+    structured_outputs: dict | None = None  # {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
+
 
 # Fields this server does not implement, with the values that mean "unused": any other value is a
 # 400 that names the field (common.check_unsupported) instead of being silently ignored.
 UNSUPPORTED_COMPLETION_FIELDS = {"best_of": (None, 1), "suffix": (None,)}
-UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                           "function_call": (None, "none"), "audio": (None,), "prediction": (None,)}
+UNSUPPORTED_CHAT_FIELDS = {"functions": (None, []), "function_call": (None, "none"), "audio": (None,),
+                           "prediction": (None,)}
 
 
 class CompletionRequest(_SamplingFields):
@@ -88,9 +92,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict]  # a string, or OpenAI's content parts ([{"type": "text", "text": ...}])
+    # a string, or OpenAI's content parts ([{"type": "text", "text": ...}]); None on an assistant
+    # turn that only calls tools
+    content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # assistant: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
-    def text(self) -> str:
+    def text(self) -> str | None:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return None
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls "
+                             "may leave it null)")
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -106,8 +120,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[dict] | None = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     functions: list | None = None
     function_call: str | dict | None = None
     audio: dict | None = None

@@ -1,0 +1,79 @@
+"""Host cost per step of structured outputs: the grammar bitmask for R constrained rows.
+
+What the engine adds to a step with constrained rows (engine/structured_requests.py): each row's
+matcher consumes the token its sequence drew last step, then the int32 [rows, ceil(vocab / 32)]
+mask is filled (llguidance, its thread pool). Bundled SmolLM2 tokenizer (49152 tokens), one cached
+JSON schema grammar, R in (0, 1, 16, 64) side by side in one run; each step's tokens are drawn
+uniformly from the allowed ones (the device's role, not timed), sequences restart when they finish.
+An unconstrained step does none of this: bitmask() returns None before touching llguidance.
+
+    python -m benchmarks.bench_structured_host [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from jaxpaged.models.loading import default_model_path
+from jaxpaged.models.tokenizer import Tokenizer
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.sequence import Sequence
+from jaxpaged.structured import StructuredOutputsParams
+from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+from jaxpaged.structured.matchers import StructuredState
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 4},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "address"], "additionalProperties": False}
+
+
+def run(num_rows: int, steps: int, tokenizer, compiler, rng) -> list[float]:
+    vocab = tokenizer.vocab_size
+    state = StructuredState(vocab, tokenizer.eos_token_id)
+    state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
+    seqs = [Sequence([1, 2, 3], SamplingParams()) for _ in range(num_rows)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        mask = state.bitmask([(r, seq, "r") for r, seq in enumerate(seqs)], max(num_rows, 1)) if num_rows else None
+        times.append((time.perf_counter() - t0) * 1e3)
+        for r, seq in enumerate(seqs):  # the device's draw, untimed
+            allowed = np.flatnonzero(np.unpackbits(mask[r].view(np.uint8), bitorder="little")[:vocab])
+            token = int(rng.choice(allowed))
+            if token == tokenizer.eos_token_id:  # finished: a fresh sequence takes its row
+                seq.status = seq.status.__class__.FINISHED
+                state.release({"r"})
+                seqs[r] = Sequence([1, 2, 3], SamplingParams())
+            else:
+                seq.output_token_ids.append(token)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_id))
+    rng = np.random.default_rng(0)
+    print(f"structured host cost per step, SmolLM2 tokenizer ({tokenizer.vocab_size} tokens), cached JSON schema, "
+          f"{args.steps} steps, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
+    print(f"{'rows':>5} {'median ms':>10} {'p90 ms':>8} {'per row us':>11}")
+    for num_rows in (0, 1, 16, 64):
+        times = run(num_rows, args.steps, tokenizer, compiler, rng)
+        med = statistics.median(times)
+        p90 = sorted(times)[int(0.9 * len(times))]
+        print(f"{num_rows:>5} {med:>10.3f} {p90:>8.3f} {med * 1e3 / max(num_rows, 1):>11.1f}")
+
+
+if __name__ == "__main__":
+    main()

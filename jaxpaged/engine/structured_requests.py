@@ -1,0 +1,109 @@
+"""The engine's side of structured outputs: requests wait for their grammar, steps get their mask.
+
+    add_request ─► hold: the spec is validated now (ValueError), compiled on a worker thread;
+                   the request waits here, outside the scheduler, until its grammar is ready
+    step()      ─► admit: ready requests go to the scheduler's waiting queue (nothing else waits)
+    dispatch    ─► bitmask: the step's int32 mask, or None when no row has a grammar (the sampler's
+                   unmasked variant: an unconstrained step pays nothing)
+    commit      ─► release: matchers of finished sequences and templates of gone requests dropped
+
+Async stepping: the mask for a row's next token needs its last token, so a step with a constrained
+row is committed in the engine step that dispatched it (as beam search steps are); a step without
+one keeps the overlap. llguidance is imported on the first constrained request only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxpaged.planner.request import check_fits_pool, check_prompt_fits
+from jaxpaged.planner.sequence import SequenceStatus
+
+logger = logging.getLogger("jaxpaged")
+
+
+class StructuredRequests:
+    def __init__(self, engine):
+        self.tokenizer, self.vocab_size = engine.tokenizer, engine.model_config.vocab_size
+        self.scheduler, self.processor = engine.scheduler, engine.processor
+        self.max_model_len = engine.config.max_model_len
+        self.pending: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence)
+        self.compiler = self.state = None  # built on first use
+
+    def _start(self) -> None:
+        from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+        from jaxpaged.structured.matchers import StructuredState
+
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            raise ValueError(
+                "structured_outputs needs the model's tokenizers.Tokenizer (a GGUF or Hugging Face tokenizer); "
+                f"this engine's tokenizer is a {type(self.tokenizer).__name__}"
+            )
+        eos = self.tokenizer.eos_token_id
+        self.compiler = GrammarCompiler(make_ll_tokenizer(backend, self.vocab_size, eos))
+        self.state = StructuredState(self.vocab_size, eos)
+
+    def __len__(self) -> int:
+        """Requests waiting for a grammar plus matchers held: 0 when none is in flight (no leak)."""
+        return len(self.pending) + (len(self.state) if self.state is not None else 0)
+
+    def hold(self, request_id: str, seq, spec) -> None:
+        """Validates the spec and the request's fit (ValueError), starts its compile, holds the sequence."""
+        if self.compiler is None:
+            self._start()
+        check_prompt_fits(len(seq.token_ids), self.max_model_len)
+        check_fits_pool(min(seq.max_num_tokens, self.max_model_len), self.scheduler.block_manager.page_size,
+                        self.scheduler.block_manager.num_pages - 1)
+        self.pending[request_id] = (self.compiler.submit(spec), seq)
+
+    def admit(self, wait: bool) -> list:
+        """Moves requests whose grammar is ready into the scheduler; `wait`: block for one if nothing
+        else can run. Returns outputs of requests whose grammar failed to compile (finish "abort")."""
+        if wait and self.pending:
+            next(iter(self.pending.values()))[0].exception()  # blocks until it is compiled (or failed)
+        failed = []
+        for request_id, (future, seq) in list(self.pending.items()):
+            if not future.done():
+                continue
+            del self.pending[request_id]
+            try:
+                self.state.templates[request_id] = future.result()
+                self.scheduler.add(seq)
+            except ValueError as e:
+                logger.warning("request %s: %s", request_id, e)
+                failed.append(self._fail(request_id, seq))
+        return [output for output in failed if output is not None]
+
+    def _fail(self, request_id: str, seq):
+        request = self.processor.requests.get(request_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if request is None:
+            return None
+        request.samples[0].finish_reason = "abort"
+        request.num_finished += 1
+        output = self.processor.make_output(request)
+        self.processor.pop(request_id)
+        return output
+
+    def abort(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def bitmask(self, seqs, entries, num_rows: int):
+        """The step's grammar mask, or None if no row has a grammar. `entries`: the sampler row of
+        each scheduled sequence (a list of n rows at an n > 1 request's first token: each of them
+        starts from the same state), None where it samples nothing."""
+        if self.state is None or not len(self.state):
+            return None
+        rows = []
+        for seq, entry in zip(seqs, entries):
+            if entry is None:
+                continue
+            request = self.processor.owner[seq.seq_id][0]
+            if request.params.structured_outputs is not None:
+                rows += [(row, seq, request.request_id) for row in (entry if isinstance(entry, list) else [entry])]
+        return self.state.bitmask(rows, num_rows) if rows else None
+
+    def release(self) -> None:
+        if self.state is not None and len(self.state):
+            self.state.release(self.processor.requests)

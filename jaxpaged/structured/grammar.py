@@ -1,0 +1,108 @@
+"""Grammar specs -> llguidance matchers: validation, a compile cache keyed by spec, a thread pool.
+
+    StructuredOutputsParams ──grammar_text──► llguidance grammar (JSON schema / regex / Lark)
+        ──GrammarCompiler.submit (validates now: ValueError)──► Future[template LLMatcher]
+        (built on a worker thread, cached by spec; each sequence deep-copies the template)
+
+Why llguidance (DESIGN.md, "Structured outputs"): it has no hard dependencies (xgrammar requires
+torch and triton, which jaxpaged must never need), computes a token bitmask into a numpy buffer,
+and takes JSON schema, regex and Lark natively.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+
+import llguidance
+import numpy as np
+
+from jaxpaged.structured.params import StructuredOutputsParams
+
+# JSON is written as Python's json.dumps writes it (`{"a": 1, "b": [2, 3]}`): no other whitespace,
+# so a model cannot pad an object with newlines until max_tokens (vLLM's disable_any_whitespace).
+# A schema's own "x-guidance" options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OBJECT_SCHEMA = {"type": "object"}
+MAX_CACHED_GRAMMARS = 256  # compiled templates kept; the oldest is dropped beyond this
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a spec; raises ValueError for a schema that is not JSON."""
+    kind = spec.kind
+    if kind == "json" or kind == "json_object":
+        schema = spec.json if kind == "json" else _JSON_OBJECT_SCHEMA
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON ({e}); pass a JSON schema") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(c) for c in spec.choice)  # Lark string literals
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    text = spec.grammar
+    if "::=" in text:  # GBNF (llama.cpp / vLLM's EBNF): llguidance converts it to Lark
+        try:
+            text = llguidance.gbnf_to_lark(text)
+        except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions
+            raise ValueError(f"structured_outputs.grammar is not valid GBNF: {e}") from None
+    return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def make_ll_tokenizer(backend, vocab_size: int, eos_token_id: int | None):
+    """An llguidance tokenizer over a `tokenizers.Tokenizer`, with the model's vocabulary width
+    (ids past the tokenizer's are never allowed) and its eos (allowed only where the grammar ends)."""
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+class GrammarCompiler:
+    """Compiles specs into template matchers on a worker thread, once per distinct spec."""
+
+    def __init__(self, ll_tokenizer, num_threads: int = 1):
+        self.ll_tokenizer = ll_tokenizer
+        self.vocab_size = ll_tokenizer.vocab_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="jaxpaged-grammar")
+        self._cache: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+
+    def submit(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
+        """Future of the spec's template matcher. Raises ValueError now for an invalid schema, regex
+        or grammar (llguidance's validation, well under a millisecond for usual specs)."""
+        key = spec.key()
+        with self._lock:
+            future = self._cache.get(key)
+        if future is not None:
+            return future
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {error.strip()}")
+        future = self._pool.submit(self._compile, spec.kind, grammar)
+        with self._lock:
+            self._cache[key] = future
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                del self._cache[next(iter(self._cache))]
+        return future
+
+    def _compile(self, kind: str, grammar: str):
+        """The template matcher (worker thread). Raises ValueError if it fails or can emit nothing."""
+        self.num_compiles += 1
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{kind} is invalid: {matcher.get_error()}")
+        mask = np.zeros((self.vocab_size + 31) // 32, np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error() or not mask.any():  # llguidance errs when no token can start the output
+            raise ValueError(f"structured_outputs.{kind} matches no output: no token can start it")
+        matcher.reset()  # out of the error-free first-mask state: the template is clean
+        return matcher
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

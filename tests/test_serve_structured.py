@@ -1,0 +1,182 @@
+"""Structured outputs and tool calling through the OpenAI-compatible server (a real uvicorn server
+on 127.0.0.1, the `openai` client), over the tiny random checkpoint: every token the model writes
+is chosen by the grammar mask, so each check below is the constraint's doing, not the model's."""
+
+import json
+import socket
+import threading
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from jaxpaged import LLM
+from jaxpaged.entrypoints.serve import build_server
+from jaxpaged.entrypoints.serve.tools import parse_tool_calls, render_messages
+from tiny_checkpoint import write_tiny_checkpoint
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+class Person(BaseModel):
+    name: Literal["Ann", "Bob"]
+    age: int = Field(ge=0, le=99)
+    member: bool
+
+
+def _long_context_checkpoint(directory) -> str:
+    """The tiny checkpoint with a 2048-token context: byte-level prompts with a tool list are long."""
+    path = write_tiny_checkpoint(directory)
+    config = json.load(open(f"{path}/config.json"))
+    json.dump({**config, "max_position_embeddings": 2048}, open(f"{path}/config.json", "w"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    llm = LLM(_long_context_checkpoint(str(tmp_path_factory.mktemp("tiny"))), max_model_len=1536, max_num_seqs=4,
+              max_num_batched_tokens=256, warmup=False)
+    app, bridge = build_server(llm.engine, served_model_name="tiny")
+    bridge.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield dict(llm=llm, base=base, bridge=bridge,
+               client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120))
+    server.should_exit = True
+    thread.join(10)
+    bridge.shutdown()
+
+
+def _idle(served):
+    for _ in range(100):
+        engine = served["llm"].engine
+        if served["bridge"].num_in_flight == 0 and engine.block_manager.stats()["num_used_pages"] == 0:
+            assert len(engine.structured) == 0
+            return
+        time.sleep(0.05)
+    pytest.fail("pages or matchers still held")
+
+
+def test_parse_with_a_pydantic_model(served):
+    for temperature in (0.0, 1.0):
+        completion = served["client"].chat.completions.parse(
+            model="tiny", messages=[{"role": "user", "content": "Who?"}], response_format=Person,
+            temperature=temperature, max_tokens=80, seed=3)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice.message.content
+
+
+def test_json_object_regex_and_choice(served):
+    client = served["client"]
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}],
+                                          response_format={"type": "json_object"}, max_tokens=200, temperature=0,
+                                          extra_body={"structured_outputs": None})
+    if resp.choices[0].finish_reason == "stop":  # a random model may write an object past 200 tokens
+        assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    else:
+        assert resp.choices[0].finish_reason == "length" and resp.choices[0].message.content.startswith("{")
+    done = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0.9, seed=1,
+                                     extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert done.choices[0].finish_reason == "stop" and len(done.choices[0].text) == 6
+    picked = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}], max_tokens=9,
+                                            extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert picked.choices[0].message.content in ("red", "blue")
+    _idle(served)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_calls_that_validate(served, stream):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
+              tool_choice="required", max_tokens=200, temperature=1.0, seed=5)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    if stream:
+        calls, finish = {}, None
+        for chunk in served["client"].chat.completions.create(stream=True, **kw):
+            for choice in chunk.choices:
+                for d in choice.delta.tool_calls or ():
+                    call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+                finish = choice.finish_reason or finish
+        calls = list(calls.values())
+    else:
+        choice = served["client"].chat.completions.create(**kw).choices[0]
+        finish = choice.finish_reason
+        assert choice.message.content is None
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert finish == "tool_calls" and calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    _idle(served)
+
+
+def test_named_tool_choice_and_a_replayed_tool_conversation(served):
+    client = served["client"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}],
+                                           tools=[WEATHER, TIME], tool_choice=named, max_tokens=40, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    # An agent replays the conversation: the assistant turn with content null + tool_calls, the tool's answer.
+    messages = [{"role": "user", "content": "time?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=5,
+                                            temperature=0)
+    assert second.choices[0].finish_reason in ("length", "stop")
+    prompt = render_messages(served["llm"].engine.tokenizer, messages, [TIME], "auto")
+    assert "<tools>" in prompt and '"name": "get_time"' in prompt and "<tool_response>\n12:00" in prompt
+    _idle(served)
+
+
+def test_auto_parses_hermes_tool_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, "auto", None)
+    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
+    assert parse_tool_calls("no calls here", "auto", None) == ("no calls here", [])
+    assert parse_tool_calls("<tool_call>{broken", "auto", None) == ("<tool_call>{broken", [])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_inputs_are_400_and_the_server_keeps_serving(served, body, param):
+    r = httpx.post(served["base"] + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    _idle(served)
+    ok = served["client"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"

@@ -1,0 +1,214 @@
+"""Structured outputs on a model: JSON schemas, regex, choice, grammar (jaxpaged/structured/).
+
+The tiny random model (tests/tiny_checkpoint.py, a byte-level tokenizer) has no idea of JSON: every
+token of its output is chosen by the grammar mask, the strongest test of the masking itself. The
+expectations are exact: jsonschema validation, re.fullmatch, choice membership, the unconstrained
+output where it already satisfies the constraint, zero compiles, no leaked pages or matchers.
+"""
+
+import json
+import os
+import re
+
+import jsonschema
+import pytest
+
+from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
+from tiny_checkpoint import write_tiny_checkpoint
+
+SCHEMAS = json.load(open(os.path.join(os.path.dirname(__file__), "data", "json_schemas.json")))
+PROMPT = "Answer in JSON:"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+    return LLM(path, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_pages=160, page_size=8)
+
+
+def _engine(llm):
+    return llm.engine
+
+
+def _assert_idle(llm):
+    engine = _engine(llm)
+    assert not engine.has_unfinished_requests()
+    assert len(engine.structured) == 0, "matcher state leaked"
+    assert engine.block_manager.stats()["num_used_pages"] == 0, "pages leaked"
+
+
+def _json_params(schema, **kw):
+    return SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema), **kw)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_every_schema_output_parses_and_validates(llm, mode):
+    assert len(SCHEMAS) >= 50
+    kw = dict(temperature=0.0) if mode == "greedy" else dict(temperature=1.0, top_p=0.95, seed=7)
+    params = [_json_params(s, **kw) for s in SCHEMAS]
+    # One free row in the batch: constrained and unconstrained rows mixed.
+    outputs = llm.generate([PROMPT] * len(SCHEMAS) + ["free"], params + [SamplingParams(temperature=0, max_tokens=8)])
+    for schema, out in zip(SCHEMAS, outputs):
+        text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    _assert_idle(llm)
+
+
+def _num_compiles(llm) -> tuple[int, int]:
+    """(step programs compiled, sampler programs compiled: both variants, every row count)."""
+    from jaxpaged.device.sampling import sample_padded
+
+    return _engine(llm).stats()["num_compiles"], sample_padded._cache_size()
+
+
+def test_zero_compiles_after_warmup_with_mixed_rows(llm):
+    before = _num_compiles(llm)
+    schema = SCHEMAS[0]
+    llm.generate(["a", "bb", "ccc"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
+                                       _json_params(schema, temperature=0.9, seed=3, n=3)])
+    llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
+    assert _num_compiles(llm) == before
+
+
+def test_regex_fullmatches_and_choice_is_one_of_them(llm):
+    regexes = [r"[a-c]{3}-[0-9]{2}", r"(yes|no)!?", r"[0-9]{1,4}\.[0-9]{2}", r"[A-Z][a-z]{2,6}( [A-Z][a-z]{2,6}){0,2}"]
+    choices = ["alpha", "beta", "gamma delta", "ε"]
+    params, checks = [], []
+    for seed, temperature in ((0, 0.0), (1, 1.0), (2, 1.3)):
+        for rx in regexes:
+            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=40,
+                                         structured_outputs=StructuredOutputsParams(regex=rx)))
+            checks.append(lambda t, rx=rx: re.fullmatch(rx, t) is not None)
+        params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=40, n=2,
+                                     structured_outputs=StructuredOutputsParams(choice=choices)))
+        checks.append(lambda t: t in choices)
+    outputs = llm.generate(["x"] * len(params), params)
+    for out, check in zip(outputs, checks):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and check(c.text), c.text
+    _assert_idle(llm)
+
+
+def test_lark_grammar(llm):
+    grammar = 'start: expr\nexpr: NUMBER | "(" expr OP expr ")"\nOP: "+" | "*"\nNUMBER: /[0-9]{1,2}/'
+    outs = llm.generate(["calc"] * 3, [SamplingParams(temperature=t, seed=5, max_tokens=60,
+                                                      structured_outputs=StructuredOutputsParams(grammar=grammar))
+                                       for t in (0.0, 1.0, 2.0)])
+    for out in outs:
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        assert re.fullmatch(r"[0-9()+*]+", text) and eval(text) >= 0  # noqa: S307 - digits and + * ( ) only
+
+
+def test_mask_removes_only_forbidden_tokens(llm):
+    """Where the unconstrained greedy output already satisfies the constraint, the constrained greedy
+    output is the same tokens: the mask only removed tokens the model did not want anyway."""
+    prompts = [f"prompt {i}" for i in range(64)]
+    free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    # Outputs that are whole UTF-8 text of tokenizer ids: the random model often writes half a
+    # character, or ids past the tokenizer's 258 (the model's vocabulary is 320), which no text allows.
+    valid = [o for o in free if "\ufffd" not in o.outputs[0].text and max(o.outputs[0].token_ids) < 256]
+    assert len(valid) >= 2, "too few prompts whose free output is valid text; add prompts"
+    for out in valid[:4]:
+        c = out.outputs[0]
+        anything = StructuredOutputsParams(regex=r"(?s:.*)")  # every text satisfies it
+        one_of = StructuredOutputsParams(choice=[c.text, c.text + "zz", "q"])  # the free output is a choice
+        con = llm.generate([out.prompt] * 2, [SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=s)
+                                              for s in (anything, one_of)])
+        assert con[0].outputs[0].token_ids == c.token_ids and con[0].outputs[0].finish_reason == "length"
+        # The choice's tokens are the free ones; then only "zz" or eos may follow.
+        assert con[1].outputs[0].token_ids[:len(c.token_ids)] == c.token_ids
+        assert con[1].outputs[0].text in (c.text, c.text + "zz")
+
+
+def test_max_tokens_cuts_json_with_length_and_stop_strings_cut_it_with_stop(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a", "b"], "additionalProperties": False}
+    cut, stopped, never = llm.generate(["p"] * 3, [
+        SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=60, stop=['"b"'], structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="a{1000}")),
+    ])
+    assert cut.outputs[0].finish_reason == "length" and len(cut.outputs[0].token_ids) == 4
+    assert cut.outputs[0].text == '{"a"'  # one token a byte: cut mid-object, not valid JSON
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text.startswith('{"a": "')
+    assert '"b"' not in stopped.outputs[0].text and stopped.outputs[0].text.endswith(", ")
+    assert never.outputs[0].finish_reason == "length" and never.outputs[0].text == "a" * 10  # can only end by length
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("spec, words", [
+    (dict(json={"type": "foo"}), ["json", "foo"]),
+    (dict(json="{not json"), ["json", "JSON"]),
+    (dict(regex="a(b"), ["regex", "unclosed"]),
+    (dict(grammar="start: undefined_rule"), ["grammar", "undefined_rule"]),
+    (dict(choice=[]), ["choice"]),
+    (dict(json={"type": "object"}, regex="x"), ["exactly one"]),
+])
+def test_bad_specs_are_value_errors_naming_the_problem_and_nothing_leaks(llm, spec, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate(["p"], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(**spec)))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    _assert_idle(llm)
+    assert llm.generate(["p"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
+def test_unsatisfiable_regex_finishes_with_abort_and_the_engine_keeps_serving(llm):
+    nothing = StructuredOutputsParams(regex=r"[^\x00-\U0010FFFF]")  # a valid regex no string matches
+    bad, good = llm.generate(["p", "q"], [SamplingParams(max_tokens=5, structured_outputs=nothing),
+                                          SamplingParams(temperature=0, max_tokens=3)])
+    assert bad.outputs[0].finish_reason == "abort" and bad.outputs[0].token_ids == []
+    assert good.outputs[0].finish_reason == "length"
+    _assert_idle(llm)
+
+
+def test_preemption_and_prefix_caching_keep_outputs_valid(llm):
+    # 16 requests of ~140 prompt tokens and 64+ output tokens do not fit the 159 pages of 8 tokens together: sequences are
+    # preempted (recompute) and resumed with their matcher kept; the common first pages hit the
+    # prefix cache.
+    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 4}, "minItems": 8,
+              "maxItems": 8}  # >= 64 output tokens each: running sequences outgrow the pool
+    prompts = ["a common prefix of two pages..." + f" request {i:02d} " + chr(ord("a") + i) * 100 for i in range(16)]
+    before = _engine(llm).stats()["num_preemptions"]
+    outs = llm.generate(prompts, [_json_params(schema, temperature=1.0, seed=i) for i in range(16)])
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert _engine(llm).stats()["num_preemptions"] > before
+    assert max(o.num_cached_tokens for o in outs) >= 16
+    _assert_idle(llm)
+
+
+def test_sampler_bitmask_equals_masking_the_logits_by_hand():
+    """The device half alone: sample(logits, mask) == sample(logits with -inf where the mask's bit is
+    0, no mask), greedy and sampled rows; an all-ones mask changes nothing."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+
+    rng = np.random.default_rng(0)
+    vocab, num_rows = 100, 8  # 100 is not a multiple of 32: the last word is partly padding
+    logits = rng.normal(size=(num_rows, vocab)).astype(np.float32) * 3
+    rows = [RowSpec(row_idx=r, temperature=0.0 if r < 3 else 0.9, top_k=[0, 5][r % 2], top_p=[1.0, 0.8][r % 3 == 0],
+                    seed=r, step=r) for r in range(num_rows)]
+    arrays = make_sampling_arrays(rows, num_rows)
+    allowed = rng.random((num_rows, vocab)) < 0.3
+    allowed[:, 0] = False  # never the argmax's tie-break default
+    bits = np.zeros((num_rows, 4 * 32), np.uint8)
+    bits[:, :vocab] = allowed
+    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [R, 4] int32 words
+    tokens, logprobs = sample(logits, arrays, token_bitmask=mask)
+    by_hand, _ = sample(np.where(allowed, logits, -np.inf).astype(np.float32), arrays)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(by_hand))
+    assert allowed[np.arange(num_rows), np.asarray(tokens)].all()
+    # The logprob stays the model's own (unmasked) log-softmax at the chosen token.
+    want = np.asarray(jnp.take_along_axis(jnp.asarray(logits) - jnp.log(jnp.exp(logits).sum(1, keepdims=True)),
+                                          jnp.asarray(tokens)[:, None], 1))[:, 0]
+    np.testing.assert_allclose(np.asarray(logprobs), want, rtol=1e-5, atol=1e-5)
+    ones = np.full((num_rows, 4), -1, np.int32)
+    np.testing.assert_array_equal(np.asarray(sample(logits, arrays, token_bitmask=ones)[0]),
+                                  np.asarray(sample(logits, arrays)[0]))
