@@ -46,6 +46,7 @@ from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.spec_decode.speculator import Speculator, commit_step
 
 logger = logging.getLogger("jaxpaged")
 
@@ -63,6 +64,7 @@ class _Dispatched:
     # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).
     beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
     beam_candidates: tuple[jax.Array, jax.Array] | None = None
+    spec: object = None  # SpecPending: the step's verification (jaxpaged/spec_decode/), committed at once
 
 
 class LLMEngine:
@@ -113,6 +115,7 @@ class LLMEngine:
         self.processor = OutputProcessor(tokenizer)
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
+        self.spec = Speculator(config) if config.speculative_config else None  # steps synchronously while on
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: _Dispatched | None = None
         self._request_counter = itertools.count()
@@ -230,7 +233,7 @@ class LLMEngine:
         copies every moved request's tokens, which offline generation does not need.
         """
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)
         self.timings["schedule"] += time.perf_counter() - t0
         if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
             self.host_kv.swap_out(out.swap_out)
@@ -255,7 +258,8 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             log_step(logger, self._num_steps, out, self.block_manager.stats())
         t0 = time.perf_counter()
-        step_input = self.runner.prepare(out, self._block_table_rows)
+        plan = out.spec_plan  # speculative verification: several logits rows per sequence
+        step_input = self.runner.prepare(out, self._block_table_rows, **(self.spec.logits_rows(plan) if plan else {}))
         self.timings["prepare"] += time.perf_counter() - t0
         if out.copies:
             self.runner.copy_pages(out.copies)
@@ -274,7 +278,7 @@ class LLMEngine:
         owner = self.processor.owner
         beam_seqs: list[tuple[int, Sequence]] = []
         for i, seq in enumerate(out.seqs):
-            if not out.samples[i]:
+            if not out.samples[i] or (plan is not None and plan.drafts[i]):  # (verified, not sampled)
                 continue
             if seq.seq_id in self.beams.owner:  # no placeholder: the search picks its next token
                 beam_seqs.append((i, seq))
@@ -285,10 +289,10 @@ class LLMEngine:
             step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
             if len(request.samples) < params.n:
                 entries[i] = list(range(len(rows), len(rows) + params.n))
-                rows += [row_spec(i, params, request.seed, j, seq, step) for j in range(params.n)]
+                rows += [row_spec(plan.first[i] if plan else i, params, request.seed, j, seq, step) for j in range(params.n)]
             else:
                 entries[i] = len(rows)
-                rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
+                rows.append(row_spec(plan.first[i] if plan else i, params, request.seed, sample_idx, seq, step))
 
         tokens = logprobs = None
         num_rows = 0
@@ -315,8 +319,9 @@ class LLMEngine:
         self.timings["postprocess"] += time.perf_counter() - t1
         return _Dispatched(
             idx=self._num_steps, out=out, tokens=tokens, logprobs=logprobs,
-            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs,
+            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs and self.spec is None,
             beam_seqs=beam_seqs, beam_candidates=candidates,
+            spec=self.spec.verify(logits, out, owner) if plan is not None else None,
         )
 
     def _fan_out_order(self, out: SchedulerOutput, entries):
@@ -340,7 +345,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.timings["device"] += t1 - t0
 
-        update = self.scheduler.commit(dispatched.out, tokens)
+        update, logprobs = commit_step(self.scheduler, self.spec, dispatched, tokens, logprobs)  # spec: rollback too
         self._num_generated_tokens += len(update.appended)
         outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
         for seq in stopped:
@@ -358,6 +363,8 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         warmup_sampler(self.runner, self.config.max_num_seqs)
+        if self.spec is not None:
+            self.spec.warmup(self.runner)  # the verification steps' programs
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -389,4 +396,5 @@ class LLMEngine:
             "num_compiles": self.runner.num_compiles,
             "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
             "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
+            **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -202,8 +202,8 @@ class CausalLM(nn.Module):
         block_tables: Int[Array, "num_seqs pages_per_seq"],
         seq_lens: Int[Array, "num_seqs"],
         query_start_loc: Int[Array, "num_seqs_plus_1"],
-        logits_indices: Int[Array, "num_seqs"],
-    ) -> tuple[Float[Array, "num_seqs vocab_size"], KVPages]:
+        logits_indices: Int[Array, "num_logits"],
+    ) -> tuple[Float[Array, "num_logits vocab_size"], KVPages]:
         """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer."""
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         embedding = self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
