@@ -64,20 +64,34 @@ def test_speculative_config_validation():
     assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 1}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("mode", ["roomy", "recompute", "swap"])
-def test_greedy_identical_to_plain(params, k, mode):
-    """Token identity with the non-speculative engine, prefix caching on; in the tight modes the
-    pool is small enough that sequences are preempted (recompute, or swap to host and back)."""
-    prompts = _prompts()
-    engine_args = dict(max_num_batched_tokens=32, enable_prefix_caching=True)
-    if mode != "roomy":
-        engine_args.update(num_pages=14, preemption_mode=mode)
+_PLAIN: dict = {}  # mode -> the non-speculative engine's outputs (the oracle), computed once
+
+
+def _engine_args(mode):
+    args = dict(max_num_batched_tokens=32, enable_prefix_caching=True)
+    if mode != "roomy":  # a pool small enough that sequences are preempted
+        args.update(num_pages=14, preemption_mode=mode)
         if mode == "swap":
-            engine_args["swap_space_bytes"] = 1 << 22
-    plain = make_engine(params, **engine_args)
-    expected = [o.outputs[0].token_ids for o in _run(plain, prompts, [_greedy()] * len(prompts))]
-    spec = make_engine(params, **engine_args, speculative_config={**NGRAM, "num_speculative_tokens": k})
+            args["swap_space_bytes"] = 1 << 22
+    return args
+
+
+# The default suite runs each k once and each preemption mode once; the full matrix is slow.
+CASES = [(1, "roomy"), (2, "swap"), (3, "recompute"), (4, "roomy"), (5, "recompute")]
+SLOW_CASES = [(k, m) for m in ("roomy", "recompute", "swap") for k in range(1, 6) if (k, m) not in CASES]
+
+
+@pytest.mark.parametrize("k,mode", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])
+def test_greedy_identical_to_plain(params, k, mode):
+    """Token identity with the non-speculative engine, prefix caching on, with preemption by
+    recompute or by swap forced in the tight modes; no page leaks, no compilation after warm-up."""
+    prompts = _prompts()
+    if mode not in _PLAIN:
+        plain = make_engine(params, **_engine_args(mode), warmup=False)
+        _PLAIN[mode] = ([o.outputs[0].token_ids for o in _run(plain, prompts, [_greedy()] * len(prompts))],
+                        plain.stats()["num_steps"])
+    expected, plain_steps = _PLAIN[mode]
+    spec = make_engine(params, **_engine_args(mode), speculative_config={**NGRAM, "num_speculative_tokens": k})
     num_compiles = spec.stats()["num_compiles"]
     got = [o.outputs[0].token_ids for o in _run(spec, prompts, [_greedy()] * len(prompts))]
     assert got == expected
@@ -86,7 +100,7 @@ def test_greedy_identical_to_plain(params, k, mode):
     assert stats["num_used_pages"] == 0 and stats["num_waiting"] == 0  # nothing leaked
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # both paths ran
     assert stats["spec_mean_accepted_length"] > 1
-    assert stats["num_steps"] < plain.stats()["num_steps"]
+    assert stats["num_steps"] < plain_steps
     if mode != "roomy":
         assert stats["num_preemptions"] > 0
 
@@ -142,3 +156,109 @@ def test_rejection_sampling_matches_target(always_accept, filters):
         # Reproducible: the same seeds draw the same tokens.
         again = np.asarray(verifier.verify(logits, arrays)[0])
         assert (again == tokens).all()
+
+
+# ---------------------------------------------------------------- the engine around it
+
+
+class _CommaTokenizer:
+    """Token t reads "t," so that stop strings can name tokens."""
+
+    eos_token_id = None
+
+    class _Detokenizer:
+        def step(self, token_id):
+            return f"{token_id},"
+
+        def flush(self):
+            return ""
+
+        def decode(self, ids):
+            return "".join(f"{t}," for t in ids)
+
+    def detokenizer(self, *args, **kwargs):
+        return self._Detokenizer()
+
+    incremental_detokenizer = detokenizer
+
+
+def _pair(params, **engine_args):
+    """A plain engine and a speculative one over the comma tokenizer."""
+    from jaxpaged.engine.engine import LLMEngine
+    from tp_fixtures import ENGINE
+
+    engines = []
+    for spec in (None, NGRAM):
+        config = EngineConfig(**{**ENGINE, "max_num_batched_tokens": 32, **engine_args, "speculative_config": spec})
+        config = config.resolved(on_gpu=False, model_max_len=TINY.max_position_embeddings)
+        engines.append(LLMEngine(TINY, params, _CommaTokenizer(), config, num_pages=config.num_pages,
+                                 attention_fn=_attention()))
+    return engines
+
+
+def _attention():
+    from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
+
+    return chunked_paged_attention_from_buffer
+
+
+def test_stops_max_tokens_logprobs_inside_accepted_runs(params):
+    """Stop tokens, stop strings and max_tokens landing inside an accepted run end the output
+    exactly where the plain engine ends it; logprobs of accepted tokens match the plain ones."""
+    plain, spec = _pair(params, warmup=False)
+    prompt = _prompts()[0]
+    (full,) = _run(plain, [prompt], [_greedy()])
+    out_ids = full.outputs[0].token_ids
+    cases = [_greedy(logprobs=True)]
+    for j in (3, 7, 11):
+        cases += [_greedy(stop_token_ids=[out_ids[j]]), _greedy(max_tokens=j + 1),
+                  _greedy(stop=[f"{out_ids[j]},"])]
+    prompts = [prompt] * len(cases)
+    want = _run(plain, prompts, cases)
+    got = _run(spec, prompts, cases)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    np.testing.assert_allclose(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, atol=1e-4)
+    assert spec.stats()["spec_num_accepted_tokens"] > 0
+    assert spec.stats()["num_used_pages"] == 0
+
+
+def test_sampled_requests_reproducible_n2_no_leaks(params):
+    """Seeded sampled requests (n = 2, top-k / top-p, logprobs) draw the same tokens alone and in a
+    batch with others, and leave no pages behind."""
+    (_, spec) = _pair(params, warmup=False)
+    prompts = _prompts()
+    sp = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=30, seed=s, ignore_eos=True,
+                         logprobs=True, n=2 if s == 1 else 1) for s in range(len(prompts))]
+    batch = _run(spec, prompts, sp)
+    alone = _run(spec, [prompts[1]], [sp[1]])[0]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in batch[1].outputs]
+    assert len(batch[1].outputs) == 2
+    for out in batch:
+        for c in out.outputs:
+            assert len(c.token_ids) == 30 and len(c.logprobs) == 30
+    stats = spec.stats()
+    assert stats["num_used_pages"] == 0 and stats["spec_num_draft_tokens"] > 0
+
+
+def test_beam_search_with_speculation_is_refused(params):
+    engine = make_engine(params, warmup=False, speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="speculative"):
+        engine.add_beam_request([1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def test_verification_logits_rows():
+    """Sequences with proposals take logits at each of their last 1 + m tokens, others at their last."""
+    from types import SimpleNamespace
+
+    from jaxpaged.device.step_input import prepare_step_input
+
+    seqs = [SimpleNamespace(token_ids=list(range(10)), num_computed_tokens=6, block_table=[1, 2], seq_id=0),
+            SimpleNamespace(token_ids=list(range(5)), num_computed_tokens=4, block_table=[3], seq_id=1)]
+    out = SimpleNamespace(seqs=seqs, num_new_tokens=[4, 1], copies=[])
+    step = prepare_step_input(out, page_size=8, num_pages=8, pages_per_seq=4, max_num_seqs=2, buckets=(16,),
+                              num_logits=np.array([4, 1], np.int32), max_num_logits=6)
+    assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 0]  # width min(16, 6), padding 0
