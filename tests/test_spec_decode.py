@@ -98,7 +98,7 @@ def test_greedy_identical_to_plain(params, k, mode):
     stats = spec.stats()
     assert stats["num_compiles"] == num_compiles  # verification buckets were warmed
     assert stats["num_used_pages"] == 0 and stats["num_waiting"] == 0  # nothing leaked
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # both paths ran
+    assert 0 < stats["num_spec_accepted_tokens"] < stats["num_spec_draft_tokens"]  # both paths ran
     assert stats["spec_mean_accepted_length"] > 1
     assert stats["num_steps"] < plain_steps
     if mode != "roomy":
@@ -221,7 +221,7 @@ def test_stops_max_tokens_logprobs_inside_accepted_runs(params):
         assert g.outputs[0].text == w.outputs[0].text
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
     np.testing.assert_allclose(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, atol=1e-4)
-    assert spec.stats()["spec_num_accepted_tokens"] > 0
+    assert spec.stats()["num_spec_accepted_tokens"] > 0
     assert spec.stats()["num_used_pages"] == 0
 
 
@@ -240,7 +240,7 @@ def test_sampled_requests_reproducible_n2_no_leaks(params):
         for c in out.outputs:
             assert len(c.token_ids) == 30 and len(c.logprobs) == 30
     stats = spec.stats()
-    assert stats["num_used_pages"] == 0 and stats["spec_num_draft_tokens"] > 0
+    assert stats["num_used_pages"] == 0 and stats["num_spec_draft_tokens"] > 0
 
 
 def test_beam_search_with_speculation_is_refused(params):
@@ -262,3 +262,32 @@ def test_verification_logits_rows():
     step = prepare_step_input(out, page_size=8, num_pages=8, pages_per_seq=4, max_num_seqs=2, buckets=(16,),
                               num_logits=np.array([4, 1], np.int32), max_num_logits=6)
     assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 0]  # width min(16, 6), padding 0
+
+
+def test_stats_metrics_and_cli_flag(params):
+    """stats() counts proposals and acceptances; /metrics exports them; the CLI flag reaches the engine."""
+    import argparse
+
+    from prometheus_client import generate_latest
+
+    from jaxpaged.entrypoints.cli import add_engine_args, engine_args
+    from jaxpaged.entrypoints.serve.metrics import ServerMetrics
+
+    engine = make_engine(params, warmup=False, max_num_batched_tokens=32, speculative_config=NGRAM)
+    _run(engine, _prompts()[:2], [_greedy(max_tokens=20)] * 2)
+    s = engine.stats()
+    assert s["spec_acceptance_rate"] == s["num_spec_accepted_tokens"] / s["num_spec_draft_tokens"]
+    assert s["spec_mean_accepted_length"] == s["num_spec_emitted_tokens"] / s["num_spec_verified"]
+    assert 1 < s["spec_mean_accepted_length"] <= 1 + NGRAM["num_speculative_tokens"]
+    metrics = ServerMetrics(page_size=8, bytes_per_page=1)
+    metrics.publish(engine)
+    text = generate_latest(metrics.registry).decode()
+    assert f"jaxpaged_spec_decode_accepted_tokens_total {float(s['num_spec_accepted_tokens'])}" in text
+    assert "jaxpaged_spec_decode_mean_accepted_length" in text
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_args(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1, 2]"])

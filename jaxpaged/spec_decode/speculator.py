@@ -204,9 +204,12 @@ class Speculator:
             jax.block_until_ready(verify(logits, arrays))
 
     def stats(self) -> dict:
+        """Counts start with num_ (data parallelism sums those over replicas, averages the rest)."""
         return {
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "num_spec_draft_tokens": self.num_draft_tokens,
+            "num_spec_accepted_tokens": self.num_accepted_tokens,
+            "num_spec_verified": self.num_verified,
+            "num_spec_emitted_tokens": self.num_emitted_tokens,
             "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
             # New tokens per verified sequence per step (accepted proposals + the drawn token).
             "spec_mean_accepted_length": self.num_emitted_tokens / max(1, self.num_verified),
