@@ -31,7 +31,7 @@ ASK = "Rewrite this Python code, adding a docstring to it. Repeat the code exact
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(prompts, params)
     return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0
 
 
