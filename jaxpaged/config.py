@@ -42,8 +42,13 @@ class EngineConfig:
     # What logprobs report (vLLM's engine argument): "raw_logprobs" = the model's distribution;
     # "processed_logprobs" = the one each token was drawn from (penalties, bias, temperature, top-k/p, min-p).
     logprobs_mode: str = "raw_logprobs"
+    # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (jaxpaged/spec_decode/). None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self):
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", check_speculative_config(self.speculative_config))
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two (16 is usual)")
         if self.num_pages is not None and self.num_pages < 2:
@@ -113,3 +118,33 @@ class EngineConfig:
                 ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
             ),
         )
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def check_speculative_config(spec: dict) -> dict:
+    """vLLM's speculative_config dict, validated, with defaults filled in (a new dict)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict (JSON object), got {type(spec).__name__}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown}; use {sorted(known)}")
+    method = spec.get("method", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method={method!r} is not supported; use one of {SPECULATIVE_METHODS}")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        raise ValueError(f"speculative_config needs num_speculative_tokens, an int in [1, 16]; got {k!r}")
+    lookup_min = spec.get("prompt_lookup_min", 1)
+    lookup_max = spec.get("prompt_lookup_max", max(5, lookup_min) if isinstance(lookup_min, int) else 5)
+    for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
+    if lookup_min > lookup_max:
+        raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+    if "model" in spec:
+        raise ValueError("speculative_config 'model' is for method='draft_model', which is not supported yet")
+    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min}

@@ -19,7 +19,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "device": 4, "engine": 5, "entrypoints": 6}
+FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "device": 4, "spec_decode": 4, "engine": 5,
+          "entrypoints": 6}
 # The package's own __init__ and the two entry names (python -m jaxpaged.generate / .serve) sit on top.
 TOP = {"__init__", "generate", "serve"}
 MAX_LINES = 400

@@ -247,17 +247,18 @@ class ModelRunner:
             ids = self._place_replicated(ids)
         self.kv_pages = self._scatter(self.kv_pages, pages, ids)
 
-    def prepare(self, scheduler_output, block_table_rows=None) -> StepInput:
-        """`prepare_step_input` with this runner's page pool and buckets."""
+    def prepare(self, scheduler_output, block_table_rows=None, **logits_rows) -> StepInput:
+        """`prepare_step_input` with this runner's page pool and buckets (`logits_rows`:
+        num_logits, max_num_logits for a speculative verification step)."""
         return prepare_step_input(
             scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
             block_table_rows=block_table_rows,
-            decode_buckets=self.decode_buckets,
+            decode_buckets=self.decode_buckets, **logits_rows,
         )
 
     def execute(self, step_input: StepInput, prev_tokens=None) -> (
-            Float[Array, "num_seqs vocab_size"] | tuple[Float[Array, "num_seqs vocab_size"], dict]):
+            Float[Array, "num_logits vocab_size"] | tuple[Float[Array, "num_logits vocab_size"], dict]):
         """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (with
         `step_input.prompt_logprob_targets`: (logits, sampler_ext.token_logprobs of every token)).
 

@@ -46,7 +46,8 @@ class StepInput:
     # Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1]; padding rows repeat the total.
     query_start_loc: Int[_Arr, "num_seqs_plus_1"]
     # Flat index of each sequence's last scheduled token (where logits are taken); padding rows 0.
-    logits_indices: Int[_Arr, "num_seqs"]
+    # A speculative verification step takes several per sequence (num_logits >= num_seqs rows).
+    logits_indices: Int[_Arr, "num_logits"]
     # Per token, -1 if token_ids holds it; else the row of the previous step's sampled tokens (still
     # on the device) that holds it, and token_ids has 0 there. Asynchronous stepping only; padding -1.
     prev_token_rows: Int[_Arr, "num_tokens"] | None = None
@@ -185,6 +186,8 @@ def prepare_step_input(
     buckets: Sequence[int],
     block_table_rows: BlockTableRows | None = None,
     decode_buckets: Sequence[int] = (),
+    num_logits: np.ndarray | None = None,
+    max_num_logits: int = 0,
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -204,6 +207,10 @@ def prepare_step_input(
     smallest decode bucket `d >= num_seqs` (num_tokens = num_seqs = d, `decode_only=True`); any
     other step, or a decode-only one with no decode bucket that large, takes the smallest bucket
     `b >= total tokens` (num_tokens = b, num_seqs = min(b, max_num_seqs)).
+
+    Speculative verification: `num_logits[i]` logits rows for sequence i, its last num_logits[i]
+    tokens, in order; logits_indices then has min(b, max_num_logits) entries (its own program per
+    bucket), padding 0.
     """
     seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
     num_seqs, total = len(seqs), int(num_new.sum())
@@ -282,8 +289,15 @@ def prepare_step_input(
     padded_lens[:num_seqs] = seq_lens
     padded_starts = np.full(bucket_seqs + 1, total, np.int32)
     padded_starts[: num_seqs + 1] = query_start_loc
-    logits_indices = np.zeros(bucket_seqs, np.int32)
-    logits_indices[:num_seqs] = query_start_loc[1:] - 1
+    if num_logits is None:
+        logits_indices = np.zeros(bucket_seqs, np.int32)
+        logits_indices[:num_seqs] = query_start_loc[1:] - 1
+    else:  # row r of sequence i's block of num_logits[i] rows: its token num_new[i] - num_logits[i] + r
+        num_rows = int(num_logits.sum())
+        logits_indices = np.zeros(min(bucket, max_num_logits), np.int32)
+        ends = np.repeat(query_start_loc[1:], num_logits)
+        rows_left = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(num_rows)
+        logits_indices[:num_rows] = ends - rows_left
     return StepInput(
         token_ids=token_ids,
         positions=positions,

@@ -76,6 +76,9 @@ def check_beam_request(params: BeamSearchParams, num_prompt_tokens: int, config,
     max_model_len, the stop ids). `config` is the EngineConfig."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+    if config.speculative_config is not None:
+        raise ValueError("beam search cannot run with speculative decoding (speculative_config is set); "
+                         "use an LLM without speculative_config for beam search")
     k = params.beam_width
     if k > config.max_num_seqs:
         raise ValueError(

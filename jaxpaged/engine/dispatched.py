@@ -28,3 +28,4 @@ class Dispatched:
     # Prompt logprobs: every token's token_logprobs arrays, and which requests' prompt positions they fill.
     prompt_logprobs: dict | None = None
     prompt_chunks: list[PromptChunk] = dataclasses.field(default_factory=list)
+    spec: object = None  # SpecPending: the step's speculative verification (jaxpaged/spec_decode/), committed at once

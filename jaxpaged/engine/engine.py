@@ -51,6 +51,7 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fit
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.spec_decode.speculator import Speculator, commit_step
 
 logger = logging.getLogger("jaxpaged")
 
@@ -107,6 +108,7 @@ class LLMEngine:
         self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
+        self.spec = Speculator(config) if config.speculative_config else None  # steps synchronously while on
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: Dispatched | None = None
         self._request_counter = itertools.count()
@@ -239,7 +241,7 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         failed = self.structured.admit(wait=not self.scheduler.has_unfinished()) if self.structured.pending else []
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)
         self.timings["schedule"] += time.perf_counter() - t0
         if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
             self.host_kv.swap_out(out.swap_out)
@@ -264,7 +266,8 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             log_step(logger, self._num_steps, out, self.block_manager.stats())
         t0 = time.perf_counter()
-        step_input = self.runner.prepare(out, self._block_table_rows)
+        plan = out.spec_plan  # speculative verification: several logits rows per sequence
+        step_input = self.runner.prepare(out, self._block_table_rows, **(self.spec.logits_rows(plan) if plan else {}))
         targets, prompt_chunks = prompt_targets(out, self.processor.owner, step_input.num_tokens)
         if targets is not None:  # some request wants prompt logprobs: the step's program that gives them
             step_input = dataclasses.replace(step_input, prompt_logprob_targets=targets)
@@ -287,7 +290,7 @@ class LLMEngine:
         # parent's logits row at its first token, and advance() forks the parent n-1 times.
         sampled, beam_seqs = self.sampler.sample(
             out, logits, self.processor.owner, self.beams.owner,
-            lambda entries, num_rows: self.structured.bitmask(out.seqs, entries, num_rows))  # None: no grammar
+            lambda entries, num_rows: self.structured.bitmask(out.seqs, entries, num_rows), plan)  # None: no grammar
         entries, num_rows = sampled.entries, sampled.num_rows
         candidates = None
         if beam_seqs:
@@ -306,9 +309,10 @@ class LLMEngine:
         self.timings["postprocess"] += time.perf_counter() - t1
         return Dispatched(
             idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
-            next_can_read=num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained,
+            next_can_read=(num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained
+                           and self.spec is None),
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
-            prompt_chunks=prompt_chunks,
+            prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
         )
 
     def _fan_out_order(self, out: SchedulerOutput, entries):
@@ -334,7 +338,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.timings["device"] += t1 - t0
 
-        update = self.scheduler.commit(dispatched.out, tokens)
+        update, logprobs = commit_step(self.scheduler, self.spec, dispatched, tokens, logprobs)  # spec: rollback too
         self._num_generated_tokens += len(update.appended)
         outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
         for seq in stopped:
@@ -354,6 +358,8 @@ class LLMEngine:
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         warmup_sampler(self.runner, self.config.max_num_seqs)
         self.sampler.warmup(self.config.max_num_seqs)
+        if self.spec is not None:
+            self.spec.warmup(self.runner)  # the verification steps' programs
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -385,4 +391,5 @@ class LLMEngine:
             "num_compiles": self.runner.num_compiles,
             "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
             "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
+            **(self.spec.stats() if self.spec is not None else {}),
         }

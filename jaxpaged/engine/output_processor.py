@@ -136,6 +136,8 @@ class OutputProcessor:
             if owner is None:
                 continue  # its request was aborted
             request, j = owner
+            if request.samples[j].finish_reason is not None:
+                continue  # a stop string ended it at an earlier token of this step (a speculative run)
             params = request.params
             if params.logprobs is not None:
                 request.samples[j].logprobs.append(logprobs.entry(row, token_id, params.logprobs, self.decode_token))
@@ -147,6 +149,11 @@ class OutputProcessor:
                 self._finish(request, sample, seq.finish_reason, done)
             if not only_finished:
                 moved[request.request_id] = request
+        for seq in stopped:  # tokens after the stop string (a speculative run) are not output
+            request, j = owners[seq.seq_id]
+            extra = len(seq.output_token_ids) - request.samples[j].num_decoded
+            if extra > 0:
+                del seq.output_token_ids[-extra:], seq.token_ids[-extra:]
         for request in done:
             self.pop(request.request_id)
         if only_finished:

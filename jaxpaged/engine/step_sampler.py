@@ -44,12 +44,15 @@ class StepSampler:
         place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
         self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
 
-    def sample(self, out, logits, owner, beam_owner, bitmask_fn=None) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
+    def sample(self, out, logits, owner, beam_owner, bitmask_fn=None,
+               plan=None) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
         """Builds the rows of every sampling sequence of `out` and dispatches the sampler; returns
         the step's sampled arrays and the (logits row, beam) pairs left to beam search.
 
         `bitmask_fn(entries, num_rows)`: the structured-output mask of the step's rows (int32
-        [num_rows, ceil(vocab / 32)]), or None when no row has a grammar."""
+        [num_rows, ceil(vocab / 32)]), or None when no row has a grammar. `plan`: the step's speculative
+        verification (out.spec_plan): sequences with drafts are verified, not sampled, and each
+        sequence's logits row is plan.first[i]."""
         rows: list[RowSpec] = []
         penalty_rows: list[tuple] = []
         entries: list = [None] * len(out.seqs)
@@ -57,7 +60,7 @@ class StepSampler:
         beam_seqs: list[tuple[int, Sequence]] = []
         want_logprobs = use_slots = False
         for i, seq in enumerate(out.seqs):
-            if not out.samples[i]:
+            if not out.samples[i] or (plan is not None and plan.drafts[i]):
                 continue
             if seq.seq_id in beam_owner:  # no placeholder: the search picks its next token
                 beam_seqs.append((i, seq))
@@ -66,13 +69,14 @@ class StepSampler:
             params = request.params
             want_logprobs = want_logprobs or params.logprobs is not None
             step = len(seq.token_ids) - seq.num_prompt_tokens  # outputs before this one, landed or not
+            row = plan.first[i] if plan is not None else i  # its logits row
             if params.needs_token_state and not use_slots:
                 use_slots = True
                 self.slots.release_stopped()
                 penalty_rows = [_NO_PENALTY] * len(rows)
             if len(request.samples) < params.n:
                 entries[i] = list(range(len(rows), len(rows) + params.n))
-                rows += [row_spec(i, params, request.seed, j, seq, step) for j in range(params.n)]
+                rows += [row_spec(row, params, request.seed, j, seq, step) for j in range(params.n)]
                 if params.needs_token_state:
                     slots = [self.slots.slot_of(seq)] + [self.slots.new_slot(seq) for _ in range(params.n - 1)]
                     fan_out_slots.append(slots)
@@ -83,7 +87,7 @@ class StepSampler:
                         penalty_rows += [_NO_PENALTY] * params.n
             else:
                 entries[i] = len(rows)
-                rows.append(row_spec(i, params, request.seed, sample_idx, seq, step))
+                rows.append(row_spec(row, params, request.seed, sample_idx, seq, step))
                 if params.needs_token_state:
                     penalty_rows.append(_penalty_row(self.slots.slot_of(seq), params))
                 elif use_slots:

@@ -94,6 +94,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for swapped pages (with --preemption-mode swap)")
     e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="keep prefix-cache pages evicted from the device in this much host memory")
+    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); pass a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("pass a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+    return value
 
 
 def engine_args(args) -> dict:
@@ -106,6 +119,7 @@ def engine_args(args) -> dict:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,
         logprobs_mode=args.logprobs_mode,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -125,6 +125,13 @@ class _EngineStateCollector:
                       s.get("num_preemptions", 0))
         yield counter("jaxpaged_swaps_out", "Preemptions by swap: a sequence's KV pages copied to host memory",
                       s.get("num_swaps_out", 0))
+        if "num_spec_draft_tokens" in s:  # speculative decoding (jaxpaged/spec_decode/)
+            yield counter("jaxpaged_spec_decode_draft_tokens", "Proposed tokens verified", s["num_spec_draft_tokens"])
+            yield counter("jaxpaged_spec_decode_accepted_tokens", "Proposed tokens accepted",
+                          s["num_spec_accepted_tokens"])
+            yield gauge("jaxpaged_spec_decode_acceptance_ratio", "Accepted / proposed tokens", s["spec_acceptance_rate"])
+            yield gauge("jaxpaged_spec_decode_mean_accepted_length",
+                        "New tokens per verified sequence per step (accepted + 1)", s["spec_mean_accepted_length"])
         yield gauge("jaxpaged_requests_running", "Sequences holding pages", s.get("num_running", 0))
         yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission", s.get("num_waiting", 0))
 

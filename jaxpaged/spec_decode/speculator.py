@@ -1,0 +1,224 @@
+"""Speculative decoding on the host: proposals into a step, verification rows, rollback, stats.
+
+One step with proposals, for a decoding sequence with L tokens (the last one not yet computed):
+
+    schedule()  proposals d_0..d_{m-1} are appended to token_ids for the scheduler to see, so it
+                schedules 1 + m tokens and gives the sequence pages for L + m tokens (preemption and
+                copy-on-write as for any step); proposals of a sequence the step did not take whole
+                (not scheduled, preempted) are removed again at once.
+    dispatch    the target step returns logits at all 1 + m positions (StepInput.logits_indices
+                holds several rows per such sequence); verifier.verify keeps a <= m proposals and
+                draws one more token.
+    commit      token_ids = the L known tokens + the a + 1 new ones (each through the token-level
+                stop rules); num_computed_tokens = L + a: the K/V slots of the m - a rejected
+                proposals are simply written again later. Pages past the new length are freed.
+                Only then does Scheduler.commit register full pages in the prefix cache, so a
+                registered page never holds a rejected token.
+
+A step with proposals is committed at once (not one step late): the next proposal needs the tokens
+this step accepted. The engine therefore steps synchronously while speculation is on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
+from jaxpaged.device.sampling import sample_padded
+from jaxpaged.planner.request import seed_for, token_stop_reason
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import SequenceStatus
+from jaxpaged.spec_decode.ngram import propose_ngram
+from jaxpaged.spec_decode.verifier import make_verify_arrays, verify
+
+RUNNING = SequenceStatus.RUNNING
+
+
+@dataclasses.dataclass
+class SpecPlan:
+    """Where a step's logits rows lie: sequence i owns rows first[i] .. first[i] + num_logits[i]."""
+
+    drafts: list[list[int] | None]  # per scheduled sequence, its proposals this step (None: none)
+    num_logits: np.ndarray  # int32 per scheduled sequence: 1 + len(proposals), or 1
+    first: list[int]
+
+
+@dataclasses.dataclass
+class SpecPending:
+    """A dispatched verification: the sequences with proposals and the verifier's device outputs."""
+
+    seqs: list  # [(sequence, proposals)] in verification-row order
+    tokens: jax.Array
+    num_accepted: jax.Array
+    logprobs: jax.Array
+
+
+class Speculator:
+    def __init__(self, config):
+        spec_config, max_num_seqs = config.speculative_config, config.max_num_seqs
+        self.method = spec_config["method"]
+        self.k = spec_config["num_speculative_tokens"]
+        self.lookup_min = spec_config["prompt_lookup_min"]
+        self.lookup_max = spec_config["prompt_lookup_max"]
+        self.max_num_seqs = max_num_seqs
+        self.max_num_logits = max_num_seqs * (1 + self.k)  # logits rows of a verification step, at most
+        self.num_draft_tokens = 0  # proposals verified
+        self.num_accepted_tokens = 0  # of those, kept
+        self.num_verified = 0  # (sequence, step) pairs verified: each yields accepted + 1 tokens
+        self.num_emitted_tokens = 0  # tokens those verifications appended (stop rules may cut a run)
+
+    # ---------------------------------------------------------------- planning
+
+    def schedule(self, scheduler: Scheduler):
+        """Scheduler.schedule() with proposals for the decoding sequences it can take whole."""
+        # Running sequences are scheduled first and in order: while their total demand fits the token
+        # budget, each gets all its tokens, proposals included (none is cut into a chunk).
+        budget = scheduler.max_num_batched_tokens
+        for seq in scheduler.running:
+            budget -= len(seq.token_ids) - seq.num_computed_tokens
+        proposed: dict[int, tuple] = {}
+        for seq in scheduler.running[: scheduler.max_num_seqs]:
+            if budget <= 0:
+                break
+            num_tokens = len(seq.token_ids)
+            if (seq.num_placeholders or seq.num_computed_tokens != num_tokens - 1
+                    or seq.num_output_tokens < seq.sampling_params.min_tokens):  # no min_tokens ban to verify
+                continue
+            k = min(self.k, budget, seq.max_num_tokens - num_tokens - 1)  # room for the bonus token
+            drafts = propose_ngram(seq.token_ids, k, self.lookup_min, self.lookup_max) if k > 0 else []
+            if drafts:
+                seq.token_ids.extend(drafts)
+                proposed[seq.seq_id] = (seq, drafts)
+                budget -= len(drafts)
+        out = scheduler.schedule()
+        plan = [None] * len(out.seqs)
+        for i, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
+            entry = proposed.pop(seq.seq_id, None)
+            if entry is not None and entry[0] is seq:
+                if num_new != 1 + len(entry[1]) or not out.samples[i]:
+                    raise RuntimeError(f"sequence {seq.seq_id} was scheduled {num_new} tokens of its "
+                                       f"{1 + len(entry[1])} with proposals; this is a bug")
+                plan[i] = entry[1]
+        for seq, drafts in proposed.values():  # not scheduled, or preempted: they never ran
+            del seq.token_ids[len(seq.token_ids) - len(drafts) :]
+        out.spec_plan = self._plan(plan) if any(plan) else None
+        return out
+
+    def _plan(self, drafts: list[list[int] | None]) -> SpecPlan:
+        num_logits = np.array([1 + len(d) if d else 1 for d in drafts], np.int32)
+        first = np.concatenate([[0], np.cumsum(num_logits)[:-1]]).astype(np.int32).tolist()
+        return SpecPlan(drafts=drafts, num_logits=num_logits, first=first)
+
+    # ---------------------------------------------------------------- the device side
+
+    def verify(self, logits, out, owner) -> SpecPending:
+        """Dispatches the verification of the step's proposals (not awaited)."""
+        plan = out.spec_plan
+        rows, seqs = [], []
+        for i, (seq, drafts) in enumerate(zip(out.seqs, plan.drafts)):
+            if not drafts:
+                continue
+            request, sample_idx = owner[seq.seq_id]
+            params = request.params
+            step = len(seq.token_ids) - len(drafts) - seq.num_prompt_tokens  # outputs before position 0
+            rows.append((plan.first[i], drafts, params.temperature, max(params.top_k, 0), params.top_p,
+                         params.min_p, seed_for(request.seed, sample_idx), step))
+            seqs.append((seq, drafts))
+        tokens, num_accepted, logprobs = verify(logits, make_verify_arrays(rows, self.max_num_seqs, self.k))
+        for array in (tokens, num_accepted, logprobs):
+            array.copy_to_host_async()
+        return SpecPending(seqs=seqs, tokens=tokens, num_accepted=num_accepted, logprobs=logprobs)
+
+    # ---------------------------------------------------------------- after the step
+
+    def commit(self, scheduler: Scheduler, out, tokens, logprobs, pending: SpecPending):
+        """Scheduler.commit for a step with proposals: accepted tokens in, rejected ones rolled back.
+
+        Returns the UpdateOutput (the sampled sequences' tokens, then the verified ones, whose rows
+        index the returned logprobs list) and that list."""
+        new_tokens = np.asarray(pending.tokens).tolist()
+        num_accepted = np.asarray(pending.num_accepted).tolist()
+        new_logprobs = np.asarray(pending.logprobs).tolist()
+        block_manager = scheduler.block_manager
+        appended, spec_logprobs, finished = [], [], []
+        for r, (seq, drafts) in enumerate(pending.seqs):
+            if seq.status is not RUNNING:
+                continue  # finished or aborted since dispatch
+            token_ids = seq.token_ids
+            del token_ids[len(token_ids) - len(drafts) :]
+            accepted = num_accepted[r]
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            self.num_verified += 1
+            for j in range(accepted + 1):
+                token_id = new_tokens[r][j]
+                token_idx = len(token_ids)
+                token_ids.append(token_id)
+                seq.output_token_ids.append(token_id)
+                appended.append((seq, token_id))
+                spec_logprobs.append(new_logprobs[r][j])
+                self.num_emitted_tokens += 1
+                reason = token_stop_reason(token_idx, token_id, len(seq.output_token_ids), seq.max_num_tokens,
+                                           seq.stop_token_set, seq.sampling_params.min_tokens)
+                if reason is not None:
+                    finished.append((seq, reason))
+                    break
+            # Slots past the last known token hold rejected proposals (or nothing): recomputed later.
+            seq.num_computed_tokens = len(token_ids) - 1
+            num_pages = -(-len(token_ids) // block_manager.page_size)
+            for page_id in reversed(seq.block_table[num_pages:]):  # pages left with no known token
+                block_manager._release(page_id)
+            del seq.block_table[num_pages:]
+
+        update = scheduler.commit(out, tokens)  # registers full pages of known tokens only
+        for seq, reason in finished:
+            scheduler.finish(seq, reason)
+        base = len(tokens) if tokens is not None else 0
+        merged_logprobs = (logprobs if logprobs is not None else [0.0] * base) + spec_logprobs
+        update.appended += appended
+        update.rows += range(base, base + len(appended))
+        update.finished += [seq for seq, _ in finished]
+        return update, merged_logprobs
+
+    # ---------------------------------------------------------------- warm-up and stats
+
+    def logits_rows(self, plan: SpecPlan) -> dict:
+        """ModelRunner.prepare's arguments for a step with proposals: logits rows per sequence."""
+        return dict(num_logits=plan.num_logits, max_num_logits=self.max_num_logits)
+
+    def warmup(self, runner) -> None:
+        """Compiles the verification variant of every token bucket (its logits rows), the sampler
+        and the verifier at those widths: a step with proposals never compiles."""
+        for bucket in runner.buckets:
+            width = min(bucket, self.max_num_logits)  # logits rows of a verification step
+            dummy = runner.dummy_step_input(bucket)
+            step_input = dataclasses.replace(dummy, logits_indices=np.zeros(width, np.int32))
+            logits = runner.execute(step_input)
+            num_out = max(width, runner.num_prev_token_rows)
+            rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
+            jax.block_until_ready(sample_padded(logits, make_sampling_arrays(rows, width), num_out=num_out))
+            arrays = make_verify_arrays([(0, [1], 1.0, 2, 0.9, 0.0, 0, 0)], self.max_num_seqs, self.k)
+            jax.block_until_ready(verify(logits, arrays))
+
+    def stats(self) -> dict:
+        """Counts start with num_ (data parallelism sums those over replicas, averages the rest)."""
+        return {
+            "num_spec_draft_tokens": self.num_draft_tokens,
+            "num_spec_accepted_tokens": self.num_accepted_tokens,
+            "num_spec_verified": self.num_verified,
+            "num_spec_emitted_tokens": self.num_emitted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+            # New tokens per verified sequence per step (accepted proposals + the drawn token).
+            "spec_mean_accepted_length": self.num_emitted_tokens / max(1, self.num_verified),
+        }
+
+
+def commit_step(scheduler: Scheduler, spec: Speculator | None, dispatched, tokens, logprobs):
+    """The engine's commit of a dispatched step: Scheduler.commit, after the rollback of rejected
+    proposals when the step verified some. Returns (UpdateOutput, logprobs indexed by its rows)."""
+    if dispatched.spec is None:
+        return scheduler.commit(dispatched.out, tokens), logprobs
+    return spec.commit(scheduler, dispatched.out, tokens, logprobs, dispatched.spec)

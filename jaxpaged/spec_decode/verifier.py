@@ -1,0 +1,127 @@
+"""Verification on the device: which proposed tokens a sequence keeps, and the token after them.
+
+Sequence s proposed d_0 .. d_{m-1} (m <= K) and the target step computed logits at its 1 + m
+positions: position j predicts the token after d_{j-1} (position 0: after the last known token).
+
+    greedy (temperature 0):  keep d_j while d_j == argmax(target_j); then argmax at the first
+                             mismatch, or at position m (the bonus token) if all were kept.
+    sampled:                 rejection sampling (Leviathan et al. 2023, Chen et al. 2023) with a
+                             deterministic proposal, q = point mass at d_j: keep d_j with probability
+                             min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j); at the first rejection draw from
+                             norm(max(0, p_j - q_j)) = p_j without d_j, renormalized; if all m were
+                             kept, draw the bonus token from p_m.
+
+p_j is the distribution the non-speculative sampler draws from (temperature, top-k, top-p, min-p:
+`jaxpaged.device.sampler.sampling_logits`), so each output token is distributed exactly as without
+speculation. Randomness: uniform u(seed, step + j, purpose) for the accept test at j and for the
+final draw, a function of the request's seed and the token's output index only: a seeded request
+draws the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, UInt
+
+from jaxpaged.device.sampler import GREEDY_TEMPERATURE, PRNG_IMPL, SamplingArrays, sampling_logits
+
+# Legend: S = verification rows (padded to max_num_seqs), K = num_speculative_tokens, V = vocab
+_ACCEPT, _DRAW = 1, 2  # the `purpose` folded into a uniform's key
+_Arr = Array | np.ndarray  # numpy on the host, jax inside the jitted verifier
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyArrays:
+    """One row per sequence with proposals, padded to S rows (padding: num_drafts 0, greedy)."""
+
+    first_row: Int[_Arr, "S"]  # logits row of position 0; positions j are rows first_row + j
+    num_drafts: Int[_Arr, "S"]  # m, proposals of this sequence (0 <= m <= K)
+    drafts: Int[_Arr, "S K"]  # proposed tokens; columns >= m pad with 0
+    temperature: Float[_Arr, "S"]
+    top_k: Int[_Arr, "S"]
+    top_p: Float[_Arr, "S"]
+    min_p: Float[_Arr, "S"]
+    seed: UInt[_Arr, "S"]  # uint32
+    step: Int[_Arr, "S"]  # the output index of the token at position 0
+
+
+def make_verify_arrays(rows: list[tuple], num_rows: int, k: int) -> VerifyArrays:
+    """rows: (first_row, drafts, temperature, top_k, top_p, min_p, seed, step), padded to num_rows."""
+    out = VerifyArrays(
+        first_row=np.zeros(num_rows, np.int32), num_drafts=np.zeros(num_rows, np.int32),
+        drafts=np.zeros((num_rows, k), np.int32), temperature=np.zeros(num_rows, np.float32),
+        top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32),
+        min_p=np.zeros(num_rows, np.float32), seed=np.zeros(num_rows, np.uint32), step=np.zeros(num_rows, np.int32),
+    )
+    for r, (first_row, drafts, temperature, top_k, top_p, min_p, seed, step) in enumerate(rows):
+        out.first_row[r], out.num_drafts[r] = first_row, len(drafts)
+        out.drafts[r, : len(drafts)] = drafts
+        out.temperature[r], out.top_k[r], out.top_p[r], out.min_p[r] = temperature, top_k, top_p, min_p
+        out.seed[r], out.step[r] = seed % 2**32, step
+    return out
+
+
+def _uniforms(seed, step, purpose: int, num: int) -> Float[Array, "S num"]:
+    """u(seed, step + j, purpose) in (0, 1) for j < num, per row."""
+
+    def row(seed, step):
+        key = jax.random.key(seed, impl=PRNG_IMPL)
+        keys = jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, step + j), purpose))(jnp.arange(num))
+        return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0))(keys)
+
+    return jax.vmap(row)(seed, step)
+
+
+@functools.partial(jax.jit, static_argnames=("always_accept",))
+def verify(logits: Float[Array, "W V"], arrays: VerifyArrays, always_accept: bool = False):
+    """Returns (tokens [S, K+1] int32: the kept proposals then the drawn token, padded with 0;
+    num_accepted [S] int32: kept proposals a, so tokens[:, : a + 1] are the new tokens;
+    logprobs [S, K+1] float32: log_softmax of the raw target logits at each new token).
+
+    `always_accept` (static) keeps every proposal: a broken rule for the tests to catch.
+    """
+    num_rows, k = arrays.drafts.shape
+    positions = jnp.arange(k + 1, dtype=jnp.int32)
+    rows = jnp.minimum(arrays.first_row[:, None] + positions, logits.shape[0] - 1)  # [S, K+1]
+    flat = lambda x: jnp.repeat(x, k + 1)  # noqa: E731  per-row values at every position
+    params = SamplingArrays(
+        row_idx=rows.reshape(-1), temperature=flat(arrays.temperature), top_k=flat(arrays.top_k),
+        top_p=flat(arrays.top_p), min_p=flat(arrays.min_p), seed=flat(arrays.seed),
+        step=(arrays.step[:, None] + positions).reshape(-1), banned_ids=jnp.full((num_rows * (k + 1), 1), -1, jnp.int32),
+    )
+    raw = logits.astype(jnp.float32)[rows]  # [S, K+1, V]
+    vocab = raw.shape[-1]
+    probs = jax.nn.softmax(sampling_logits(logits, params).reshape(num_rows, k + 1, vocab), axis=-1)
+    greedy_ids = jnp.argmax(raw, axis=-1).astype(jnp.int32)  # [S, K+1]
+    is_random = (arrays.temperature >= GREEDY_TEMPERATURE)[:, None]  # [S, 1]
+
+    drafts = arrays.drafts
+    p_draft = jnp.take_along_axis(probs[:, :k], drafts[:, :, None], axis=-1)[:, :, 0]  # [S, K]
+    u_accept = _uniforms(arrays.seed, arrays.step, _ACCEPT, k)
+    accept = jnp.where(is_random, u_accept < p_draft, drafts == greedy_ids[:, :k])
+    if always_accept:
+        accept = jnp.ones_like(accept)
+    accept &= positions[None, :k] < arrays.num_drafts[:, None]
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [S]
+
+    # The final draw at position a: p_a without the rejected proposal (a < m), or p_a itself (a == m).
+    p_final = jnp.take_along_axis(probs, num_accepted[:, None, None], axis=1)[:, 0]  # [S, V]
+    rejected = jnp.take_along_axis(drafts, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]
+    was_rejected = num_accepted < arrays.num_drafts
+    p_final = jnp.where(was_rejected[:, None] & (jnp.arange(vocab)[None] == rejected[:, None]), 0.0, p_final)
+    cdf = jnp.cumsum(p_final, axis=-1)
+    u_draw = _uniforms(arrays.seed, arrays.step + num_accepted, _DRAW, 1)[:, 0]
+    drawn = jnp.minimum(jnp.sum(cdf < u_draw[:, None] * cdf[:, -1:], axis=-1), vocab - 1).astype(jnp.int32)
+    final = jnp.where(is_random[:, 0], drawn, jnp.take_along_axis(greedy_ids, num_accepted[:, None], axis=1)[:, 0])
+
+    padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(positions[None] < num_accepted[:, None], padded_drafts, 0)
+    tokens = jnp.where(positions[None] == num_accepted[:, None], final[:, None], tokens)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, :, None], axis=-1)[:, :, 0]
+    return tokens, num_accepted.astype(jnp.int32), logprobs
