@@ -110,7 +110,8 @@ class ModelRunner:
         self._param_shapes = {
             jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
         }
-        self.params = self._to_device(params)
+        self.params = self._to_device(params)  # None after sleep(level=2): jaxpaged/device/sleep.py
+        self._params_tree = jax.tree.structure(self.params)
         c = model_config
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
@@ -165,7 +166,11 @@ class ModelRunner:
         jax.tree_util.tree_map_with_path(check, params)
         if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
             return self.tp.place_params(params)
-        return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
+        # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.
+        default = jax.devices()[0]
+        return jax.tree.map(lambda x: jnp.array(
+            np.asarray(x) if isinstance(x, jax.Array) and x.sharding.device_set != {default} else x,
+            dtype=dtype, copy=True), params)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
                  layout, decode_only: bool = False):
@@ -324,10 +329,8 @@ class ModelRunner:
             if got_shape != tuple(shape):
                 raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}")
         new = self._to_device(params)
-        if jax.tree.structure(new) != jax.tree.structure(self.params):  # e.g. a dict where a FrozenDict was
-            raise ValueError(
-                f"new params have tree {jax.tree.structure(new)}, expected {jax.tree.structure(self.params)}"
-            )
+        if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
+            raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
         self.params = new
 
     def kv_cache_bytes(self) -> int:

@@ -42,7 +42,9 @@ from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutp
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
+from jaxpaged.engine import weights
 from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sequence import Sequence
@@ -119,6 +121,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.weights = weights.WeightState()  # version, epoch, sleep level, aborted outputs (engine/weights.py)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
         # Tests set a list here to record ("dispatch", step) and ("readback", step) in order.
         self.events: list[tuple[str, int]] | None = None
@@ -159,16 +162,17 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
+        self.weights.check_awake()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, SEED_MASK))
         seq = Sequence(
-            [int(t) for t in prompt_token_ids], params, cache_salt=cache_salt,
+            [int(t) for t in prompt_token_ids], params, cache_salt=versioned_salt(cache_salt, self.weights.epoch),
             eos_token_id=self.tokenizer.eos_token_id,
         )
         self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
-        self.processor.add_request(request_id, prompt, seq, params, seed)
+        self.processor.add_request(request_id, prompt, seq, params, seed, self.weights.version)
         return request_id
 
     def add_beam_request(
@@ -176,7 +180,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
-        self.validate_prompt(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids), self.weights.check_awake()
         max_tokens, stop_ids = check_beam_request(
             params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
             self.tokenizer.eos_token_id,
@@ -187,6 +191,7 @@ class LLMEngine:
         seq = Sequence(
             [int(t) for t in prompt_token_ids],
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
+            cache_salt=versioned_salt(None, self.weights.epoch),
         )
         self.scheduler.add(seq)
         self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
@@ -206,11 +211,12 @@ class LLMEngine:
                 self.scheduler.abort(sample.seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.processor.requests) or bool(self.beams)
+        return bool(self.processor.requests) or bool(self.beams) or bool(self.weights.aborted_outputs)
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` (a request or a beam search) is still in the engine."""
-        return request_id in self.processor.requests or request_id in self.beams.searches
+        return (request_id in self.processor.requests or request_id in self.beams.searches
+                or any(o.request_id == request_id for o in self.weights.aborted_outputs))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -229,6 +235,7 @@ class LLMEngine:
         `only_finished=True` returns outputs only for requests that finished: building a snapshot
         copies every moved request's tokens, which offline generation does not need.
         """
+        aborted, self.weights.aborted_outputs = self.weights.aborted_outputs, []  # by update_params
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
@@ -239,7 +246,7 @@ class LLMEngine:
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
-        outputs = self._commit(previous, only_finished) if previous is not None else []
+        outputs = aborted + (self._commit(previous, only_finished) if previous is not None else [])
         if dispatched is not None:
             if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
                 self._in_flight = dispatched
@@ -362,16 +369,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
-    def update_params(self, params) -> None:
-        """Swaps in a copy of new weights (same tree and shapes, float) without recompiling; drops K/V
-        cached under the old ones. The caller may delete or donate its arrays afterwards."""
-        if self.processor.requests:
-            raise ValueError(
-                f"{len(self.processor.requests)} requests are in flight; finish or abort them before update_params "
-                "(their cached K/V were computed with the old weights)"
-            )
-        self.runner.update_params(params)
-        self.block_manager.reset_prefix_cache()
+    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """New weights (a copy; same tree and shapes, any sharding), no recompiling, between two steps;
+        requests in flight are kept, recomputed or aborted (engine/weights.py)."""
+        weights.update_params(self, params, version=version, in_flight=in_flight)
+
+    def sleep(self, level: int = 1) -> None:  # frees the KV pool; weights to host (1) or dropped (2)
+        weights.sleep(self, level)
+
+    def wake_up(self) -> None:  # undoes sleep(); after level 2, update_params brings the weights
+        weights.wake_up(self)
 
     def page_ref_counts(self) -> dict[int, int]:
         """{ref count: number of pages in use with it} (the server's histogram)."""
@@ -387,6 +394,7 @@ class LLMEngine:
             "num_generated_tokens": self._num_generated_tokens,
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
+            "weight_version": self.weights.version, "sleep_level": self.weights.sleep_level,
             "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
             "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
         }

@@ -19,11 +19,13 @@ class CompletionOutput:
     index: which of the request's n samples; text: detokenized output so far (stop string
     excluded); token_ids: generated token ids so far; finish_reason: "stop" | "length" | "abort",
     None while running; logprobs: log p(chosen token) per token, if SamplingParams.logprobs;
-    delta_text / delta_token_ids: what was added since the previous streamed update.
+    delta_text / delta_token_ids: what was added since the previous streamed update;
+    weight_versions: per token, the weight `version` (`update_params`) it was sampled under (None
+    for outputs not made by the engine). Kept as runs [(first token index, version)], expanded on read.
     """
 
     __slots__ = ("index", "text", "finish_reason", "delta_text", "delta_token_ids",
-                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs")
+                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs", "_version_runs")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
                  logprobs: list[float] | None = None, delta_text: str = "",
@@ -35,10 +37,12 @@ class CompletionOutput:
         self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
         self._token_ids, self._num_tokens = token_ids, None  # None: the list is this output's own
         self._logprobs, self._num_logprobs = logprobs, None
+        self._version_runs = None
 
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
-                 live_logprobs: list[float] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
+                 live_logprobs: list[float] | None, delta_text: str, delta_token_ids: list[int],
+                 version_runs: tuple[tuple[int, int], ...] | None = None) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
         out.index, out.text, out.finish_reason = index, text, finish_reason
@@ -46,6 +50,7 @@ class CompletionOutput:
         out._token_ids, out._num_tokens = live_token_ids, len(live_token_ids)
         out._logprobs = live_logprobs
         out._num_logprobs = None if live_logprobs is None else len(live_logprobs)
+        out._version_runs = version_runs
         return out
 
     @property
@@ -67,6 +72,18 @@ class CompletionOutput:
     @logprobs.setter
     def logprobs(self, value: list[float] | None) -> None:
         self._logprobs, self._num_logprobs = value, None
+
+    @property
+    def weight_versions(self) -> list[int] | None:
+        """The weight version each token was sampled under (runs expanded; see the class doc)."""
+        if self._version_runs is None:
+            return None
+        num_tokens = len(self.token_ids)
+        versions: list[int] = []
+        for i, (start, version) in enumerate(self._version_runs):
+            end = self._version_runs[i + 1][0] if i + 1 < len(self._version_runs) else num_tokens
+            versions += [version] * (min(end, num_tokens) - min(start, num_tokens))
+        return versions
 
     @property
     def finished(self) -> bool:
@@ -93,6 +110,18 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def weight_versions(self) -> list[int] | None:
+        """The weight version each token was sampled under (runs expanded; see the class doc)."""
+        if self._version_runs is None:
+            return None
+        num_tokens = len(self.token_ids)
+        versions: list[int] = []
+        for i, (start, version) in enumerate(self._version_runs):
+            end = self._version_runs[i + 1][0] if i + 1 < len(self._version_runs) else num_tokens
+            versions += [version] * (min(end, num_tokens) - min(start, num_tokens))
+        return versions
 
     @property
     def finished(self) -> bool:
