@@ -212,7 +212,7 @@ def test_sleep_frees_device_memory_and_wake_up_restores_outputs(params):
     _finish(engine)
 
 
-def test_sleep_level_1_keeps_the_kv_pool_free_of_device_weights_too(params):
+def test_update_params_while_asleep_at_level_2_then_wake_up(params):
     """Level 2 then update_params while asleep: the weights arrive on the device, the pool at wake_up."""
     engine = make_engine(params)
     before = _greedy(engine, prompts()[2], 6).token_ids
@@ -234,3 +234,24 @@ def test_llm_update_mid_stream(params):
     versions = last.outputs[0].weight_versions
     assert versions[0] == 0 and versions[-1] == 3 and len(versions) == 10 and first.outputs[0].weight_versions[0] == 0
     assert llm.stats()["num_used_pages"] == 0
+
+
+def test_data_parallel_engine_updates_sleeps_and_wakes_every_replica(params):
+    """Two replicas (on the one CPU device): the new EngineClient members reach both."""
+    from jaxpaged.engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine([make_engine(params), make_engine(params)])
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, **GREEDY)) for p in prompts()[2:4]]
+    engine.step(), engine.step()
+    engine.update_params(_scaled(params), version=5, in_flight="abort")
+    final = _finish(engine)
+    assert set(final) == set(ids) and all(final[i].outputs[0].finish_reason == "abort" for i in ids)
+    with pytest.raises(ValueError, match="finish or abort"):
+        engine.add_request(prompts()[1], SamplingParams(max_tokens=2)), engine.sleep(level=1)
+    _finish(engine)
+    engine.sleep(level=1)
+    assert all(e.stats()["sleep_level"] == 1 for e in engine.engines)
+    engine.wake_up()
+    outs = [_greedy(engine, p, 4) for p in prompts()[2:4]]
+    assert all(o.weight_versions == [5] * 4 for o in outs)
+    assert engine.stats()["num_used_pages"] == 0

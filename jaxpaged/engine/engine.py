@@ -140,7 +140,8 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raises ValueError for a prompt this engine can never serve (nothing is queued)."""
+        """ValueError for a prompt this engine can never serve, RuntimeError while asleep; queues nothing."""
+        self.weights.check_awake()
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty; give at least one token or a non-empty string")
         vocab_size = self.model_config.vocab_size
@@ -162,7 +163,6 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
-        self.weights.check_awake()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
@@ -180,7 +180,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
-        self.validate_prompt(prompt_token_ids), self.weights.check_awake()
+        self.validate_prompt(prompt_token_ids)
         max_tokens, stop_ids = check_beam_request(
             params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
             self.tokenizer.eos_token_id,

@@ -26,7 +26,7 @@ class EngineClient(Protocol):
     kv_bytes_per_page: int  # bytes of one KV page, all layers, K and V (scales included when quantized)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raises ValueError for a prompt the engine can never serve; queues nothing."""
+        """Raises ValueError for a prompt the engine can never serve (RuntimeError while asleep); queues nothing."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
