@@ -26,7 +26,9 @@ loop `kv_pages[layer_idx, 0]` is a dynamic slice that XLA copies in full before 
 read it: every layer's pool, every step. The per-layer signatures stay for research code that
 holds one layer's pools (they reshape, never copy, those pools).
 
-`interpret=None` runs compiled on a GPU and in Pallas interpret mode elsewhere (slow, but exact).
+`interpret=None` runs compiled when the program is lowered for a GPU and in Pallas interpret mode
+when lowered for anything else (slow, but exact): the target decides, not the host, so the same
+step compiles for an H100 from a CPU machine.
 The oracle for all of them is `jaxpaged.ops.attention.reference_paged_attention`.
 """
 

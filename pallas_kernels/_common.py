@@ -34,11 +34,18 @@ except ImportError:  # pragma: no cover - depends on the installed JAX
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """None means: compiled on a GPU, interpreted everywhere else (CPU, TPU)."""
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
+def by_target(call, interpret: bool | None):
+    """`call(interpret)` with interpret mode chosen by the TARGET the program is lowered for.
+
+    `interpret=None`: compiled (`call(False)`) when the surrounding program is lowered for a CUDA
+    GPU, interpreted (`call(True)`) when lowered for anything else. The choice is made at lowering
+    by `lax.platform_dependent`, which lowers only the target's branch, so the same jitted step runs
+    interpreted on a CPU host and compiles to real kernels for an H100 from that same CPU host
+    (deviceless ahead-of-time compilation). An explicit True / False is used as given.
+    """
+    if interpret is not None:
+        return call(bool(interpret))
+    return lax.platform_dependent(cuda=lambda: call(False), default=lambda: call(True))
 
 
 def compiler_params(num_warps: int, num_stages: int):

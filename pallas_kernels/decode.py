@@ -45,7 +45,7 @@ from pallas_kernels._common import (
     online_softmax_step,
     page_rows_of_buffer,
     page_rows_of_pools,
-    resolve_interpret,
+    by_target,
 )
 
 # Legend: S=num_seqs K=num_kv_heads Gp=query heads per KV head padded to a power of two (>= 16)
@@ -227,7 +227,8 @@ def decode_attention(
       num_splits: context splits per sequence (flash-decoding); capped so no split is empty of
         table entries. More splits = more parallelism for small batches of long sequences.
       num_warps, num_stages: Triton launch parameters (ignored when interpreting).
-      interpret: None = compiled on GPU, interpreted elsewhere.
+      interpret: None = compiled when the program is lowered for a GPU, interpreted when lowered for
+        anything else (the target decides, not the host: `_common.by_target`).
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
@@ -325,22 +326,25 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
     q_grouped = q.astype(compute_dtype(q, k_rows)).reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, num_rows - group), (0, 0)))
 
-    out, m, l = _decode_pallas_call(
-        q_grouped,
-        k_rows,
-        v_rows,
-        bases,
-        block_tables,
-        seq_lens.astype(jnp.int32),
-        scale=scale,
-        soft_cap=soft_cap,
-        num_pages=num_pages,
-        pages_per_seq=pages_per_seq,
-        pages_per_compute_block=pages_per_compute_block,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=resolve_interpret(interpret),
+    out, m, l = by_target(
+        lambda interpret_mode: _decode_pallas_call(
+            q_grouped,
+            k_rows,
+            v_rows,
+            bases,
+            block_tables,
+            seq_lens.astype(jnp.int32),
+            scale=scale,
+            soft_cap=soft_cap,
+            num_pages=num_pages,
+            pages_per_seq=pages_per_seq,
+            pages_per_compute_block=pages_per_compute_block,
+            num_splits=num_splits,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            interpret=interpret_mode,
+        ),
+        interpret,
     )
     out = _combine_splits(out, m, l)[:, :, :group]  # [S, K, G, H]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

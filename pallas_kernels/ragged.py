@@ -60,7 +60,7 @@ from pallas_kernels._common import (
     online_softmax_step,
     page_rows_of_buffer,
     page_rows_of_pools,
-    resolve_interpret,
+    by_target,
 )
 
 # Legend: T=num_tokens S=num_seqs K=num_kv_heads Gp=query heads per KV head padded to a power of two
@@ -232,7 +232,8 @@ def ragged_paged_attention(
       block_q: query tokens per program (power of two).
       pages_per_compute_block: pages gathered per inner step (power of two).
       num_warps, num_stages: Triton launch parameters (ignored when interpreting).
-      interpret: None = compiled on GPU, interpreted elsewhere.
+      interpret: None = compiled when the program is lowered for a GPU, interpreted when lowered for
+        anything else (the target decides, not the host: `_common.by_target`).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype; zeros for padding tokens.
@@ -326,25 +327,28 @@ def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, 
     q_grouped = q.astype(compute_dtype(q, k_rows)).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, block_q), (0, group_rows - group), (0, 0)))
 
-    out_blocks = _ragged_pallas_call(
-        block_seq_idx,
-        block_token_start,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        q_grouped,
-        k_rows,
-        v_rows,
-        bases,
-        block_q=block_q,
-        scale=scale,
-        soft_cap=soft_cap,
-        num_pages=num_pages,
-        pages_per_seq=pages_per_seq,
-        pages_per_compute_block=pages_per_compute_block,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=resolve_interpret(interpret),
+    out_blocks = by_target(
+        lambda interpret_mode: _ragged_pallas_call(
+            block_seq_idx,
+            block_token_start,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            q_grouped,
+            k_rows,
+            v_rows,
+            bases,
+            block_q=block_q,
+            scale=scale,
+            soft_cap=soft_cap,
+            num_pages=num_pages,
+            pages_per_seq=pages_per_seq,
+            pages_per_compute_block=pages_per_compute_block,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            interpret=interpret_mode,
+        ),
+        interpret,
     )  # [K, Q, B, Gp, H]
 
     # Each token's row: block first_block[s] + local // B, row local % B, local = t - query_start_loc[s].

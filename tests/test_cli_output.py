@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import jaxpaged
+import jaxpaged.entrypoints.llm
 from jaxpaged import SamplingParams
 from jaxpaged.entrypoints.cli import main
 from test_llm_inputs import tiny_llm
@@ -27,7 +27,7 @@ def tiny():
 @pytest.fixture
 def cli(tiny, monkeypatch):
     """main(argv) with `LLM(...)` giving the tiny model; logging restored afterwards."""
-    monkeypatch.setattr(jaxpaged, "LLM", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(jaxpaged.entrypoints.llm, "LLM", lambda *args, **kwargs: tiny)
     root, ours = logging.getLogger(), logging.getLogger("jaxpaged")
     saved = root.level, root.handlers[:], ours.level, ours.handlers[:], ours.propagate
     # Like a fresh process: pytest's own handlers on the root would make basicConfig a no-op.

@@ -5,7 +5,8 @@
     "pallas"     the Triton-backend Pallas kernels over the whole KV buffer (the GPU default)
     "mosaic"     the Hopper (wgmma/TMA) Mosaic GPU kernels, bfloat16 pages only
 
-The Pallas kernels run compiled on a GPU and in Pallas's interpreter elsewhere.
+The Pallas kernels run compiled when the step is lowered for a GPU and in Pallas's interpreter
+when lowered for anything else: the target decides, not the host (pallas_kernels._common.by_target).
 """
 
 from __future__ import annotations

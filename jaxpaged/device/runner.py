@@ -57,6 +57,11 @@ class ModelRunner:
 
     `mesh`: a `jax.sharding.Mesh` with a `tp` axis (`jaxpaged.device.sharding.make_mesh`) splits the model
     over its devices (tensor parallelism); None runs on the default device.
+
+    Abstract params (every leaf a `jax.ShapeDtypeStruct` carrying a sharding) make a compile-only
+    runner: nothing is allocated, the KV buffer is abstract too, `trace_step` traces the engine's
+    real step for that sharding's devices (e.g. an H100 from a CPU host: benchmarks/h100/), and
+    `execute` refuses.
     """
 
     def __init__(
@@ -110,20 +115,32 @@ class ModelRunner:
         self._param_shapes = {
             jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
         }
-        self.params = self._to_device(params)  # None after sleep(level=2): jaxpaged/device/sleep.py
-        self._params_tree = jax.tree.structure(self.params)
         c = model_config
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
+        leaves = jax.tree.leaves(params)
+        self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
         # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
-        if self.tp is None:
+        if self.abstract:  # compile-only: shapes and the params' sharding, no memory
+            if self.tp is not None:
+                raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
+            self._abstract_sharding = leaves[0].sharding
+            self.params = params
+            self.kv_pages = jax.tree.map(
+                self._abstract, jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)))
+            step_shardings = copy_shardings = {}
+        elif self.tp is None:
+            self.params = self._to_device(params)
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
             step_shardings = copy_shardings = {}
         else:
+            self.params = self._to_device(params)
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.tp.zeros_kv_pages)
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
+        # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
+        self._params_tree = jax.tree.structure(self.params)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
@@ -133,7 +150,8 @@ class ModelRunner:
         # The previous step's sampled tokens, as the sampler returns them padded to this many rows:
         # a decode whose input token is still on the device reads it from there (asynchronous stepping).
         self.num_prev_token_rows = max_num_seqs
-        self._no_prev_tokens = jnp.zeros(self.num_prev_token_rows, jnp.int32)
+        self._no_prev_tokens = (self._abstract(jax.ShapeDtypeStruct((self.num_prev_token_rows,), jnp.int32))
+                                if self.abstract else jnp.zeros(self.num_prev_token_rows, jnp.int32))
         self._step = jax.jit(
             self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
         )
@@ -144,6 +162,10 @@ class ModelRunner:
         self.num_transfer_compiles = 0
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
+
+    def _abstract(self, x) -> jax.ShapeDtypeStruct:
+        """`x`'s shape and dtype on the compile-only runner's devices."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)
 
     def _to_device(self, params):
         """The engine's own float copy of `params` in the model dtype.
@@ -238,6 +260,8 @@ class ModelRunner:
         `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
         read where `step_input.prev_token_rows` says; None when no input token is a placeholder.
         """
+        if self.abstract:
+            raise ValueError("this runner is compile-only (abstract params): use trace_step, or give real params")
         packed, layout = pack_step_input(step_input)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
@@ -341,6 +365,8 @@ class ModelRunner:
         the compiled program (`.jaxpr`, `.lower(lowering_platforms=("cuda",))`); runs nothing."""
         packed, layout = pack_step_input(step_input)
         prev_tokens = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        if self.abstract:
+            packed = self._abstract(packed)
         if self.tp is not None:  # placed as execute places them
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(

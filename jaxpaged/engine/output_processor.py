@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
-from jaxpaged.planner.request import SamplingParams, find_stop
+from jaxpaged.planner.request import SamplingParams, stop_string_start
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
 
 FINISHED = SequenceStatus.FINISHED
@@ -173,13 +173,12 @@ class OutputProcessor:
             new_text += sample.detokenizer.flush()
         if new_text and sample.finish_reason is None:
             sample.text += new_text
-            if seq.num_output_tokens >= params.min_tokens:
-                idx = find_stop(sample.text, len(new_text), params.stop)
-                if idx >= 0:
-                    sample.text = sample.text[:idx]
-                    self._finish(request, sample, "stop", done)
-                    if not seq.is_finished:
-                        stopped.append(seq)
+            idx = stop_string_start(sample.text, len(new_text), params, seq.num_output_tokens)
+            if idx >= 0:
+                sample.text = sample.text[:idx]
+                self._finish(request, sample, "stop", done)
+                if not seq.is_finished:
+                    stopped.append(seq)
         if seq.status is FINISHED and sample.finish_reason is None:
             self._finish(request, sample, seq.finish_reason, done)
 

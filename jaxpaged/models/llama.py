@@ -236,21 +236,26 @@ class CausalLM(nn.Module):
         return logits, kv_pages
 
 
+def param_shapes(config: ModelConfig):
+    """The parameter tree as `jax.ShapeDtypeStruct`s (`eval_shape` of the module's init: nothing runs)."""
+    num_pages, page_size, num_tokens = 2, 4, 4
+    kv_pages = jax.ShapeDtypeStruct(
+        (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), config.dtype
+    )
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    return jax.eval_shape(
+        CausalLM(config).init, jax.random.key(0), kv_pages, ints(num_tokens), ints(num_tokens), ints(num_tokens),
+        ints(1, 1), ints(1), ints(2), ints(1),
+    )
+
+
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
     """Random parameters (normal, std 0.02; norm scales 1) in `config.dtype`.
 
     Shapes come from `eval_shape` of the module's init and the arrays are drawn with numpy, so
     nothing is compiled: running Flax's init would compile the whole forward pass.
     """
-    num_pages, page_size, num_tokens = 2, 4, 4
-    kv_pages = jax.ShapeDtypeStruct(
-        (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), config.dtype
-    )
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    shapes = jax.eval_shape(
-        CausalLM(config).init, rng, kv_pages, ints(num_tokens), ints(num_tokens), ints(num_tokens),
-        ints(1, 1), ints(1), ints(2), ints(1),
-    )
+    shapes = param_shapes(config)
     # numpy draws: eager jax.random would compile one kernel per distinct shape.
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):  # a typed key (jax.random.key)
         rng = jax.random.key_data(rng)

@@ -6,11 +6,11 @@
     banned_token_ids          the min_tokens ban: stop tokens masked while fewer than min_tokens are out
     token_stop_reason         token-level stops at commit: "length" (max_tokens / max_model_len), "stop"
                               (eos unless ignore_eos, stop_token_ids), once min_tokens are out
-    find_stop                 string-level stops: where a stop string ends in newly added text
+    stop_string_start         string-level stops: where a stop string ends in newly added text
     placeholder_token_id/row  the stand-in for a token sampled on the device, not yet read back
 
 The scheduler calls `token_stop_reason` once per token at commit; the output processor calls
-`find_stop` on the text that token added; the sampler rows take `banned_token_ids`. Pure Python
+`stop_string_start` on the text that token added; the sampler rows take `banned_token_ids`. Pure Python
 (no jax).
 """
 
@@ -143,13 +143,20 @@ def token_stop_reason(token_idx: int, token_id: int, num_output_tokens: int, max
     return None
 
 
+def stop_string_start(text: str, num_new_chars: int, params: SamplingParams, num_output_tokens: int) -> int:
+    """String-level stop: where the text must be cut (the earliest stop string ending in the last
+    `num_new_chars` characters), or -1; none before `min_tokens` outputs are out."""
+    if num_output_tokens < params.min_tokens:
+        return -1
+    return find_stop(text, num_new_chars, params.stop)
+
+
 def find_stop(text: str, num_new_chars: int, stops) -> int:
     """Start of the earliest stop string that ends within the last `num_new_chars` characters, or -1.
 
         text:  ... a b c d | e f g        num_new_chars = 3, stop "cde": search from len - 3 - 3 + 1
                     ^ a hit must start here or later, so that it ends in the new characters
 
-    The caller searches only once min_tokens outputs are out.
     """
     best = -1
     for stop in stops:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._common import next_power_of_2
+from pallas_kernels._common import by_target, next_power_of_2
 from pallas_kernels.mosaic.kernel import STEP_KEYS, TILE_ROWS, KernelShape, attention_tiles
 
 # Consumer warpgroups per ragged tile when compiled: 128 query rows share each K/V step. GPU interpret
@@ -136,7 +136,8 @@ def ragged_paged_attention(
       num_slots: pipeline depth in 64-key steps (>= 2).
       num_consumers: consumer warpgroups per tile (64 query rows each); None: 2 compiled, 1 when
         interpreting (see RAGGED_CONSUMERS).
-      interpret: None = compiled on a GPU, GPU interpret mode elsewhere.
+      interpret: None = compiled when lowered for a GPU, GPU interpret mode when lowered for anything
+        else (the target decides, not the host: `_common.by_target`).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype.
@@ -147,7 +148,10 @@ def ragged_paged_attention(
     num_seqs = block_tables.shape[0]
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must have shape ({num_seqs + 1},), got {query_start_loc.shape}")
-    interpret = _resolve_interpret(interpret)
+    if interpret is None:  # compiled when lowered for a GPU, GPU interpret mode otherwise (the target decides)
+        return by_target(lambda mode: ragged_paged_attention(
+            q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
+            soft_cap=soft_cap, num_slots=num_slots, num_consumers=num_consumers, interpret=mode), None)
     if num_consumers is None:
         num_consumers = 1 if interpret else RAGGED_CONSUMERS
     if num_consumers not in (1, 2):
@@ -226,8 +230,11 @@ def decode_attention(
         raise ValueError(f"decode needs one query per sequence: q has {num_seqs} rows, block_tables {block_tables.shape[0]}")
     if num_splits < 1:
         raise ValueError(f"{num_splits=} must be >= 1")
+    if interpret is None:  # compiled when lowered for a GPU, GPU interpret mode otherwise (the target decides)
+        return by_target(lambda mode: decode_attention(
+            q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
+            num_splits=num_splits, num_slots=num_slots, interpret=mode), None)
     group = num_heads // num_kv_heads
-    group_rows = next_power_of_2(group)
     seq_lens = seq_lens.astype(jnp.int32)
 
     # [S, N, H] -> [S, K, G, H] -> [K, S, R, H]: rows past the group are zero padding.
@@ -239,7 +246,7 @@ def decode_attention(
         q_tiles, kv_pages, block_tables, layer_idx, jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - 1,
         seq_lens, group_rows=TILE_ROWS, num_consumers=1, num_splits=num_splits, num_slots=num_slots, scale=scale,
         soft_cap=soft_cap, out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype,
-        interpret=_resolve_interpret(interpret),
+        interpret=interpret,
     )  # out [K * S * X, R, H], lse [K * S * X, R]
     out = out.reshape(num_kv_heads, num_seqs, num_splits, TILE_ROWS, head_dim)[:, :, :, :group]
     if num_splits > 1:
@@ -255,9 +262,3 @@ def decode_attention(
 
 decode_attention.reads_whole_kv_buffer = True
 
-
-def _resolve_interpret(interpret: bool | None) -> bool:
-    """None: compiled on a GPU, GPU interpret mode (slow, exact barriers and TMA) elsewhere."""
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
