@@ -15,13 +15,13 @@ from jaxpaged.device.sharding import kv_head_replicas
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_multidevice(marker: str, timeout: int) -> subprocess.CompletedProcess:
+def _run_multidevice(marker: str, timeout: int,
+                     modules=("test_tensor_parallel_mesh.py", "test_expert_parallel_mesh.py")) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAXPAGED_MULTIDEVICE="1",
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-         os.path.join("tests", "multidevice", "test_tensor_parallel_mesh.py"),
-         os.path.join("tests", "multidevice", "test_expert_parallel_mesh.py")],
+         *[os.path.join("tests", "multidevice", m) for m in modules]],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -30,6 +30,20 @@ def test_mesh_suite_on_eight_host_devices():
     """tp 2/4/8 greedy equality, real shardings, activation-only collectives, no compiles after warm-up,
     data_parallel_size=2 equal to one replica, and MoE expert parallelism over 4 and 8 devices."""
     proc = _run_multidevice("not slow", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_data_parallel_entry_points_on_forced_host_devices():
+    """tests/multidevice/test_data_parallel_entrypoints.py: LLM / CLI / server with data_parallel_size=2."""
+    proc = _run_multidevice("not slow", timeout=900, modules=("test_data_parallel_entrypoints.py",))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "3 passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_update_params_reshards_from_a_trainer_mesh_on_eight_host_devices():
+    """tests/multidevice/test_reshard_params.py: weights on a 2-device mesh update a tp=4 engine."""
+    proc = _run_multidevice("not slow", timeout=600, modules=("test_reshard_params.py",))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 

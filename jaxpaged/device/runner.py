@@ -145,6 +145,8 @@ class ModelRunner:
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
+        # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
+        self._params_tree = jax.tree.structure(self.params)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
@@ -192,7 +194,11 @@ class ModelRunner:
         jax.tree_util.tree_map_with_path(check, params)
         if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
             return self.tp.place_params(params)
-        return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
+        # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.
+        default = jax.devices()[0]
+        return jax.tree.map(lambda x: jnp.array(
+            np.asarray(x) if isinstance(x, jax.Array) and x.sharding.device_set != {default} else x,
+            dtype=dtype, copy=True), params)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
                  layout, decode_only: bool = False):
@@ -361,10 +367,8 @@ class ModelRunner:
             if got_shape != tuple(shape):
                 raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}")
         new = self._to_device(params)
-        if jax.tree.structure(new) != jax.tree.structure(self.params):  # e.g. a dict where a FrozenDict was
-            raise ValueError(
-                f"new params have tree {jax.tree.structure(new)}, expected {jax.tree.structure(self.params)}"
-            )
+        if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
+            raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
         self.params = new
 
     def kv_cache_bytes(self) -> int:

@@ -213,15 +213,19 @@ class TensorParallel:
         """Puts each leaf on the mesh with its sharding, one leaf at a time.
 
         A host (numpy) leaf is cast on the host and `device_put` sends each device only its slice,
-        so no device ever holds a whole split parameter. In several processes every process passes
-        the same values and each places its own devices' slices.
+        so no device ever holds a whole split parameter. A device leaf on another sharding (a
+        trainer's mesh, other devices) is resharded by `device_put` straight into this layout, slice
+        by slice; one already in it is copied (`may_alias=False`), so the caller may donate or delete
+        its arrays afterwards. In several processes every process passes the same values and each
+        places its own devices' slices. (KV projections repeated for tp > num_kv_heads go through
+        the host: `replicate_kv_heads`.)
         """
         dtype = jnp.dtype(self.config.dtype)
         params = replicate_kv_heads(params, self.kv_head_replicas)
 
         def place(leaf, sharding):
-            if isinstance(leaf, jax.Array):  # already on a device (e.g. a checkpoint restore)
-                return jax.device_put(leaf, sharding).astype(dtype)
+            if isinstance(leaf, jax.Array):  # already on a device (a checkpoint restore, a trainer's step)
+                return jax.device_put(leaf, sharding, may_alias=False).astype(dtype)
             return jax.device_put(np.asarray(leaf).astype(dtype), sharding)
 
         return jax.tree.map(place, params, self.param_shardings(params))

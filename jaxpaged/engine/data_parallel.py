@@ -124,9 +124,21 @@ class DataParallelEngine:
         for engine in self.engines:
             engine.warmup()
 
-    def update_params(self, params) -> None:
+    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """Every replica, in turn (each validates first: a bad tree fails on replica 0, changing nothing)."""
         for engine in self.engines:
-            engine.update_params(params)
+            engine.update_params(params, version=version, in_flight=in_flight)
+
+    def sleep(self, level: int = 1) -> None:
+        if self.has_unfinished_requests():  # checked here so no replica sleeps while another refuses
+            raise ValueError(f"{self.num_unfinished_requests} requests are in the engine; finish or abort them "
+                             "before sleep")
+        for engine in self.engines:
+            engine.sleep(level)
+
+    def wake_up(self) -> None:
+        for engine in self.engines:
+            engine.wake_up()
 
     def reset_prefix_cache(self) -> None:
         for engine in self.engines:

@@ -42,11 +42,13 @@ from jaxpaged.engine.dispatched import Dispatched
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.engine.logprobs import HostLogprobs, prompt_targets
 from jaxpaged.engine.output_processor import OutputProcessor
-from jaxpaged.engine.step_sampler import StepSampler
+from jaxpaged.engine.step_sampler import StepSampler, fan_out_order
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
+from jaxpaged.engine import weights
 from jaxpaged.planner.block_manager import BlockManager
+from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
@@ -115,6 +117,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.weights = weights.WeightState()  # version, epoch, sleep level, aborted outputs (engine/weights.py)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
         # Tests set a list here to record ("dispatch", step) and ("readback", step) in order.
         self.events: list[tuple[str, int]] | None = None
@@ -133,7 +136,8 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raises ValueError for a prompt this engine can never serve (nothing is queued)."""
+        """ValueError for a prompt this engine can never serve, RuntimeError while asleep; queues nothing."""
+        self.weights.check_awake()
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty; give at least one token or a non-empty string")
         vocab_size = self.model_config.vocab_size
@@ -170,14 +174,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, SEED_MASK))
         seq = Sequence(
-            [int(t) for t in prompt_token_ids], params, cache_salt=cache_salt,
+            [int(t) for t in prompt_token_ids], params, cache_salt=versioned_salt(cache_salt, self.weights.epoch),
             eos_token_id=self.tokenizer.eos_token_id,
         )
         if params.structured_outputs is None:
             self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
         else:  # validates the spec (ValueError); the request waits there until its grammar compiled
             self.structured.hold(request_id, seq, params.structured_outputs)
-        self.processor.add_request(request_id, prompt, seq, params, seed)
+        self.processor.add_request(request_id, prompt, seq, params, seed, self.weights.version)
         return request_id
 
     def add_beam_request(
@@ -196,6 +200,7 @@ class LLMEngine:
         seq = Sequence(
             [int(t) for t in prompt_token_ids],
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
+            cache_salt=versioned_salt(None, self.weights.epoch),
         )
         self.scheduler.add(seq)
         self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
@@ -216,11 +221,12 @@ class LLMEngine:
                 self.scheduler.abort(sample.seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.processor.requests) or bool(self.beams)
+        return bool(self.processor.requests) or bool(self.beams) or bool(self.weights.aborted_outputs)
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` (a request or a beam search) is still in the engine."""
-        return request_id in self.processor.requests or request_id in self.beams.searches
+        return (request_id in self.processor.requests or request_id in self.beams.searches
+                or any(o.request_id == request_id for o in self.weights.aborted_outputs))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -239,6 +245,7 @@ class LLMEngine:
         `only_finished=True` returns outputs only for requests that finished: building a snapshot
         copies every moved request's tokens, which offline generation does not need.
         """
+        aborted, self.weights.aborted_outputs = self.weights.aborted_outputs, []  # by update_params
         t0 = time.perf_counter()
         failed = self.structured.admit(wait=not self.scheduler.has_unfinished()) if self.structured.pending else []
         out = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)
@@ -250,7 +257,7 @@ class LLMEngine:
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
-        outputs = failed + (self._commit(previous, only_finished) if previous is not None else [])
+        outputs = failed + aborted + (self._commit(previous, only_finished) if previous is not None else [])
         if dispatched is not None:
             if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
                 self._in_flight = dispatched
@@ -302,7 +309,7 @@ class LLMEngine:
             self.events.append(("dispatch", self._num_steps))
 
         children = self.scheduler.advance(out, entries)
-        for child, (request, j) in zip(children, self._fan_out_order(out, entries)):
+        for child, (request, j) in zip(children, fan_out_order(out, entries, self.processor.owner)):
             self.processor.add_sample(request, child)
         if sampled.fan_out_slots:
             self.sampler.assign_children(out, entries, sampled.fan_out_slots, children)
@@ -314,14 +321,6 @@ class LLMEngine:
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
             prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
         )
-
-    def _fan_out_order(self, out: SchedulerOutput, entries):
-        """(request, sample index) of each child advance() forks, in its order."""
-        for seq, entry in zip(out.seqs, entries):
-            if isinstance(entry, list):
-                request, _ = self.processor.owner[seq.seq_id]
-                for j in range(1, len(entry)):
-                    yield request, j
 
     def _commit(self, dispatched: Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
@@ -364,16 +363,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
-    def update_params(self, params) -> None:
-        """Swaps in a copy of new weights (same tree and shapes, float) without recompiling; drops K/V
-        cached under the old ones. The caller may delete or donate its arrays afterwards."""
-        if self.processor.requests:
-            raise ValueError(
-                f"{len(self.processor.requests)} requests are in flight; finish or abort them before update_params "
-                "(their cached K/V were computed with the old weights)"
-            )
-        self.runner.update_params(params)
-        self.block_manager.reset_prefix_cache()
+    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """New weights (a copy; same tree and shapes, any sharding), no recompiling, between two steps;
+        requests in flight are kept, recomputed or aborted (engine/weights.py)."""
+        weights.update_params(self, params, version=version, in_flight=in_flight)
+
+    def sleep(self, level: int = 1) -> None:  # frees the KV pool; weights to host (1) or dropped (2)
+        weights.sleep(self, level)
+
+    def wake_up(self) -> None:  # undoes sleep(); after level 2, update_params brings the weights
+        weights.wake_up(self)
 
     def page_ref_counts(self) -> dict[int, int]:
         """{ref count: number of pages in use with it} (the server's histogram)."""
@@ -389,6 +388,7 @@ class LLMEngine:
             "num_generated_tokens": self._num_generated_tokens,
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
+            "weight_version": self.weights.version, "sleep_level": self.weights.sleep_level,
             "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
             "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
             **(self.spec.stats() if self.spec is not None else {}),

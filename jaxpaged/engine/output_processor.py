@@ -38,6 +38,8 @@ class Sample:
     num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
     num_sent_chars: int = 0  # characters of `text` already reported
     num_decoded: int = 0  # leading seq.output_token_ids the detokenizer has taken (`text` covers them)
+    # [(first output token index, weight version)]: tokens from that index on were sampled under it.
+    version_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,7 +75,7 @@ class OutputProcessor:
         self.owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, sample index)
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence, params: SamplingParams,
-                    seed: int) -> RequestState:
+                    seed: int, weight_version: int = 0) -> RequestState:
         stops = params.stop or ()
         request = RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
@@ -84,6 +86,7 @@ class OutputProcessor:
             request.prompt_logprobs_done = len(request.prompt_token_ids) == 1
         self.requests[request_id] = request
         self.add_sample(request, seq)
+        request.samples[0].version_runs.append((0, weight_version))
         return request
 
     def add_sample(self, request: RequestState, seq: Sequence) -> None:
@@ -91,6 +94,8 @@ class OutputProcessor:
         self.owner[seq.seq_id] = (request, len(request.samples))
         sample = Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids))
         sample.num_decoded = len(seq.output_token_ids)  # its text starts with the tokens it gets from now on
+        if request.samples:  # a fork: its tokens so far are its parent's (sample 0)
+            sample.version_runs = list(request.samples[0].version_runs)
         request.samples.append(sample)
 
     def add_prompt_logprobs(self, logprobs: HostLogprobs, chunks: list[PromptChunk]) -> None:
@@ -160,6 +165,33 @@ class OutputProcessor:
             return [self.make_output(r) for r in done], stopped
         return [self.make_output(r) for r in moved.values()], stopped
 
+    def start_weight_version(self, version: int) -> None:
+        """Tokens sampled from now on belong to `version`: those still on the device (placeholders)
+        were sampled under the previous weights, so each sample's new run starts after them."""
+        for request in self.requests.values():
+            for sample in request.samples:
+                if sample.finish_reason is not None:
+                    continue
+                start = len(sample.seq.token_ids) - sample.seq.num_prompt_tokens
+                runs = sample.version_runs
+                if runs[-1][0] == start:  # no token under the previous version
+                    runs.pop()
+                if not runs or runs[-1][1] != version:
+                    runs.append((start, version))
+
+    def finish_all(self, reason: str) -> list[RequestOutput]:
+        """Final outputs of every request, each unfinished sample finished with `reason` (the caller
+        has finished their sequences in the scheduler); every request is retired."""
+        outputs = []
+        for request in list(self.requests.values()):
+            for sample in request.samples:
+                if sample.finish_reason is None:
+                    _catch_up(sample)
+                    sample.finish_reason = reason
+            outputs.append(self.make_output(request))
+            self.pop(request.request_id)
+        return outputs
+
     def _step_with_stops(self, request: RequestState, sample: Sample, seq: Sequence, token_id: int,
                          stopped: list[Sequence], done: list[RequestState]) -> None:
         """One token of a request with stop strings: decode it now and search the new text."""
@@ -207,7 +239,7 @@ class OutputProcessor:
             # A snapshot over the live lists (they only grow): no copy of the tokens so far.
             completions.append(CompletionOutput.snapshot(
                 j, text, output_ids, sample.finish_reason, sample.logprobs if want_logprobs else None,
-                text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :],
+                text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :], tuple(sample.version_runs),
             ))
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)

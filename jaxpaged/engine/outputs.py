@@ -35,10 +35,12 @@ class CompletionOutput:
     None while running; logprobs: one `{token_id: Logprob}` per token if SamplingParams.logprobs
     (None otherwise), cumulative_logprob their chosen tokens' sum;
     delta_text / delta_token_ids: what was added since the previous streamed update.
+    weight_versions: per token, the weight `version` (`update_params`) it was sampled under (None
+    for outputs not made by the engine). Kept as runs [(first token index, version)], expanded on read.
     """
 
     __slots__ = ("index", "text", "finish_reason", "delta_text", "delta_token_ids",
-                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs")
+                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs", "_version_runs")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
                  logprobs: list[LogprobsDict] | None = None, delta_text: str = "",
@@ -50,10 +52,12 @@ class CompletionOutput:
         self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
         self._token_ids, self._num_tokens = token_ids, None  # None: the list is this output's own
         self._logprobs, self._num_logprobs = logprobs, None
+        self._version_runs = None
 
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
-                 live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int]) -> CompletionOutput:
+                 live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int],
+                 version_runs: tuple[tuple[int, int], ...] | None = None) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
         out.index, out.text, out.finish_reason = index, text, finish_reason
@@ -61,6 +65,7 @@ class CompletionOutput:
         out._token_ids, out._num_tokens = live_token_ids, len(live_token_ids)
         out._logprobs = live_logprobs
         out._num_logprobs = None if live_logprobs is None else len(live_logprobs)
+        out._version_runs = version_runs
         return out
 
     @property
@@ -90,6 +95,18 @@ class CompletionOutput:
         if logprobs is None:
             return None
         return float(sum(entry[t].logprob for entry, t in zip(logprobs, token_ids)))
+
+    @property
+    def weight_versions(self) -> list[int] | None:
+        """The weight version each token was sampled under (runs expanded; see the class doc)."""
+        if self._version_runs is None:
+            return None
+        num_tokens = len(self.token_ids)
+        versions: list[int] = []
+        for i, (start, version) in enumerate(self._version_runs):
+            end = self._version_runs[i + 1][0] if i + 1 < len(self._version_runs) else num_tokens
+            versions += [version] * (min(end, num_tokens) - min(start, num_tokens))
+        return versions
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,7 @@ class EngineClient(Protocol):
     kv_bytes_per_page: int  # bytes of one KV page, all layers, K and V (scales included when quantized)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raises ValueError for a prompt the engine can never serve; queues nothing."""
+        """Raises ValueError for a prompt the engine can never serve (RuntimeError while asleep); queues nothing."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
@@ -65,7 +65,15 @@ class EngineClient(Protocol):
     def params(self):
         """The weights the engine runs."""
 
-    def update_params(self, params) -> None:
-        """New weights of the same shapes, without recompiling; clears the prefix cache."""
+    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """New weights of the same shapes (any sharding), without recompiling, between two steps;
+        running requests are kept / recomputed / aborted per `in_flight` (engine/weights.py);
+        tokens sampled from now on carry `version` (default: the current one + 1). Clears the prefix cache."""
+
+    def sleep(self, level: int = 1) -> None:
+        """No request in the engine: frees the KV pool; weights to host memory (1) or dropped (2)."""
+
+    def wake_up(self) -> None:
+        """Undoes sleep(); after level 2, update_params must bring weights before requests are added."""
 
     def reset_prefix_cache(self) -> None: ...

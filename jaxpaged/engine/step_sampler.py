@@ -153,3 +153,12 @@ class StepSampler:
 
 def _penalty_row(slot: int, params) -> tuple[int, float, float, float]:
     return slot, params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+
+
+def fan_out_order(out, entries, owner):
+    """(request, sample index) of each child `Scheduler.advance` forks for n > 1, in its order."""
+    for seq, entry in zip(out.seqs, entries):
+        if isinstance(entry, list):
+            request, _ = owner[seq.seq_id]
+            for j in range(1, len(entry)):
+                yield request, j

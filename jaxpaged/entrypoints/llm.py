@@ -253,11 +253,32 @@ class LLM:
         with self._lock:
             return self.engine.stats()
 
-    def update_params(self, params) -> None:
-        """Swaps in new weights of the same shapes without recompiling; clears the prefix cache.
-        Refused (ValueError) while any request runs, e.g. a stream not yet closed."""
+    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """Swaps in new weights of the same tree and shapes without recompiling; safe while other
+        threads generate (applied between two steps). Params may come from any sharding (a
+        trainer's mesh, other devices, host numpy): they are resharded leaf by leaf to the engine's.
+
+        in_flight: what happens to requests already running --
+          "keep"       they continue under the new weights on K/V computed under the old ones
+          "recompute"  their K/V are recomputed from their tokens under the new weights
+          "abort"      they finish now with finish_reason "abort"
+        version: the label (int) tokens sampled from now on carry in `CompletionOutput.weight_versions`;
+        default the current version + 1. The prefix cache never serves pages across updates.
+        """
         with self._lock:
-            self.engine.update_params(params)
+            self.engine.update_params(params, version=version, in_flight=in_flight)
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives device memory back (e.g. to a trainer): level 1 frees the KV cache and moves the
+        weights to host memory; level 2 frees the weights too (call update_params before generating
+        again). Refused (ValueError) while requests run; generating while asleep raises RuntimeError."""
+        with self._lock:
+            self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restores what sleep() freed; outputs are those of before the sleep."""
+        with self._lock:
+            self.engine.wake_up()
 
     @property
     def params(self):

@@ -5,7 +5,9 @@
     page i key: (d(i-1),          cache_salt, tokens of page i)
 
 A page's digest covers every token before it (through its parent's digest) and the tenant's salt,
-so two sequences share page i exactly when they share pages 0..i and the salt. The block manager
+so two sequences share page i exactly when they share pages 0..i and the salt. After the engine's
+weights change (`update_params`), sequences admitted from then on carry the new weight epoch in
+their salt (`versioned_salt`): pages computed under other weights are never served to them. The block manager
 (block_manager.py) keeps the digest -> page index and confirms every hit against the stored key.
 Pure Python (no jax).
 """
@@ -17,11 +19,21 @@ import hashlib
 
 from jaxpaged.planner.sequence import Sequence
 
-# (parent page's digest or None for page 0, cache_salt, this page's token ids): what a page's digest covers.
-PageKey = tuple[bytes | None, str | None, tuple[int, ...]]
+# A sequence's salt: the tenant's cache_salt (None or str), paired with the weight epoch once the
+# weights have changed at least once: (cache_salt, epoch), epoch >= 1.
+Salt = str | None | tuple[str | None, int]
+# (parent page's digest or None for page 0, salt, this page's token ids): what a page's digest covers.
+PageKey = tuple[bytes | None, Salt, tuple[int, ...]]
 
 
-def hash_page(parent_hash: bytes | None, cache_salt: str | None, token_ids: tuple[int, ...]) -> bytes:
+def versioned_salt(cache_salt: Salt, weight_epoch: int) -> Salt:
+    """The salt of a sequence computed under weight epoch `weight_epoch` (0: the weights it was
+    built with, where the salt stays the plain cache_salt). Re-salting keeps the tenant's part."""
+    tenant = cache_salt[0] if isinstance(cache_salt, tuple) else cache_salt
+    return tenant if weight_epoch == 0 else (tenant, weight_epoch)
+
+
+def hash_page(parent_hash: bytes | None, cache_salt: Salt, token_ids: tuple[int, ...]) -> bytes:
     """Chained 32-byte blake2b digest of one full page; a hit is also confirmed against the stored key.
 
     The stored key names the parent by digest, so the chain is only as safe as the digest: a
@@ -29,9 +41,13 @@ def hash_page(parent_hash: bytes | None, cache_salt: str | None, token_ids: tupl
     page computed after one would be served after the other. The input is unambiguous:
 
         parent digest (32 bytes, or 1 byte 0x00 for page 0) | salt (0x00, or 0x01 + 8-byte
-        length + UTF-8) | token ids (8 bytes each, native byte order: keys never leave the process)
+        length + UTF-8, or 0x02 + 8-byte weight epoch + one of the two before) | token ids (8 bytes
+        each, native byte order: keys never leave the process)
     """
     h = hashlib.blake2b(parent_hash if parent_hash is not None else b"\x00", digest_size=32)
+    if isinstance(cache_salt, tuple):
+        cache_salt, weight_epoch = cache_salt
+        h.update(b"\x02" + weight_epoch.to_bytes(8, "little"))
     if cache_salt is None:
         h.update(b"\x00")
     else:

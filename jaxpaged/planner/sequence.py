@@ -64,7 +64,7 @@ class Sequence:
         "page_hashes",  # list[bytes]: chained digest of full page i of token_ids (a cache of the block manager)
         "sampling_params",  # SamplingParams
         "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
-        "cache_salt",  # None | str: separates tenants in the prefix cache
+        "cache_salt",  # None | str | (str | None, weight epoch): separates tenants and weights in the prefix cache
         "eos_token_id",  # None | int: stops generation unless sampling_params.ignore_eos
         # Stop rules folded for the scheduler's hot loop (derived from the fields above):
         "stop_token_set",  # frozenset: stop_token_ids, plus eos_token_id unless ignore_eos
@@ -78,7 +78,7 @@ class Sequence:
         sampling_params: SamplingParams | None = None,
         *,
         seq_id: int | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None | tuple[str | None, int] = None,
         eos_token_id: int | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:

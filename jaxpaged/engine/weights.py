@@ -1,0 +1,93 @@
+"""The engine's weights over time: updates with requests in flight, versions, sleep and wake-up.
+
+    update_params(params, version=, in_flight=)   between two steps (the caller holds the engine)
+        validate + place the new weights (runner: same tree and shapes; resharded leaf by leaf)
+        "keep"       running requests continue on their K/V computed under the old weights
+        "recompute"  their K/V are dropped and recomputed from their tokens under the new weights
+        "abort"      they finish with finish_reason "abort" (final outputs come out of the next step())
+        then: weight epoch + 1 (prefix-cache salt of everything computed from now on), prefix cache
+        reset, every sample's next token starts a run of the new `version`
+
+A step already dispatched (asynchronous scheduling) ran under the old weights: its tokens land
+with the old version. The compiled step is reused (the weights are an argument, same shapes).
+
+    sleep(level)   only with no request in the engine; level 1: KV pool freed, weights to host;
+                   level 2: KV pool and weights freed
+    wake_up()      KV pool back (zeros), weights back (level 1); after level 2 update_params must
+                   have brought weights (before or after wake_up) before anything is generated
+While asleep, add_request raises (nothing is queued): call wake_up() first.
+"""
+
+from __future__ import annotations
+
+from jaxpaged.device.sleep import SLEEP_LEVELS, sleep_runner, wake_runner
+from jaxpaged.planner.weight_update import check_in_flight, discard_kv, resalt_waiting
+
+
+class WeightState:
+    """Which weights the engine runs (user version, internal epoch) and whether it sleeps."""
+
+    def __init__(self):
+        self.version = 0  # the label users give (`update_params(version=)`); recorded per token
+        self.epoch = 0  # bumped on every update: the prefix cache's salt (versions may repeat)
+        self.sleep_level = 0  # 0: awake
+        self.has_params = True  # False after sleep(level=2) until update_params
+        self.aborted_outputs: list = []  # final RequestOutputs of in_flight="abort", for the next step()
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (sleep(level={self.sleep_level})); call wake_up() first")
+        if not self.has_params:
+            raise RuntimeError("the engine has no weights since sleep(level=2); call update_params(params) first")
+
+
+def update_params(engine, params, *, version: int | None, in_flight: str) -> None:
+    """Applies new weights between two steps (aborted requests' final outputs: state.aborted_outputs)."""
+    check_in_flight(in_flight)
+    state: WeightState = engine.weights
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ValueError(f"version={version!r}; pass an int (or None for the current version + 1)")
+    if in_flight != "keep" and engine.beams:
+        raise ValueError(f"in_flight={in_flight!r} with beam searches running; use in_flight='keep' "
+                         "or finish the searches first")
+    engine.runner.update_params(params)  # ValueError on a wrong tree/shape/dtype: nothing changed
+    state.version = state.version + 1 if version is None else version
+    state.epoch += 1
+    state.has_params = True
+    if state.sleep_level:  # the weights are on the device now; wake_up restores only the KV pool
+        engine.runner.params_on_host = False
+    scheduler = engine.scheduler
+    if in_flight == "abort":
+        for request in engine.processor.requests.values():
+            for sample in request.samples:
+                scheduler.abort(sample.seq.seq_id)
+        state.aborted_outputs += engine.processor.finish_all("abort")
+    elif in_flight == "recompute":
+        discard_kv(scheduler)
+    resalt_waiting(scheduler, state.epoch)
+    engine.block_manager.reset_prefix_cache()
+    engine.processor.start_weight_version(state.version)
+
+
+def sleep(engine, level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"level={level!r}; use 1 (weights kept in host memory) or 2 (weights dropped)")
+    if engine.has_unfinished_requests():
+        raise ValueError(f"{engine.num_unfinished_requests} requests are in the engine; finish or abort them "
+                         "before sleep (their K/V live in the pool that sleep frees)")
+    state: WeightState = engine.weights
+    if state.sleep_level:
+        raise ValueError(f"the engine already sleeps at level {state.sleep_level}; call wake_up() first")
+    engine.block_manager.reset_prefix_cache()  # the pool's contents are gone
+    sleep_runner(engine.runner, level)
+    state.sleep_level = level
+    if level == 2:
+        state.has_params = False
+
+
+def wake_up(engine) -> None:
+    state: WeightState = engine.weights
+    if not state.sleep_level:
+        return  # awake already: nothing to restore
+    wake_runner(engine.runner)
+    state.sleep_level = 0
