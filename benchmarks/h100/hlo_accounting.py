@@ -63,7 +63,7 @@ _TRITON_TARGET = "__gpu$xla.gpu.triton"
 class BufferOverride:
     """Count one big buffer (the KV pool, entry parameter `entry_param`) by what kernels really touch."""
 
-    entry_param: int
+    entry_param: int | tuple[int, ...]  # a tuple: several parameters that together are the buffer
     bytes_read: int  # per launch that reads the buffer whole (not through a visible slice)
     bytes_written: int = 0  # per custom call whose output aliases the buffer (extent not in the HLO)
 
@@ -132,7 +132,9 @@ class Accounting:
 
 def account(hlo_text: str, override: BufferOverride | None = None) -> Accounting:
     module = parse_module(hlo_text)
-    aliases = alias_set(module, override.entry_param) if override else set()
+    params = () if override is None else (override.entry_param if isinstance(override.entry_param, tuple)
+                                           else (override.entry_param,))
+    aliases = set().union(*(alias_set(module, p) for p in params))  # several: a quantized pool's values + scales
     acc = Accounting([], [])
     _walk(module, module.entry_computation, 1, override, aliases, acc)
     return acc

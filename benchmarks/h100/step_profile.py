@@ -95,7 +95,10 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
 def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) -> dict:
     token_head = bytes_per_token_head(case.kv_cache_dtype, config.dtype, config.head_dim)  # scales included
     live_kv_per_layer = case.num_seqs * case.context * config.num_kv_heads * 2 * token_head  # K and V
-    kv_param = entry_param_number(out.hlo_text, "kv_pages")
+    # The pool is one entry parameter, or two for a quantized one (values, scales): one buffer to the
+    # accounting, read per launch as the live context's values and scales (token_head counts both).
+    kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
+                tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
