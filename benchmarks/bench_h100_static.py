@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     os.remove(child_out)
     predictions = vllm_predictions(rows)
     for r in rows:
-        r["vllm_predicted_ms"] = predictions.get(f"{r['model']}|{r['num_seqs']}|{r['context']}")
+        decode = not r.get("num_tokens")  # the prediction is of a decode step
+        r["vllm_predicted_ms"] = predictions.get(f"{r['model']}|{r['num_seqs']}|{r['context']}") if decode else None
         # A case whose live KV alone exceeds the H100's 80 GB cannot run there (e.g. Qwen3-0.6B, 256 x 4096:
         # 120 GB); XLA then rematerialises and copies, so its figures describe nothing real.
         r["fits_h100"] = "error" in r or r["ideal_bytes"] < H100_BYTES  # weights + live KV + the step's I/O
