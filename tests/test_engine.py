@@ -186,7 +186,7 @@ def test_n_samples_share_prompt_pages_and_differ(llm, prompts):
     stream = llm.stream([prompts[1]], params)
     first = next(stream)
     assert len(first.outputs) == 4
-    request = next(iter(engine._requests.values()))
+    request = next(iter(engine.processor.requests.values()))
     tables = [list(seq.block_table) for seq in request.seqs]
     num_full_prompt_pages = len(prompts[1]) // llm.config.page_size
     assert num_full_prompt_pages >= 2

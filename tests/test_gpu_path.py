@@ -109,13 +109,11 @@ def _kernel_operand_sizes(module_text: str) -> list[list[int]]:
 
 
 def test_step_lowered_for_cuda_hands_the_kernels_the_whole_buffer(tiny_params, monkeypatch):
-    # The engine's Pallas backend, compiled as on a GPU (not interpreted). Before the kernels took the
+    # The engine's Pallas backend lowered for CUDA from this CPU host: the target picks the compiled
+    # kernels (pallas_kernels._common.by_target), nothing is patched. Before the kernels took the
     # whole buffer, every kernel got `kv_pages[layer_idx, 0]` and `[layer_idx, 1]`: dynamic slices that
     # XLA materialises, a copy of every layer's pool on every step.
     backend = backends.attention_fn("pallas")
-    for module in (pallas_kernels.decode, pallas_kernels.ragged):
-        monkeypatch.setattr(module, "resolve_interpret", lambda interpret: False)
-    jax.clear_caches()  # no kernel trace from an interpret-mode run may be reused
     runner = _runner(tiny_params, backend)
     mixed = runner.dummy_step_input(16)
     decode = runner.prepare(make_scheduler_output(  # the decode-only planning path, if there is one
