@@ -139,8 +139,8 @@ def test_unsupported_or_bad_fields_are_400s_naming_the_field(served, body, field
     if field is None:
         assert "logit_bias" in error["message"]
     r = httpx.post(served["base"] + "/v1/chat/completions", timeout=60,
-                   json={"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+                   json={"model": MODEL, "messages": CHAT, "functions": [{"name": "f"}]})  # tools replaced it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions"
     r = httpx.post(served["base"] + "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200  # still serving

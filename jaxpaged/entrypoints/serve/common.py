@@ -160,9 +160,9 @@ def sse(obj) -> str:
 class EngineStreamResponse(StreamingResponse):
     """Server-sent events of one request; aborts the request when the response ends early."""
 
-    def __init__(self, content, request_stream: RequestStream):
+    def __init__(self, content, request_stream):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.request_stream = request_stream
+        self.request_stream = request_stream  # a RequestStream, or several behind one close() (a prompt list)
 
     async def __call__(self, scope, receive, send):
         try:
