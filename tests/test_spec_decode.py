@@ -220,25 +220,27 @@ def test_stops_max_tokens_logprobs_inside_accepted_runs(params):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].text == w.outputs[0].text
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
-    np.testing.assert_allclose(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, atol=1e-4)
+    chosen = lambda c: [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]  # noqa: E731
+    np.testing.assert_allclose(chosen(got[0].outputs[0]), chosen(want[0].outputs[0]), atol=1e-4)
     assert spec.stats()["num_spec_accepted_tokens"] > 0
     assert spec.stats()["num_used_pages"] == 0
 
 
 def test_sampled_requests_reproducible_n2_no_leaks(params):
-    """Seeded sampled requests (n = 2, top-k / top-p, logprobs) draw the same tokens alone and in a
-    batch with others, and leave no pages behind."""
+    """Seeded sampled requests (n = 2, top-k / top-p) draw the same tokens alone and in a batch with
+    others, and leave no pages behind. (A request asking for logprobs is not speculated: its ranks and
+    alternatives come from the sampler; see DESIGN.md.)"""
     (_, spec) = _pair(params, warmup=False)
     prompts = _prompts()
     sp = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=30, seed=s, ignore_eos=True,
-                         logprobs=True, n=2 if s == 1 else 1) for s in range(len(prompts))]
+                         n=2 if s == 1 else 1) for s in range(len(prompts))]
     batch = _run(spec, prompts, sp)
     alone = _run(spec, [prompts[1]], [sp[1]])[0]
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in batch[1].outputs]
     assert len(batch[1].outputs) == 2
     for out in batch:
         for c in out.outputs:
-            assert len(c.token_ids) == 30 and len(c.logprobs) == 30
+            assert len(c.token_ids) == 30
     stats = spec.stats()
     assert stats["num_used_pages"] == 0 and stats["num_spec_draft_tokens"] > 0
 

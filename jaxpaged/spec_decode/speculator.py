@@ -84,8 +84,12 @@ class Speculator:
             if budget <= 0:
                 break
             num_tokens = len(seq.token_ids)
+            params = seq.sampling_params
+            # No min_tokens ban to verify; and top-k logprobs (ranks, alternatives) come from the sampler
+            # only, so a request asking for logprobs, penalties or a grammar is not speculated.
             if (seq.num_placeholders or seq.num_computed_tokens != num_tokens - 1
-                    or seq.num_output_tokens < seq.sampling_params.min_tokens):  # no min_tokens ban to verify
+                    or seq.num_output_tokens < params.min_tokens or params.logprobs is not None
+                    or params.needs_token_state or params.structured_outputs is not None):
                 continue
             k = min(self.k, budget, seq.max_num_tokens - num_tokens - 1)  # room for the bonus token
             drafts = propose_ngram(seq.token_ids, k, self.lookup_min, self.lookup_max) if k > 0 else []
@@ -141,9 +145,8 @@ class Speculator:
         index the returned logprobs list) and that list."""
         new_tokens = np.asarray(pending.tokens).tolist()
         num_accepted = np.asarray(pending.num_accepted).tolist()
-        new_logprobs = np.asarray(pending.logprobs).tolist()
         block_manager = scheduler.block_manager
-        appended, spec_logprobs, finished = [], [], []
+        appended, finished = [], []
         for r, (seq, drafts) in enumerate(pending.seqs):
             if seq.status is not RUNNING:
                 continue  # finished or aborted since dispatch
@@ -159,7 +162,6 @@ class Speculator:
                 token_ids.append(token_id)
                 seq.output_token_ids.append(token_id)
                 appended.append((seq, token_id))
-                spec_logprobs.append(new_logprobs[r][j])
                 self.num_emitted_tokens += 1
                 reason = token_stop_reason(token_idx, token_id, len(seq.output_token_ids), seq.max_num_tokens,
                                            seq.stop_token_set, seq.sampling_params.min_tokens)
@@ -177,11 +179,10 @@ class Speculator:
         for seq, reason in finished:
             scheduler.finish(seq, reason)
         base = len(tokens) if tokens is not None else 0
-        merged_logprobs = (logprobs if logprobs is not None else [0.0] * base) + spec_logprobs
         update.appended += appended
         update.rows += range(base, base + len(appended))
         update.finished += [seq for seq, _ in finished]
-        return update, merged_logprobs
+        return update, logprobs  # verified rows (>= base) are of requests that asked for no logprobs
 
     # ---------------------------------------------------------------- warm-up and stats
 
