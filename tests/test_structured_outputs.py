@@ -53,6 +53,8 @@ def test_every_schema_output_parses_and_validates(llm, mode):
         assert reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
     assert outputs[-1].outputs[0].finish_reason == "length"
+    state = _engine(llm).structured.state  # most masks were computed ahead, at the previous commit
+    assert state.num_rows_ahead > state.num_rows_now > 0
     _assert_idle(llm)
 
 
