@@ -142,6 +142,19 @@ def test_max_tokens_cuts_json_with_length_and_stop_strings_cut_it_with_stop(llm)
     _assert_idle(llm)
 
 
+def test_min_tokens_holds_while_the_grammar_allows_more_and_yields_where_it_can_only_end(llm):
+    """vLLM's rule: min_tokens bans eos while the grammar allows other tokens; where the grammar
+    allows only eos (it ended), the grammar wins and the output stops under min_tokens."""
+    more, ended, boolean = llm.generate(["p"] * 3, [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=20, min_tokens=6,
+                       structured_outputs=StructuredOutputsParams(**spec))
+        for s, spec in ((1, dict(regex="a{2,9}")), (2, dict(choice=["yes", "no"])), (3, dict(json={"type": "boolean"})))])
+    assert more.outputs[0].finish_reason == "stop" and re.fullmatch("a{6,9}", more.outputs[0].text), more.outputs[0].text
+    assert ended.outputs[0].finish_reason == "stop" and ended.outputs[0].text in ("yes", "no")
+    assert boolean.outputs[0].finish_reason == "stop" and boolean.outputs[0].text in ("true", "false")
+    _assert_idle(llm)
+
+
 @pytest.mark.parametrize("spec, words", [
     (dict(json={"type": "foo"}), ["json", "foo"]),
     (dict(json="{not json"), ["json", "JSON"]),

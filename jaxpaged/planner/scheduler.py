@@ -286,8 +286,12 @@ class Scheduler:
             output_token_ids.append(token_id)
             appended.append((seq, token_id))
             rows.append(row)
+            params = seq.sampling_params
+            # A grammar's row draws a stop token under min_tokens only where its grammar allowed
+            # nothing else (the ban is lifted there: engine/step_sampler.py): then it stops.
+            min_tokens = params.min_tokens if params.structured_outputs is None else 0
             reason = token_stop_reason(token_idx, token_id, len(output_token_ids), seq.max_num_tokens,
-                                       seq.stop_token_set, seq.sampling_params.min_tokens)
+                                       seq.stop_token_set, min_tokens)
             if reason is not None:
                 finished.append((seq, reason))
 
