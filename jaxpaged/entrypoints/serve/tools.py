@@ -143,8 +143,12 @@ def _arguments(call: dict) -> object:
         return arguments
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
