@@ -180,6 +180,24 @@ def test_unsatisfiable_regex_finishes_with_abort_and_the_engine_keeps_serving(ll
     _assert_idle(llm)
 
 
+def test_aborts_mid_generation_free_pages_and_matchers_at_once(llm):
+    """A client disconnect: constrained requests aborted while running (one with n=2, one whose
+    masks are being computed ahead) or still waiting for their grammar; nothing stays held, even
+    though the engine does not step again, and the next request runs."""
+    engine = _engine(llm)
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30}
+    ids = [engine.add_request([65, 66], _json_params(schema, temperature=1.0, seed=i, n=1 + i % 2)) for i in range(3)]
+    for _ in range(4):
+        engine.step()
+    assert len(engine.structured) > 0 and engine.block_manager.stats()["num_used_pages"] > 0
+    pending = engine.add_request([67], _json_params({"type": "object", "properties": {"late": {"type": "null"}}}))
+    for request_id in ids + [pending]:
+        engine.abort_request(request_id)
+    _assert_idle(llm)
+    assert llm.generate(["p"], _json_params({"type": "boolean"}, temperature=0.0))[0].outputs[0].text in ("true", "false")
+    _assert_idle(llm)
+
+
 def test_preemption_and_prefix_caching_keep_outputs_valid(llm):
     # 16 requests of ~140 prompt tokens and 64+ output tokens do not fit the 159 pages of 8 tokens together: sequences are
     # preempted (recompute) and resumed with their matcher kept; the common first pages hit the

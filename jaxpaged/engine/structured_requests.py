@@ -106,8 +106,10 @@ class StructuredRequests:
                 rows += [(row, seq, request.request_id) for row in (entry if isinstance(entry, list) else [entry])]
         return self.state.bitmask(rows, num_rows) if rows else None
 
-    def release(self) -> None:
-        """At every commit: frees finished matchers, then starts the next step's masks (prefetch)."""
+    def release(self, prefetch: bool = True) -> None:
+        """At every commit: frees finished matchers, then starts the next step's masks (prefetch).
+        At an abort (prefetch=False): frees them now, the engine may not step again."""
         if self.state is not None and len(self.state):
             self.state.release(self.processor.requests)
-            self.state.prefetch()
+            if prefetch:
+                self.state.prefetch()
