@@ -128,6 +128,16 @@ def test_tool_choice_required_returns_calls_that_validate(served, stream):
     assert finish == "tool_calls" and calls
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    # parallel_tool_calls=false: the grammar allows one call (the array's maxItems 1)
+    single = served["client"].chat.completions.create(parallel_tool_calls=False, **{**kw, "seed": 6})
+    assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
+    from jaxpaged.entrypoints.serve.protocol import ChatCompletionRequest
+    from jaxpaged.entrypoints.serve.tools import structured_spec
+
+    for parallel, bound in ((False, 1), (True, None)):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice="required",
+                                     parallel_tool_calls=parallel)
+        assert structured_spec(body, "required").json.get("maxItems") == bound
     _idle(served)
 
 
@@ -167,6 +177,8 @@ def test_auto_parses_hermes_tool_calls():
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
     assert parse_tool_calls("no calls here", "auto", None) == ("no calls here", [])
+    two = text + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+    assert len(parse_tool_calls(two, "auto", None)[1]) == 2 and len(parse_tool_calls(two, "auto", None, False)[1]) == 1
     assert parse_tool_calls("<tool_call>{broken", "auto", None) == ("<tool_call>{broken", [])
 
 

@@ -44,6 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = sampling_params(state, body, len(token_ids), max_tokens, logprobs=top_n if body.logprobs else None,
                              prompt_param="messages", structured_outputs=structured_spec(body, mode, tool_name))
     calls_tools = mode in ("auto", "required", "named")
+    tool_how = (mode, tool_name, body.parallel_tool_calls)
     stream = await start(state, token_ids, params, body.cache_salt)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -60,12 +61,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for j in range(body.n)]))
             final, done = None, set()  # done: choices whose finish_reason was sent
-            tool_streams = {j: ToolCallStream(mode, tool_name) for j in range(body.n)} if calls_tools else None
+            tool_streams = {j: ToolCallStream(*tool_how) for j in range(body.n)} if calls_tools else None
             async for output in stream:
                 final = output
                 if calls_tools:  # content and tool-call fragments as they are generated (tool_stream.py)
                     choices = [{"index": c.index, "logprobs": logprobs_of(c.delta_token_ids, new_lps),
-                                **_tool_delta(c, tool_streams[c.index], mode, tool_name)}
+                                **_tool_delta(c, tool_streams[c.index], tool_how)}
                                for c, new_lps in deltas_to_send(output, done)]
                     choices = [c for c in choices if c["delta"] or c["finish_reason"] is not None]
                 else:
@@ -85,26 +86,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return Response(status_code=499)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, **_message(c, mode, tool_name),
+        "choices": [{"index": c.index, **_message(c, *tool_how),
                      "logprobs": logprobs_of(c.token_ids, c.logprobs or [])} for c in final.outputs],
         "usage": usage(final),
     }
 
 
-def _message(c, mode: str, tool_name: str | None) -> dict:
+def _message(c, mode: str, tool_name: str | None, parallel: bool) -> dict:
     """A finished choice's message and finish_reason; tool calls when the output holds whole ones.
     As OpenAI and vLLM: finish_reason "tool_calls" for "auto" and "required" calls, the output's own
     ("stop", "length") for a named tool_choice, whose output is always the call's arguments."""
     if mode == "named":
-        _, calls = parse_tool_calls(c.text, mode, tool_name)
+        _, calls = parse_tool_calls(c.text, mode, tool_name)  # one call
         return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": c.finish_reason}
-    content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name)
+    content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name, parallel)
     if not calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
     return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
-def _tool_delta(c, tool_stream: ToolCallStream, mode: str, tool_name: str | None) -> dict:
+def _tool_delta(c, tool_stream: ToolCallStream, tool_how: tuple) -> dict:
     """A streamed choice of a request with tools: new content and tool-call fragments; at its
     finish, the finish_reason _message gives (and, for "auto" blocks that did not parse, the text
     not yet sent, as content)."""
@@ -112,8 +113,8 @@ def _tool_delta(c, tool_stream: ToolCallStream, mode: str, tool_name: str | None
     delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
     if c.finish_reason is None:
         return {"delta": delta, "finish_reason": None}
-    finish = _message(c, mode, tool_name)["finish_reason"]
-    if mode == "auto" and finish != "tool_calls" and not tool_stream.calls:
+    finish = _message(c, *tool_how)["finish_reason"]
+    if tool_how[0] == "auto" and finish != "tool_calls" and not tool_stream.calls:
         unsent = content + tool_stream.unsent_text(c.text)
         delta = {"content": unsent} if unsent else {}
     return {"delta": delta, "finish_reason": finish}

@@ -80,13 +80,14 @@ def scan_call(text: str, start: int) -> tuple[str | None, int | None, int | None
 class ToolCallStream:
     """One choice's tool-call deltas, fed its growing text."""
 
-    def __init__(self, mode: str, name: str | None):
+    def __init__(self, mode: str, name: str | None, parallel: bool = True):
         self.mode, self.name = mode, name
+        self.max_calls = None if parallel else 1  # parallel_tool_calls=false: the first call only
         self.calls: list[list] = []  # per call: [id, arguments characters sent]
         self.content_sent = 0  # characters of text sent as content ("auto")
 
     def _call_deltas(self, index: int, name: str | None, arguments: str) -> list[dict]:
-        if name is None:
+        if name is None or (self.max_calls is not None and index >= self.max_calls):
             return []
         if index == len(self.calls):  # its first chunk: the header, with what is known of the arguments
             self.calls.append([new_call_id(), len(arguments)])
