@@ -98,7 +98,8 @@ def _message(c, mode: str, tool_name: str | None, parallel: bool) -> dict:
     ("stop", "length") for a named tool_choice, whose output is always the call's arguments."""
     if mode == "named":
         _, calls = parse_tool_calls(c.text, mode, tool_name)  # one call
-        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"message": message, "finish_reason": c.finish_reason}
     content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name, parallel)
     if not calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
