@@ -46,7 +46,8 @@ class StructuredState:
         self._ahead: concurrent.futures.Future | None = None  # prefetch() in flight
         self._ahead_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (row of _ahead_mask, outputs consumed)
         self._ahead_mask = np.empty((0, self.num_words), np.int32)  # grows to the most rows prefetched
-        self.wait_seconds = 0.0  # time dispatch spent waiting for masks still being computed ahead
+        # Engine-thread seconds: in bitmask() (of which waiting for the worker) and in prefetch()
+        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0}
         self.num_rows_ahead = self.num_rows_now = 0  # rows whose mask came from prefetch / was computed at dispatch
 
     def __len__(self) -> int:
@@ -57,7 +58,7 @@ class StructuredState:
         if self._ahead is not None:
             t0 = time.perf_counter()
             self._ahead.result()
-            self.wait_seconds += time.perf_counter() - t0
+            self.seconds["wait"] += time.perf_counter() - t0
             self._ahead = None
 
     def _matcher(self, seq, request_id: str):
@@ -69,6 +70,11 @@ class StructuredState:
     def prefetch(self) -> None:
         """Starts computing the next mask of every running constrained sequence whose tokens have all
         landed, on the worker thread; bitmask() picks them up at the next dispatch."""
+        t0 = time.perf_counter()
+        self._start_prefetch()
+        self.seconds["prefetch"] += time.perf_counter() - t0
+
+    def _start_prefetch(self) -> None:
         self._join()
         self._ahead_rows = {}
         pairs = []
@@ -88,6 +94,12 @@ class StructuredState:
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         """The step's mask: each (sampler row, sequence, request id) of `rows` gets its sequence's
         allowed tokens; a row whose matcher allows nothing (it ended under ignore_eos) gets eos."""
+        t0 = time.perf_counter()
+        mask = self._bitmask(rows, num_rows)
+        self.seconds["bitmask"] += time.perf_counter() - t0
+        return mask
+
+    def _bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         self._join()
         mask = np.full((num_rows, self.num_words), -1, np.int32)
         first_row: dict[int, int] = {}  # seq_id -> its first row (n > 1 first tokens share a state)
