@@ -68,7 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     choices = [{"index": c.index, "logprobs": logprobs_of(c.delta_token_ids, new_lps),
                                 **_tool_delta(c, tool_streams[c.index], tool_how)}
                                for c, new_lps in deltas_to_send(output, done)]
-                    choices = [c for c in choices if c["delta"] or c["finish_reason"] is not None]
+                    choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None]
                 else:
                     choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                                 "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
