@@ -245,3 +245,63 @@ def test_sampler_bitmask_equals_masking_the_logits_by_hand():
     ones = np.full((num_rows, 4), -1, np.int32)
     np.testing.assert_array_equal(np.asarray(sample(logits, arrays, token_bitmask=ones)[0]),
                                   np.asarray(sample(logits, arrays)[0]))
+
+
+def test_masks_computed_ahead_equal_masks_computed_at_dispatch():
+    """StructuredState alone (SmolLM2's tokenizer, no model): two states walk the same random
+    sequences, one prefetching at every commit, one not; their masks match at every step,
+    including a sequence that got a token after the prefetch (its mask is recomputed), one that is
+    not running (never prefetched) and finished ones replaced by fresh sequences."""
+    import numpy as np
+
+    from jaxpaged.models.loading import default_model_path
+    from jaxpaged.models.tokenizer import Tokenizer
+    from jaxpaged.planner.sequence import Sequence, SequenceStatus
+    from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+    from jaxpaged.structured.matchers import MIN_PREFETCH_ROWS, StructuredState
+
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_id
+    compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, vocab, eos))
+    template = compiler.submit(StructuredOutputsParams(json=SCHEMAS[1])).result()
+    ahead, now = StructuredState(vocab, eos), StructuredState(vocab, eos)
+    ahead.templates["r"] = now.templates["r"] = template
+
+    def fresh():
+        seqs = (Sequence([1, 2], SamplingParams()), Sequence([1, 2], SamplingParams()))
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        return seqs
+
+    pairs = [fresh() for _ in range(MIN_PREFETCH_ROWS + 2)]
+    rng = np.random.default_rng(0)
+    num_stale = stale = 0
+    for step in range(40):
+        computed_before = ahead.num_rows_now
+        pairs[0][0].status = pairs[0][1].status = SequenceStatus.PREEMPTED if step % 7 == 3 else SequenceStatus.RUNNING
+        rows = [[(r, pair[k], "r") for r, pair in enumerate(pairs)] for k in (0, 1)]
+        mask_ahead, mask_now = ahead.bitmask(rows[0], len(pairs)), now.bitmask(rows[1], len(pairs))
+        np.testing.assert_array_equal(mask_ahead, mask_now)
+        assert not stale or ahead.num_rows_now > computed_before  # the stale row was computed again
+        for r, (a, b) in enumerate(pairs):
+            allowed = np.flatnonzero(np.unpackbits(mask_now[r].view(np.uint8), bitorder="little")[:vocab])
+            token = int(rng.choice(allowed))
+            if token == eos:
+                a.status = b.status = SequenceStatus.FINISHED
+                pairs[r] = fresh()
+            else:
+                a.output_token_ids.append(token)
+                b.output_token_ids.append(token)
+        ahead.release({"r"})
+        now.release({"r"})
+        ahead.prefetch()
+        stale = step % 5 == 2
+        if stale:  # a token lands after the prefetch: that mask is stale, recomputed at dispatch
+            words = now.bitmask([(0, pairs[1][1], "r")], 1)[0]
+            token = int(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab])[0])
+            stale = token != eos
+            if stale:
+                pairs[1][0].output_token_ids.append(token)
+                pairs[1][1].output_token_ids.append(token)
+        num_stale += stale
+    assert ahead.num_rows_ahead > 0 and now.num_rows_ahead == 0 and num_stale >= 5
