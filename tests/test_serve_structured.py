@@ -113,15 +113,13 @@ def test_tool_choice_required_returns_calls_that_validate(served, stream):
               tool_choice="required", max_tokens=200, temperature=1.0, seed=5)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     if stream:
-        calls, finish = {}, None
+        chunks, finish = [], None
         for chunk in served["client"].chat.completions.create(stream=True, **kw):
             for choice in chunk.choices:
-                for d in choice.delta.tool_calls or ():
-                    call = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                    call["name"] += d.function.name or ""
-                    call["arguments"] += d.function.arguments or ""
+                chunks += [d.model_dump(exclude_none=True) for d in choice.delta.tool_calls or ()]
                 finish = choice.finish_reason or finish
-        calls = list(calls.values())
+        calls = _assemble(chunks)  # a header per call, then argument fragments
+        assert len(chunks) >= len(calls) + 2, "arguments were not streamed as they were generated"
     else:
         choice = served["client"].chat.completions.create(**kw).choices[0]
         finish = choice.finish_reason
@@ -130,6 +128,16 @@ def test_tool_choice_required_returns_calls_that_validate(served, stream):
     assert finish == "tool_calls" and calls
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    # parallel_tool_calls=false: the grammar allows one call (the array's maxItems 1)
+    single = served["client"].chat.completions.create(parallel_tool_calls=False, **{**kw, "seed": 6})
+    assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
+    from jaxpaged.entrypoints.serve.protocol import ChatCompletionRequest
+    from jaxpaged.entrypoints.serve.tools import structured_spec
+
+    for parallel, bound in ((False, 1), (True, None)):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice="required",
+                                     parallel_tool_calls=parallel)
+        assert structured_spec(body, "required").json.get("maxItems") == bound
     _idle(served)
 
 
@@ -139,8 +147,18 @@ def test_named_tool_choice_and_a_replayed_tool_conversation(served):
     first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}],
                                            tools=[WEATHER, TIME], tool_choice=named, max_tokens=40, temperature=0)
     call = first.choices[0].message.tool_calls[0]
-    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    # A named tool_choice finishes "stop" (OpenAI's and vLLM's behaviour), not "tool_calls".
+    assert first.choices[0].finish_reason == "stop" and call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    chunks, finish = [], None
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}],
+                                                tools=[WEATHER, TIME], tool_choice=named, max_tokens=40,
+                                                temperature=0, stream=True):
+        chunks += [d.model_dump(exclude_none=True) for d in chunk.choices[0].delta.tool_calls or ()]
+        finish = chunk.choices[0].finish_reason or finish
+    streamed = _assemble(chunks)
+    assert finish == "stop" and streamed == [{"name": "get_time", "arguments": call.function.arguments}]
+    assert len(chunks) > 2, "arguments were not streamed as they were generated"
     # An agent replays the conversation: the assistant turn with content null + tool_calls, the tool's answer.
     messages = [{"role": "user", "content": "time?"},
                 {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -159,7 +177,56 @@ def test_auto_parses_hermes_tool_calls():
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
     assert parse_tool_calls("no calls here", "auto", None) == ("no calls here", [])
+    two = text + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+    assert len(parse_tool_calls(two, "auto", None)[1]) == 2 and len(parse_tool_calls(two, "auto", None, False)[1]) == 1
     assert parse_tool_calls("<tool_call>{broken", "auto", None) == ("<tool_call>{broken", [])
+
+
+def _feed_by_characters(mode, name, text):
+    """ToolCallStream fed every prefix of text, as a stream of one-character tokens would feed it."""
+    from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
+
+    stream, content, chunks = ToolCallStream(mode, name), "", []
+    for end in range(1, len(text) + 1):
+        new_content, deltas = stream.feed(text[:end])
+        content += new_content
+        chunks += deltas
+    return content, chunks
+
+
+def _assemble(chunks):
+    """OpenAI's client-side assembly: each call's first chunk has id, type and name; the rest only
+    argument fragments, appended."""
+    calls = {}
+    for d in chunks:
+        if d["index"] not in calls:
+            assert {"id", "type"} <= d.keys() and d["type"] == "function" and d["function"]["name"], d
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
+        else:
+            assert d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"}, d
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("mode, name, text, content, want", [
+    ("named", "get_time", '{"zone": -3}', "", [("get_time", {"zone": -3})]),
+    ("required", None, '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}, '
+                       '{"name": "get_time", "arguments": {"zone": 4}}]', "",
+     [("get_weather", {"city": "Oslo", "unit": "C"}), ("get_time", {"zone": 4})]),
+    ("auto", None, 'Let me <check>.\n<tool_call>\n{"arguments": {"s": "a}\\"{"}, "name": "f"}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', "Let me <check>.",
+     [("f", {"s": 'a}"{'}), ("g", {})]),
+    ("auto", None, "no calls, a < sign", "no calls, a < sign", []),
+])
+def test_tool_calls_stream_as_openai_streams_them(mode, name, text, content, want):
+    """Header first (id, type, name), then arguments fragments as the characters arrive; arguments
+    written before the name (auto) wait for it; a `<` that does not open a block is content."""
+    got_content, chunks = _feed_by_characters(mode, name, text)
+    calls = _assemble(chunks)
+    assert got_content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want
+    if want:
+        assert len(chunks) >= len(want) + 2, "arguments were not streamed in fragments"
 
 
 @pytest.mark.parametrize("body, param", [

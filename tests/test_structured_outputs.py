@@ -53,6 +53,8 @@ def test_every_schema_output_parses_and_validates(llm, mode):
         assert reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
     assert outputs[-1].outputs[0].finish_reason == "length"
+    state = _engine(llm).structured.state  # most masks were computed ahead, at the previous commit
+    assert state.num_rows_ahead > state.num_rows_now > 0
     _assert_idle(llm)
 
 
@@ -140,6 +142,19 @@ def test_max_tokens_cuts_json_with_length_and_stop_strings_cut_it_with_stop(llm)
     _assert_idle(llm)
 
 
+def test_min_tokens_holds_while_the_grammar_allows_more_and_yields_where_it_can_only_end(llm):
+    """vLLM's rule: min_tokens bans eos while the grammar allows other tokens; where the grammar
+    allows only eos (it ended), the grammar wins and the output stops under min_tokens."""
+    more, ended, boolean = llm.generate(["p"] * 3, [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=20, min_tokens=6,
+                       structured_outputs=StructuredOutputsParams(**spec))
+        for s, spec in ((1, dict(regex="a{2,9}")), (2, dict(choice=["yes", "no"])), (3, dict(json={"type": "boolean"})))])
+    assert more.outputs[0].finish_reason == "stop" and re.fullmatch("a{6,9}", more.outputs[0].text), more.outputs[0].text
+    assert ended.outputs[0].finish_reason == "stop" and ended.outputs[0].text in ("yes", "no")
+    assert boolean.outputs[0].finish_reason == "stop" and boolean.outputs[0].text in ("true", "false")
+    _assert_idle(llm)
+
+
 @pytest.mark.parametrize("spec, words", [
     (dict(json={"type": "foo"}), ["json", "foo"]),
     (dict(json="{not json"), ["json", "JSON"]),
@@ -162,6 +177,24 @@ def test_unsatisfiable_regex_finishes_with_abort_and_the_engine_keeps_serving(ll
                                           SamplingParams(temperature=0, max_tokens=3)])
     assert bad.outputs[0].finish_reason == "abort" and bad.outputs[0].token_ids == []
     assert good.outputs[0].finish_reason == "length"
+    _assert_idle(llm)
+
+
+def test_aborts_mid_generation_free_pages_and_matchers_at_once(llm):
+    """A client disconnect: constrained requests aborted while running (one with n=2, one whose
+    masks are being computed ahead) or still waiting for their grammar; nothing stays held, even
+    though the engine does not step again, and the next request runs."""
+    engine = _engine(llm)
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30}
+    ids = [engine.add_request([65, 66], _json_params(schema, temperature=1.0, seed=i, n=1 + i % 2)) for i in range(3)]
+    for _ in range(4):
+        engine.step()
+    assert len(engine.structured) > 0 and engine.block_manager.stats()["num_used_pages"] > 0
+    pending = engine.add_request([67], _json_params({"type": "object", "properties": {"late": {"type": "null"}}}))
+    for request_id in ids + [pending]:
+        engine.abort_request(request_id)
+    _assert_idle(llm)
+    assert llm.generate(["p"], _json_params({"type": "boolean"}, temperature=0.0))[0].outputs[0].text in ("true", "false")
     _assert_idle(llm)
 
 
@@ -212,3 +245,63 @@ def test_sampler_bitmask_equals_masking_the_logits_by_hand():
     ones = np.full((num_rows, 4), -1, np.int32)
     np.testing.assert_array_equal(np.asarray(sample(logits, arrays, token_bitmask=ones)[0]),
                                   np.asarray(sample(logits, arrays)[0]))
+
+
+def test_masks_computed_ahead_equal_masks_computed_at_dispatch():
+    """StructuredState alone (SmolLM2's tokenizer, no model): two states walk the same random
+    sequences, one prefetching at every commit, one not; their masks match at every step,
+    including a sequence that got a token after the prefetch (its mask is recomputed), one that is
+    not running (never prefetched) and finished ones replaced by fresh sequences."""
+    import numpy as np
+
+    from jaxpaged.models.loading import default_model_path
+    from jaxpaged.models.tokenizer import Tokenizer
+    from jaxpaged.planner.sequence import Sequence, SequenceStatus
+    from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+    from jaxpaged.structured.matchers import MIN_PREFETCH_ROWS, StructuredState
+
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_id
+    compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, vocab, eos))
+    template = compiler.submit(StructuredOutputsParams(json=SCHEMAS[1])).result()
+    ahead, now = StructuredState(vocab, eos), StructuredState(vocab, eos)
+    ahead.templates["r"] = now.templates["r"] = template
+
+    def fresh():
+        seqs = (Sequence([1, 2], SamplingParams()), Sequence([1, 2], SamplingParams()))
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        return seqs
+
+    pairs = [fresh() for _ in range(MIN_PREFETCH_ROWS + 2)]
+    rng = np.random.default_rng(0)
+    num_stale = stale = 0
+    for step in range(40):
+        computed_before = ahead.num_rows_now
+        pairs[0][0].status = pairs[0][1].status = SequenceStatus.PREEMPTED if step % 7 == 3 else SequenceStatus.RUNNING
+        rows = [[(r, pair[k], "r") for r, pair in enumerate(pairs)] for k in (0, 1)]
+        mask_ahead, mask_now = ahead.bitmask(rows[0], len(pairs)), now.bitmask(rows[1], len(pairs))
+        np.testing.assert_array_equal(mask_ahead, mask_now)
+        assert not stale or ahead.num_rows_now > computed_before  # the stale row was computed again
+        for r, (a, b) in enumerate(pairs):
+            allowed = np.flatnonzero(np.unpackbits(mask_now[r].view(np.uint8), bitorder="little")[:vocab])
+            token = int(rng.choice(allowed))
+            if token == eos:
+                a.status = b.status = SequenceStatus.FINISHED
+                pairs[r] = fresh()
+            else:
+                a.output_token_ids.append(token)
+                b.output_token_ids.append(token)
+        ahead.release({"r"})
+        now.release({"r"})
+        ahead.prefetch()
+        stale = step % 5 == 2
+        if stale:  # a token lands after the prefetch: that mask is stale, recomputed at dispatch
+            words = now.bitmask([(0, pairs[1][1], "r")], 1)[0]
+            token = int(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab])[0])
+            stale = token != eos
+            if stale:
+                pairs[1][0].output_token_ids.append(token)
+                pairs[1][1].output_token_ids.append(token)
+        num_stale += stale
+    assert ahead.num_rows_ahead > 0 and now.num_rows_ahead == 0 and num_stale >= 5

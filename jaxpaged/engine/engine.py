@@ -219,6 +219,8 @@ class LLMEngine:
         for sample in request.samples:
             if not sample.seq.is_finished:
                 self.scheduler.abort(sample.seq.seq_id)
+        if request.params.structured_outputs is not None:
+            self.structured.release(prefetch=False)  # its matchers and template, now
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests) or bool(self.beams) or bool(self.weights.aborted_outputs)

@@ -96,8 +96,11 @@ class StepSampler:
             return SampledStep(None, None, entries, 0, fan_out_slots), beam_seqs
         num_rows = num_sample_rows(len(rows), logits.shape[0])
         num_out = max(num_rows, self.runner.num_prev_token_rows)
-        arrays = make_sampling_arrays(rows, num_rows)
         bitmask = bitmask_fn(entries, num_rows) if bitmask_fn is not None else None
+        if bitmask is not None:
+            rows = [r._replace(banned_ids=()) if r.banned_ids and _only_banned_allowed(bitmask[i], r.banned_ids) else r
+                    for i, r in enumerate(rows)]
+        arrays = make_sampling_arrays(rows, num_rows)
         logprobs = None
         if want_logprobs or use_slots:
             penalties = make_penalty_arrays(penalty_rows, num_rows) if use_slots else None
@@ -149,6 +152,16 @@ class StepSampler:
                 if penalized:
                     self.slots.state = state
                 jax.block_until_ready((tokens, logprobs))
+
+
+def _only_banned_allowed(mask_row: np.ndarray, banned_ids: tuple[int, ...]) -> bool:
+    """Whether a grammar row allows nothing but the min_tokens ban's stop tokens (the grammar ended).
+    There the ban is lifted and the sequence stops under min_tokens, as vLLM lets a terminal grammar
+    stop: the grammar wins, since banning its only tokens would leave the row nothing to draw."""
+    words = mask_row.view(np.uint32).copy()
+    for token_id in banned_ids:
+        words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
+    return not words.any()
 
 
 def _penalty_row(slot: int, params) -> tuple[int, float, float, float]:

@@ -5,11 +5,13 @@
     step()      ─► admit: ready requests go to the scheduler's waiting queue (nothing else waits)
     dispatch    ─► bitmask: the step's int32 mask, or None when no row has a grammar (the sampler's
                    unmasked variant: an unconstrained step pays nothing)
-    commit      ─► release: matchers of finished sequences and templates of gone requests dropped
+    commit      ─► release: matchers of finished sequences and templates of gone requests dropped;
+                   the next masks start on a worker thread (matchers.py: prefetch)
 
 Async stepping: the mask for a row's next token needs its last token, so a step with a constrained
 row is committed in the engine step that dispatched it (as beam search steps are); a step without
-one keeps the overlap. llguidance is imported on the first constrained request only.
+one keeps the overlap. The constrained rows' overlap is the mask's: computed from commit k to the
+sampling of step k + 1, beside the host's work and the device's forward pass. llguidance is imported on the first constrained request only.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class StructuredRequests:
                 rows += [(row, seq, request.request_id) for row in (entry if isinstance(entry, list) else [entry])]
         return self.state.bitmask(rows, num_rows) if rows else None
 
-    def release(self) -> None:
+    def release(self, prefetch: bool = True) -> None:
+        """At every commit: frees finished matchers, then starts the next step's masks (prefetch).
+        At an abort (prefetch=False): frees them now, the engine may not step again."""
         if self.state is not None and len(self.state):
             self.state.release(self.processor.requests)
+            if prefetch:
+                self.state.prefetch()

@@ -286,8 +286,10 @@ class Scheduler:
             output_token_ids.append(token_id)
             appended.append((seq, token_id))
             rows.append(row)
+            # A grammar row draws a stop under min_tokens only where its grammar allows nothing else (step_sampler.py)
+            min_tokens = 0 if seq.sampling_params.structured_outputs is not None else seq.sampling_params.min_tokens
             reason = token_stop_reason(token_idx, token_id, len(output_token_ids), seq.max_num_tokens,
-                                       seq.stop_token_set, seq.sampling_params.min_tokens)
+                                       seq.stop_token_set, min_tokens)
             if reason is not None:
                 finished.append((seq, reason))
 

@@ -14,6 +14,7 @@ from jaxpaged.entrypoints.serve.common import (
 )
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
 from jaxpaged.entrypoints.serve.tools import parse_tool_calls, render_messages, structured_spec, tool_mode
 
 router = APIRouter()
@@ -43,6 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = sampling_params(state, body, len(token_ids), max_tokens, logprobs=top_n if body.logprobs else None,
                              prompt_param="messages", structured_outputs=structured_spec(body, mode, tool_name))
     calls_tools = mode in ("auto", "required", "named")
+    tool_how = (mode, tool_name, body.parallel_tool_calls)
     stream = await start(state, token_ids, params, body.cache_salt)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -59,12 +61,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for j in range(body.n)]))
             final, done = None, set()  # done: choices whose finish_reason was sent
+            tool_streams = {j: ToolCallStream(*tool_how) for j in range(body.n)} if calls_tools else None
             async for output in stream:
                 final = output
-                if calls_tools:  # the text is held until a choice finishes (see _delta)
-                    choices = [{"index": c.index, "logprobs": logprobs_of(c.token_ids, c.logprobs or []),
-                                **_delta(c, mode, tool_name)}
-                               for c, _ in deltas_to_send(output, done) if c.finish_reason is not None]
+                if calls_tools:  # content and tool-call fragments as they are generated (tool_stream.py)
+                    choices = [{"index": c.index, "logprobs": logprobs_of(c.delta_token_ids, new_lps),
+                                **_tool_delta(c, tool_streams[c.index], tool_how)}
+                               for c, new_lps in deltas_to_send(output, done)]
+                    choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None]
                 else:
                     choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                                 "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
@@ -82,26 +86,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return Response(status_code=499)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, **_message(c, mode, tool_name),
+        "choices": [{"index": c.index, **_message(c, *tool_how),
                      "logprobs": logprobs_of(c.token_ids, c.logprobs or [])} for c in final.outputs],
         "usage": usage(final),
     }
 
 
-def _message(c, mode: str, tool_name: str | None) -> dict:
-    """A finished choice's message and finish_reason; tool calls when the output holds whole ones."""
-    content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name)
+def _message(c, mode: str, tool_name: str | None, parallel: bool) -> dict:
+    """A finished choice's message and finish_reason; tool calls when the output holds whole ones.
+    As OpenAI and vLLM: finish_reason "tool_calls" for "auto" and "required" calls, the output's own
+    ("stop", "length") for a named tool_choice, whose output is always the call's arguments."""
+    if mode == "named":
+        _, calls = parse_tool_calls(c.text, mode, tool_name)  # one call
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"message": message, "finish_reason": c.finish_reason}
+    content, calls = (c.text, []) if c.finish_reason != "stop" else parse_tool_calls(c.text, mode, tool_name, parallel)
     if not calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
     return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
-def _delta(c, mode: str, tool_name: str | None) -> dict:
-    """A streamed choice of a request with tools: its text is held until it finishes, then sent as
-    one delta: the tool calls (each whole, as the last chunk of OpenAI's stream carries them) or
-    the content."""
-    message = _message(c, mode, tool_name)
-    delta = {k: v for k, v in message["message"].items() if k != "role" and v is not None}
-    if "tool_calls" in delta:
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-    return {"delta": delta, "finish_reason": message["finish_reason"]}
+def _tool_delta(c, tool_stream: ToolCallStream, tool_how: tuple) -> dict:
+    """A streamed choice of a request with tools: new content and tool-call fragments; at its
+    finish, the finish_reason _message gives (and, for "auto" blocks that did not parse, the text
+    not yet sent, as content)."""
+    content, calls = tool_stream.feed(c.text)
+    delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+    if c.finish_reason is None:
+        return {"delta": delta, "finish_reason": None}
+    finish = _message(c, *tool_how)["finish_reason"]
+    if tool_how[0] == "auto" and finish != "tool_calls" and not tool_stream.calls:
+        unsent = content + tool_stream.unsent_text(c.text)
+        delta = {"content": unsent} if unsent else {}
+    return {"delta": delta, "finish_reason": finish}

@@ -122,6 +122,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True  # False: at most one call per response (OpenAI's field)
     functions: list | None = None
     function_call: str | dict | None = None
     audio: dict | None = None

@@ -9,7 +9,9 @@
                                                                `<tool_call>{"name", "arguments"}</tool_call>`
                                                                blocks parsed out of the output
                         "required"                          -> json: [{"name": one of the tools,
-                                                               "arguments": its parameters}, ...] (1+)
+                                                               "arguments": its parameters}, ...] (1+;
+                                                               1 with parallel_tool_calls=false; "auto"
+                                                               then keeps the first call)
                         {"type": "function", "function": {"name": N}} -> json: N's parameters
 
 Templates that know `tools` / `tool_calls` (Qwen, Hermes, Llama 3.1) get them as template
@@ -89,7 +91,8 @@ def structured_spec(body, mode: str = "none", name: str | None = None) -> Struct
         calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _parameters(f)},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for n, f in _functions(body.tools).items()]
-        specs.append(("tool_choice", _spec("tool_choice", json={"type": "array", "minItems": 1,
+        one = {} if getattr(body, "parallel_tool_calls", True) else {"maxItems": 1}
+        specs.append(("tool_choice", _spec("tool_choice", json={"type": "array", "minItems": 1, **one,
                                                                 "items": {"anyOf": calls}})))
     elif mode == "named":
         specs.append(("tool_choice", _spec("tool_choice", json=_parameters(_functions(body.tools)[name]))))
@@ -143,13 +146,23 @@ def _arguments(call: dict) -> object:
         return arguments
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
-def parse_tool_calls(text: str, mode: str, name: str | None) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished output; ([], text) when it holds no parseable call."""
+def parse_tool_calls(text: str, mode: str, name: str | None, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output; ([], text) when it holds no parseable call.
+    parallel=False (parallel_tool_calls): the first call only."""
+    content, calls = _parse_tool_calls(text, mode, name)
+    return content, calls if parallel else calls[:1]
+
+
+def _parse_tool_calls(text: str, mode: str, name: str | None) -> tuple[str | None, list[dict]]:
     if mode == "named":
         return None, [_call(name, text)]
     if mode == "required":
