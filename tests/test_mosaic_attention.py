@@ -226,6 +226,15 @@ def test_decode_matches_reference_with_splits():
     check_decode(page_size=16, head_dim=128, group=4, seq_lens=[17, 0, 150], num_splits=3, num_kv_heads=1)
 
 
+@pytest.mark.parametrize("num_splits", [None, pytest.param(2, marks=pytest.mark.slow)])
+def test_decode_packs_the_groups_of_several_kv_heads_per_tile(num_splits):
+    # GQA 2 with 4 KV heads: the 4 groups share one 64-row tile (8 real rows), the block loops over
+    # (key step, KV head) units; None chooses one split here (the batch is tiny but so are the
+    # contexts: a split would not pay for its partials), 2 takes the float32 partials path.
+    check_decode(page_size=16, head_dim=64, group=2, num_kv_heads=4, seq_lens=[1, 17, 0, 70],
+                 num_splits=num_splits, seed=5)
+
+
 def test_rejects_float32_pages_with_a_message():
     q = jnp.zeros((4, 2, 64), jnp.float32)
     kv = jnp.zeros((1, 2, 1, 4, 16, 64), jnp.float32)

@@ -72,6 +72,8 @@ class KernelShape:
     num_splits: int  # key splits per tile (decode); 1 = each block sees all its keys
     num_slots: int  # D: pipeline depth in key steps
     num_consumers: int  # C: consumer warpgroups, 64 rows of the tile each (tile = C * 64 rows)
+    heads_per_tile: int  # Hp: KV heads whose query heads share a tile (decode packing; 1 for ragged)
+    group: int  # G: query heads per KV head; with Hp > 1, row r belongs to local KV head r // G
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
@@ -79,6 +81,10 @@ class KernelShape:
     @property
     def pages_per_step(self) -> int:
         return STEP_KEYS // self.page_size
+
+    @property
+    def num_head_tiles(self) -> int:  # the grid's "kv_head" axis: tiles of Hp KV heads
+        return self.num_kv_heads // self.heads_per_tile
 
 
 def _wgmma_layout(x, shape: KernelShape, *, reduced: bool = False):
@@ -154,7 +160,7 @@ def _attention_kernel(
     *,
     shape: KernelShape,
 ):
-    kv_head = lax.axis_index("kv_head")
+    head_tile = lax.axis_index("kv_head")  # this block's Hp KV heads: head_tile * Hp ...
     tile_idx = lax.axis_index("q_tile")
     split_idx = lax.axis_index("split")
     wg_idx = lax.axis_index("wg")
@@ -170,13 +176,17 @@ def _attention_kernel(
     step_begin = jnp.minimum(split_idx * steps_per_split, num_steps)
     step_end = jnp.minimum(step_begin + steps_per_split, num_steps)
     num_my_steps = step_end - step_begin
+    # A unit is (key step, local KV head): Hp units per key step, each ONE KV head's 64 keys, which
+    # update only that head's rows (decode packing: pallas_kernels/decode_plan.py). Hp = 1: units = steps.
+    Hp = shape.heads_per_tile
+    num_my_units = num_my_steps * Hp
 
     @pl.when(wg_idx < C)
     def _consumer():
         # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
-        q_tile = (kv_head * shape.num_q_tiles + tile_idx) * C + wg_idx
+        q_tile = (head_tile * shape.num_q_tiles + tile_idx) * C + wg_idx
         plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem_wg, q_barrier.at[wg_idx])
         plgpu.barrier_wait(q_barrier.at[wg_idx])
         # Position of each row's token, for the causal mask: [64, 64] in the wgmma layout.
@@ -184,9 +194,12 @@ def _attention_kernel(
         col = _iota((TILE_ROWS, STEP_KEYS), 1, shape)
         row_pos = first_pos + lax.div(row, jnp.int32(shape.group_rows))
 
-        def step(local_step, carry):
+        row_head = lax.div(row, jnp.int32(shape.group))  # the local KV head of each row (Hp > 1)
+
+        def step(unit, carry):
             acc, m_prev, l_prev = carry
-            slot = lax.rem(local_step, D)
+            slot = lax.rem(unit, D)
+            local_step = lax.div(unit, jnp.int32(Hp))
             key_start = (step_begin + local_step) * STEP_KEYS
 
             plgpu.barrier_wait(k_ready.at[slot])
@@ -197,6 +210,8 @@ def _attention_kernel(
                 logits = shape.soft_cap * jnp.tanh(logits / shape.soft_cap)
             key_pos = key_start + col
             visible = (key_pos <= row_pos) & (key_pos < num_keys)
+            if Hp > 1:  # other heads' rows see nothing this unit: their max and sum do not move
+                visible &= row_head == unit - local_step * Hp
             logits = jnp.where(visible, logits, MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=1))  # [64]
             probs = jnp.where(visible, jnp.exp(logits - lax.broadcast_in_dim(m_next, logits.shape, [0])), 0.0)
@@ -227,13 +242,13 @@ def _attention_kernel(
         acc = _wgmma_layout(jnp.zeros((TILE_ROWS, shape.head_dim), jnp.float32), shape)
         m = _wgmma_layout(jnp.full((TILE_ROWS,), MASK_VALUE, jnp.float32), shape, reduced=True)
         l = _wgmma_layout(jnp.zeros((TILE_ROWS,), jnp.float32), shape, reduced=True)
-        acc, m, l = lax.fori_loop(0, num_my_steps, step, (acc, m, l))
+        acc, m, l = lax.fori_loop(0, num_my_units, step, (acc, m, l))
 
         # Rows that saw no key (empty tile or split, rows past the chunk) have l = 0: zeros, not 0/0.
         has_keys = l > 0.0
         inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
         o_smem_wg[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
-        block = ((kv_head * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
+        block = ((head_tile * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
         if lse_smem is not None:
             lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
@@ -245,15 +260,16 @@ def _attention_kernel(
     @pl.when(wg_idx == C)
     def _producer():
         layer_idx = layer_idx_ref[0]
-        k_base = (layer_idx * 2 * shape.num_kv_heads + kv_head) * shape.num_pages
-        v_base = ((layer_idx * 2 + 1) * shape.num_kv_heads + kv_head) * shape.num_pages
-
-        @pl.loop(0, num_my_steps)
-        def _fill(local_step):
-            slot = lax.rem(local_step, D)
+        @pl.loop(0, num_my_units)
+        def _fill(unit):
+            slot = lax.rem(unit, D)
+            local_step = lax.div(unit, jnp.int32(Hp))
+            kv_head = head_tile * Hp + (unit - local_step * Hp)
+            k_base = (layer_idx * 2 * shape.num_kv_heads + kv_head) * shape.num_pages
+            v_base = ((layer_idx * 2 + 1) * shape.num_kv_heads + kv_head) * shape.num_pages
             first_page = (step_begin + local_step) * shape.pages_per_step
 
-            @pl.when(local_step >= D)
+            @pl.when(unit >= D)
             def _wait_free():
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
@@ -273,9 +289,9 @@ def _attention_kernel(
 
         # Observe the consumer's release of the last D steps too: every phase of a barrier is waited
         # on before the block exits (GPU interpret mode checks this when it frees the barriers).
-        @pl.loop(jnp.maximum(num_my_steps - D, 0), num_my_steps)
-        def _drain(local_step):
-            slot = lax.rem(local_step, D)
+        @pl.loop(jnp.maximum(num_my_units - D, 0), num_my_units)
+        def _drain(unit):
+            slot = lax.rem(unit, D)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
 
@@ -300,7 +316,7 @@ def attention_tiles(
     """
     dtype = q_tiles.dtype
     C = shape.num_consumers
-    num_blocks = shape.num_kv_heads * shape.num_q_tiles * shape.num_splits * C
+    num_blocks = shape.num_head_tiles * shape.num_q_tiles * shape.num_splits * C
     with_lse = shape.num_splits > 1
     swizzled = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
     out_types = [jax.ShapeDtypeStruct((num_blocks, TILE_ROWS, shape.head_dim), out_dtype)]
@@ -339,7 +355,7 @@ def attention_tiles(
     kernel = plgpu.kernel(
         entry,
         out_type=out_types,
-        grid=(shape.num_kv_heads, shape.num_q_tiles, shape.num_splits),
+        grid=(shape.num_head_tiles, shape.num_q_tiles, shape.num_splits),
         grid_names=("kv_head", "q_tile", "split"),
         num_threads=C + 1,
         thread_name="wg",
