@@ -44,6 +44,51 @@ from jaxpaged.ops.kv_quant import bytes_per_token_head, storage_dtype, zeros_kv_
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, NUM_LAYERS = 16, 8, 128, 16, 2
 
 
+def tile_flops(q_len: int, seq_len: int, *, tokens_per_tile: int, rows_per_tile: int, block_keys: int) -> int:
+    """Attention FLOPs one KV head's tiles execute for one sequence's chunk (QK^T and PV, 4 x H per
+    row and key): each tile of `tokens_per_tile` tokens runs all its rows over the keys up to its
+    last token's causal limit, in whole blocks of `block_keys` (the kernels' loops)."""
+    flops, first_pos = 0, seq_len - q_len
+    for start in range(0, q_len, tokens_per_tile):
+        keys = first_pos + min(start + tokens_per_tile, q_len)
+        flops += rows_per_tile * -(-keys // block_keys) * block_keys * 4 * HEAD_DIM
+    return flops
+
+
+def mixed_flops(backend: str, q_lens: list[int], seq_lens: list[int]) -> dict:
+    """Executed vs useful attention FLOPs of a mixed step, from the kernels' tiling (an analytic
+    count: the HLO accounting does not see inside a Pallas kernel). Triton ragged: block_q 16
+    tokens x Gp rows, 64-key blocks; Mosaic ragged: 128-row tiles (2 consumers) of 128 // Gp tokens,
+    64-key steps."""
+    group_rows = 1 << (NUM_HEADS // NUM_KV_HEADS - 1).bit_length()
+    tokens, rows = (16, 16 * group_rows) if backend == "pallas" else (128 // group_rows, 128)
+    executed = NUM_KV_HEADS * sum(tile_flops(q, n, tokens_per_tile=tokens, rows_per_tile=rows, block_keys=64)
+                                  for q, n in zip(q_lens, seq_lens))
+    useful = sum(NUM_HEADS * 4 * HEAD_DIM * (n - q + i + 1) for q, n in zip(q_lens, seq_lens) for i in range(q))
+    return {"executed_attention_flops": executed, "useful_attention_flops": useful,
+            "executed_to_useful": round(executed / useful, 4)}
+
+
+def probe_mixed(backend: str, q_lens: list[int], seq_lens: list[int]) -> dict:
+    """The ragged kernel on a mixed step (one layer): its registers and features, and its FLOPs."""
+    num_seqs, num_tokens = len(q_lens), sum(q_lens)
+    pages_per_seq = -(-max(seq_lens) // PAGE_SIZE)
+    kv = spec((NUM_LAYERS, 2, NUM_KV_HEADS, num_seqs * pages_per_seq + 1, PAGE_SIZE, HEAD_DIM), jnp.bfloat16)
+    fn = attention_fn(backend, platform="cuda")
+
+    def step(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx):
+        return fn(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=HEAD_DIM**-0.5)
+
+    args = (spec((num_tokens, NUM_HEADS, HEAD_DIM), jnp.bfloat16), kv, spec((num_seqs, pages_per_seq), jnp.int32),
+            spec((num_seqs,), jnp.int32), spec((num_seqs + 1,), jnp.int32), spec((), jnp.int32))
+    for old in glob.glob(os.path.join(MOSAIC_DUMP, "*")):
+        os.remove(old)
+    out = compile_for_h100(step, args, dump_dir=True)
+    kernels = [k.__dict__ for k in ptxas_report(out.dump_dir)] if backend == "pallas" else _mosaic_kernels()
+    return {"backend": backend, "num_tokens": num_tokens, "num_seqs": num_seqs, "kernels": kernels,
+            **mixed_flops(backend, q_lens, seq_lens)}
+
+
 def probe(backend: str, kv_cache_dtype: str, num_seqs: int, context: int) -> dict:
     pages_per_seq = -(-context // PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq + 1
@@ -111,6 +156,18 @@ def main() -> None:
               f"extra_MB={row['extra_bytes'] / 1e6:7.2f} extra/kv={row['extra_to_kv']:.3f} "
               f"launches={row['launches']} regs={k.get('registers')} spills={k.get('spill_store_bytes')} "
               f"occ={k.get('occupancy')}", flush=True)
+    # A W1-like mixed step: 16 sequences of 512 new tokens over 512 cached (8192 tokens); and one
+    # with 256 decode rows beside 15 such chunks (decode rows fill a whole tile each).
+    mixes = {"w1": ([512] * 16, [1024] * 16), "w1+decode": ([512] * 15 + [1] * 256, [1024] * 15 + [1024] * 256)}
+    for name, (q_lens, seq_lens) in mixes.items():
+        for backend in ("pallas", "mosaic"):
+            row = probe_mixed(backend, q_lens, seq_lens) if name == "w1" else {
+                "backend": backend, **mixed_flops(backend, q_lens, seq_lens)}
+            rows.append({"mix": name, **row})
+            k = row["kernels"][0] if row.get("kernels") else {}
+            print(f"{backend:<6} mixed {name:<10} executed/useful attention FLOPs={row['executed_to_useful']:.3f} "
+                  f"regs={k.get('registers')} spills={k.get('spill_store_bytes')} occ={k.get('occupancy')} "
+                  f"features={k.get('features')}", flush=True)
     print(json.dumps(rows))
 
 

@@ -1,8 +1,10 @@
 """The Mosaic GPU (Hopper) paged-attention kernel body shared by the ragged and the decode wrappers.
 
-One CUDA block = one query tile of one KV head (and, for decode, one split of its keys); C consumer
-warpgroups (2 for ragged tiles, 1 for decode) and one producer, warp-specialised as in JAX's
-`ops/gpu/attention_mgpu.py` (FlashAttention-3):
+One CUDA block = one query tile of Hp KV heads (Hp = 1 for ragged tiles; decode packs the groups of
+Hp heads into the tile's rows) and, for decode, one split of its keys; C consumer warpgroups (2 for
+ragged tiles, 1 for decode) and one producer, warp-specialised as in JAX's `ops/gpu/attention_mgpu.py`
+(FlashAttention-3). The loops run over units = (key step, local KV head), Hp units per key step;
+below, "step" is a unit and the pages are those of the unit's KV head:
 
     wg C (producer)                          wg c < C (consumers, 64 query rows each)
     for step in my key steps:                 q rows -> SMEM (TMA), wait
@@ -181,8 +183,15 @@ def _attention_kernel(
     Hp = shape.heads_per_tile
     num_my_units = num_my_steps * Hp
 
+    # Registers (compiled, C = 2: 3 warpgroups of 128 threads share one SM's 65536): the producer
+    # only issues TMA, so it gives registers to the consumers (as JAX's attention_mgpu.py does):
+    # 2 x 128 x 232 + 128 x 40 = 64512. Without it ptxas caps every thread at 168 and spills.
+    rebalance = C == 2 and not shape.interpret
+
     @pl.when(wg_idx < C)
     def _consumer():
+        if rebalance:
+            plgpu.set_max_registers(232, action="increase")
         # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
@@ -259,6 +268,8 @@ def _attention_kernel(
 
     @pl.when(wg_idx == C)
     def _producer():
+        if rebalance:
+            plgpu.set_max_registers(40, action="decrease")
         layer_idx = layer_idx_ref[0]
         @pl.loop(0, num_my_units)
         def _fill(unit):
