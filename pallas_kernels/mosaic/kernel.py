@@ -36,6 +36,11 @@ NaN safety: keys past the tile's causal limit `num_keys` are masked before the m
 probabilities are zeroed, and the V rows of those keys are overwritten with zeros in SMEM before the
 P V wgmma (0 * NaN = NaN inside the matmul otherwise); stale pages never reach the output.
 
+Registers (ptxas for sm_90a, Qwen3-0.6B shapes): ragged, 3 warpgroups, the producer at 40 and the
+consumers at 232 (`setmaxnreg`), no spills, 1 block per SM; decode, 2 warpgroups, 225 registers, no
+spills, 1 block per SM. One block keeps its 2-slot ring of 64 K and 64 V rows in flight (64 KB at
+H = 128), over twice what an SM's share of the HBM bandwidth needs (DESIGN.md).
+
 Per-tile metadata (computed by the wrappers with a few jnp ops, read here as scalars from GMEM):
     tile_seq_idx[t]   block-table row of the tile's sequence
     tile_first_pos[t] position of the tile's first token
