@@ -67,20 +67,22 @@ def _decode_kernel(
     seq_lens_ref,  # [S] whole array, read as scalars
     bases_ref,  # [2] whole array: first page row of this layer's K pool and of its V pool
     block_tables_ref,  # [None, padded_pages_per_seq]: this sequence's row
-    q_ref,  # [None, None, R, H]: this sequence, the query heads of this tile's Hp KV heads
+    q_ref,  # [None, None, R', H]: this sequence, the query heads of this tile's Hp KV heads
     k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
     v_rows_ref,  # [num_rows, page_size, H]
     *refs,  # quantized: k, v scale rows [num_rows, page_size]; then, with splits, out
-    #         [None, None, None, R, H] f32 (unnormalised output of this split), m and l [None, None,
-    #         None, R] f32 (running max, sum); with one split, out [None, None, R, H] normalised
+    #         [None, None, None, R', H] f32 (unnormalised output of this split, its R' = real rows up to
+    #         a power of two), m and l [None, None, None, R'] f32 (running max, sum); with one split,
+    #         out [None, None, R', H] normalised
     quantized: bool, scale: float, soft_cap: float | None, sliding_window: int | None, num_pages: int,
     pages_per_seq: int, pages_per_compute_block: int, pages_per_split: int, group: int, heads_per_tile: int,
+    num_rows: int,
 ):
     k_scale_ref, v_scale_ref, outs = split_kv_refs(refs, quantized)
     tile_idx = pl.program_id(0)
     seq_idx = pl.program_id(1)
     split_idx = pl.program_id(2)
-    num_rows, head_dim = q_ref.shape
+    stored_rows, head_dim = q_ref.shape  # R': the tile's real rows up to a power of two (<= R)
     page_size = k_rows_ref.shape[1]
     block_k = pages_per_compute_block * page_size
 
@@ -90,7 +92,9 @@ def _decode_kernel(
     first_page_idx = split_idx * pages_per_split
     end_page_idx = jnp.minimum(first_page_idx + pages_per_split, num_pages_used)
     num_blocks = pl.cdiv(jnp.maximum(end_page_idx - first_page_idx, 0), pages_per_compute_block)
-    q = q_ref[...]  # [R, H]
+    # [R', H] -> [R, H] for the dot (R >= 16), in registers: row r holds q row r % R'; rows past
+    # the real ones are padding and masked below, so nothing padded is ever stored in HBM.
+    q = jnp.broadcast_to(q_ref[...][None], (num_rows // stored_rows, stored_rows, head_dim)).reshape(num_rows, head_dim)
     first_head = tile_idx * heads_per_tile
     # Row r holds query head r % G of local KV head r // G (decode_plan.py); rows past Hp * G are
     # padding, their head matches no step, so they stay empty (l = 0) and are dropped by the wrapper.
@@ -129,6 +133,8 @@ def _decode_kernel(
         first_block = jnp.maximum(oldest_page_idx - first_page_idx, 0) // pages_per_compute_block
     last_block = jnp.maximum(num_blocks, first_block)
     out, m, l = lax.fori_loop(first_block * heads_per_tile, last_block * heads_per_tile, body, carry)
+    if stored_rows < num_rows:  # store the real rows only: [R, H] -> [R', H]
+        out, m, l = (jnp.split(x, num_rows // stored_rows, axis=0)[0] for x in (out, m, l))
     if len(outs) == 1:  # one split: the final output, normalised; empty rows (l = 0) are zeros
         (out_ref,) = outs
         out = jnp.where(l[:, None] > 0, out / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
@@ -157,18 +163,19 @@ def _decode_pallas_call(
     num_splits: int,
     group: int,
     heads_per_tile: int,
+    tile_rows: int,
     out_dtype,
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ):
-    num_seqs, num_tiles, num_rows, head_dim = q.shape
+    num_seqs, num_tiles, num_rows, head_dim = q.shape  # num_rows: R' (stored), the kernel pads to R
     pages_per_split = block_tables.shape[1] // num_splits
     kv_args = kv_operands(k_rows, v_rows)
     kernel = functools.partial(
         _decode_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         num_pages=num_pages, pages_per_seq=pages_per_seq, pages_per_compute_block=pages_per_compute_block,
-        pages_per_split=pages_per_split, group=group, heads_per_tile=heads_per_tile,
+        pages_per_split=pages_per_split, group=group, heads_per_tile=heads_per_tile, num_rows=tile_rows,
     )
 
     def whole(x):
@@ -210,14 +217,14 @@ def _decode_pallas_call(
 def _combine_splits(out, m, l):
     """Second flash-decoding step: rescale each split to the global max and normalise.
 
-    out: [S, T, C, R, H], m/l: [S, T, C, R] (T = KV-head tiles). Splits that saw no key have l = 0
+    out: [S, T, C, R', H], m/l: [S, T, C, R'] (T = KV-head tiles). Splits that saw no key have l = 0
     and m = MASK_VALUE, so their weight exp(m - m_max) is 0 (or they are all empty and the row comes
     out as zeros).
     """
-    m_max = m.max(axis=2, keepdims=True)  # [S, T, 1, R]
-    weight = jnp.exp(m - m_max)  # [S, T, C, R]
-    l_total = (weight * l).sum(axis=2)  # [S, T, R]
-    out_total = (weight[..., None] * out).sum(axis=2)  # [S, T, R, H]
+    m_max = m.max(axis=2, keepdims=True)  # [S, T, 1, R']
+    weight = jnp.exp(m - m_max)  # [S, T, C, R']
+    l_total = (weight * l).sum(axis=2)  # [S, T, R']
+    out_total = (weight[..., None] * out).sum(axis=2)  # [S, T, R', H]
     safe_l = jnp.where(l_total > 0, l_total, 1.0)
     return jnp.where(l_total[..., None] > 0, out_total / safe_l[..., None], 0.0)
 
@@ -350,12 +357,13 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
         raise ValueError(f"{num_splits=} must be >= 1 (or None to choose)")
 
     # GQA: the query heads of Hp consecutive KV heads are the rows of one tile (decode_plan.py):
-    # [S, N, H] -> [S, K / Hp, Hp * G, H] (a free reshape: query head n = k * G + g) -> padded to
-    # [S, K / Hp, R, H], R = Hp * G up to a power of two >= 16 (Triton's smallest dot).
+    # [S, N, H] -> [S, K / Hp, Hp * G, H] (free: query head n = k * G + g) -> [S, K / Hp, R', H],
+    # R' = Hp * G up to a power of two; the kernel widens it to R >= 16 rows in registers.
     group = num_heads // num_kv_heads
-    tile_heads = heads_per_tile(num_kv_heads, group, max(MIN_ROWS, next_power_of_2(group)))
+    tile_heads = heads_per_tile(num_kv_heads, group, MIN_ROWS, num_seqs)
     num_tiles, real_rows = num_kv_heads // tile_heads, tile_heads * group
     num_rows = max(MIN_ROWS, next_power_of_2(real_rows))
+    stored_rows = next_power_of_2(real_rows)  # R': q rows read, output / partial rows stored
 
     pages_per_seq = block_tables.shape[1]
     if num_splits is None:
@@ -363,7 +371,7 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
         scale_bytes = 4 if isinstance(k_rows, QuantizedRows) else 0
         num_splits = num_splits_for(
             num_tiles=num_seqs * num_tiles, pages_per_seq=pages_per_seq, pages_per_block=pages_per_compute_block,
-            partial_bytes_per_split=2 * real_rows * (head_dim + 2) * 4,  # out, max, sum: written, read back
+            partial_bytes_per_split=2 * stored_rows * (head_dim + 2) * 4,  # out, max, sum: written, read back
             kv_bytes_per_page=tile_heads * page_size * 2 * (head_dim * value_bytes + scale_bytes),
         )
     # Pad the table so splits hold whole compute blocks: [S, pages_per_seq] -> [S, C * pages_per_split].
@@ -375,19 +383,19 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
     )
     # The matmuls run in the pages' dtype (q is cast if it differs); the output keeps q's dtype.
     q_tiles = q.astype(compute_dtype(q, k_rows)).reshape(num_seqs, num_tiles, real_rows, head_dim)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, num_rows - real_rows), (0, 0)))
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, stored_rows - real_rows), (0, 0)))  # [S, K/Hp, R', H]
 
     outs = by_target(
         lambda interpret_mode: _decode_pallas_call(
             q_tiles, k_rows, v_rows, bases, block_tables, seq_lens.astype(jnp.int32), scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, num_pages=num_pages, pages_per_seq=pages_per_seq,
             pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, group=group,
-            heads_per_tile=tile_heads, out_dtype=q.dtype, num_warps=num_warps, num_stages=num_stages,
+            heads_per_tile=tile_heads, tile_rows=num_rows, out_dtype=q.dtype, num_warps=num_warps, num_stages=num_stages,
             interpret=interpret_mode,
         ),
         interpret,
     )
-    out = outs[0] if num_splits == 1 else _combine_splits(*outs)  # [S, K / Hp, R, H]
+    out = outs[0] if num_splits == 1 else _combine_splits(*outs)  # [S, K / Hp, R', H]
     return out[:, :, :real_rows].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 

@@ -19,9 +19,14 @@ updates only that head's rows (the others are masked, so their running max and s
 The work per step equals the unpacked kernel's; there are `heads_per_tile` times fewer programs,
 each doing that many times more steps, and every row of the tile (and of its partials) is real.
 
+Packing trades programs for dense rows, so the engine packs only while the batch still fills the
+machine: batch 256 x 8 KV heads -> 8 heads per tile (256 programs); batch 64 -> 2 (256 programs);
+batch 16 or less -> 1 (one KV head per program, and splits).
+
 Splits. Programs = num_seqs x num_kv_heads / heads_per_tile x num_splits. When num_seqs x KV-head
 tiles already fill the machine (>= NUM_SMS), one split: no float32 partials at all, the kernel
-writes the normalised output. Otherwise enough splits for about 2 programs per SM, but never so
+writes the normalised output. With splits, a program stores only the real rows of its tile
+(Hp x G, up to a power of two) as partials, not the padded tile. Otherwise enough splits for about 2 programs per SM, but never so
 many that a full split's float32 partials (out, max, sum; written by the kernel and read back by the
 combine) pass PARTIALS_BUDGET of the K/V bytes that split reads. The budget is against the block
 table's width (`pages_per_seq`), known when the program is traced; sequences shorter than the table
@@ -32,10 +37,15 @@ NUM_SMS = 132  # H100 SXM; the plan is made at trace time, possibly on a machine
 PARTIALS_BUDGET = 0.04  # partial bytes (written + read) per K/V byte of a full split; the target is 5%
 
 
-def heads_per_tile(num_kv_heads: int, group: int, rows: int) -> int:
-    """The largest divisor of `num_kv_heads` whose groups fit `rows` rows (at least 1)."""
-    fits = max(1, rows // group)
-    return max(d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and d <= fits)
+def heads_per_tile(num_kv_heads: int, group: int, rows: int, num_seqs: int | None = None) -> int:
+    """KV heads per tile: the largest divisor of `num_kv_heads` whose groups fit `rows` rows and,
+    given `num_seqs`, that still leaves num_seqs x tiles >= NUM_SMS programs (no split needed). A
+    batch that cannot fill the GPU even with one KV head per program gets 1: its splits then
+    multiply the programs, and each split's partials hold only its G real rows."""
+    fits = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and d * group <= max(rows, group)]
+    if num_seqs is not None:
+        fits = [d for d in fits if num_seqs * (num_kv_heads // d) >= NUM_SMS] or [1]
+    return max(fits)
 
 
 def num_splits_for(
