@@ -81,6 +81,11 @@ class KernelShape:
     num_consumers: int  # C: consumer warpgroups, 64 rows of the tile each (tile = C * 64 rows)
     heads_per_tile: int  # Hp: KV heads whose query heads share a tile (decode packing; 1 for ragged)
     group: int  # G: query heads per KV head; with Hp > 1, row r belongs to local KV head r // G
+    real_rows: int  # decode: Hp * G rows hold queries, the rest are masked; ragged: TILE_ROWS
+
+    @property
+    def store_rows(self) -> int:  # rows of a block read from q and stored: the real ones, to 8-row tiles
+        return -(-self.real_rows // 8) * 8
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
@@ -149,10 +154,10 @@ def _attention_kernel(
     tile_first_pos_ref,  # GMEM int32 [Q]
     tile_num_keys_ref,  # GMEM int32 [Q]
     block_tables_ref,  # GMEM int32 [S, padded_pages]
-    q_ref,  # GMEM [K * Q * C, 64, H]: query tiles, 64 rows per consumer
+    q_ref,  # GMEM [K * Q * C, store_rows, H]: query tiles, 64 rows per consumer (decode: the real ones)
     kv_ref,  # GMEM [L * 2 * K * num_pages, page_size, H]: the whole KV buffer, one row per page
-    out_ref,  # GMEM [K * Q * splits * C, 64, H]
-    lse_ref,  # GMEM f32 [K * Q * splits * C, 64] (splits > 1) or None
+    out_ref,  # GMEM [K * Q * splits * C, store_rows, H] (store_rows = 64 for ragged tiles)
+    lse_ref,  # GMEM f32 [K * Q * splits * C, store_rows] (splits > 1) or None
     q_smem,  # SMEM [C, 64, H]: each consumer's query rows
     k_smem,  # SMEM [D, 64, H]
     v_smem,  # SMEM [D, 64, H]
@@ -201,7 +206,9 @@ def _attention_kernel(
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
         q_tile = (head_tile * shape.num_q_tiles + tile_idx) * C + wg_idx
-        plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem_wg, q_barrier.at[wg_idx])
+        R = shape.store_rows  # rows R.. of q_smem are never loaded: they belong to no head (masked)
+        q_rows = q_smem_wg if R == TILE_ROWS else q_smem_wg.at[pl.ds(0, R)]
+        plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_rows, q_barrier.at[wg_idx])
         plgpu.barrier_wait(q_barrier.at[wg_idx])
         # Position of each row's token, for the causal mask: [64, 64] in the wgmma layout.
         row = wg_idx * TILE_ROWS + _iota((TILE_ROWS, STEP_KEYS), 0, shape)  # row of the C * 64-row tile
@@ -224,7 +231,7 @@ def _attention_kernel(
                 logits = shape.soft_cap * jnp.tanh(logits / shape.soft_cap)
             key_pos = key_start + col
             visible = (key_pos <= row_pos) & (key_pos < num_keys)
-            if Hp > 1:  # other heads' rows see nothing this unit: their max and sum do not move
+            if Hp > 1 or shape.real_rows < TILE_ROWS:  # other heads' rows (and padding) see nothing
                 visible &= row_head == unit - local_step * Hp
             logits = jnp.where(visible, logits, MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=1))  # [64]
@@ -266,9 +273,9 @@ def _attention_kernel(
         if lse_smem is not None:
             lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem_wg, out_ref.at[block])
+        plgpu.copy_smem_to_gmem(o_smem_wg if R == TILE_ROWS else o_smem_wg.at[pl.ds(0, R)], out_ref.at[block])
         if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg_idx], lse_ref.at[block])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg_idx, pl.ds(0, R)], lse_ref.at[block])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == C)
@@ -335,9 +342,9 @@ def attention_tiles(
     num_blocks = shape.num_head_tiles * shape.num_q_tiles * shape.num_splits * C
     with_lse = shape.num_splits > 1
     swizzled = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-    out_types = [jax.ShapeDtypeStruct((num_blocks, TILE_ROWS, shape.head_dim), out_dtype)]
+    out_types = [jax.ShapeDtypeStruct((num_blocks, shape.store_rows, shape.head_dim), out_dtype)]
     if with_lse:
-        out_types.append(jax.ShapeDtypeStruct((num_blocks, TILE_ROWS), jnp.float32))
+        out_types.append(jax.ShapeDtypeStruct((num_blocks, shape.store_rows), jnp.float32))
 
     def entry(*refs):
         inputs, outputs = refs[:7], refs[7:]
