@@ -16,7 +16,7 @@ and sum, and a small jnp step combines the splits.
 
 Sequences of length 0 (batch padding) visit no page and come out as zeros.
 
-Compiled for an H100 (Qwen3-0.6B shapes, the defaults: 4 warps, 4-page blocks, 2 stages): 156
+Compiled for an H100 (Qwen3-0.6B shapes, the defaults: 4 warps, 4-page blocks, 2 stages): 147-157
 registers, no spills, 3 blocks per SM (18.75% occupancy, register-bound), ~165 KB of K/V in flight
 per SM against the ~25 KB the HBM bandwidth needs (DESIGN.md, "Decode tiles, splits and registers").
 

@@ -37,7 +37,7 @@ probabilities are zeroed, and the V rows of those keys are overwritten with zero
 P V wgmma (0 * NaN = NaN inside the matmul otherwise); stale pages never reach the output.
 
 Registers (ptxas for sm_90a, Qwen3-0.6B shapes): ragged, 3 warpgroups, the producer at 40 and the
-consumers at 232 (`setmaxnreg`), no spills, 1 block per SM; decode, 2 warpgroups, 225 registers, no
+consumers at 232 (`setmaxnreg`), no spills, 1 block per SM; decode, 2 warpgroups, 225-241 registers, no
 spills, 1 block per SM. One block keeps its 2-slot ring of 64 K and 64 V rows in flight (64 KB at
 H = 128), over twice what an SM's share of the HBM bandwidth needs (DESIGN.md).
 
