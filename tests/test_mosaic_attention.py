@@ -226,6 +226,21 @@ def test_decode_matches_reference_with_splits():
     check_decode(page_size=16, head_dim=128, group=4, seq_lens=[17, 0, 150], num_splits=3, num_kv_heads=1)
 
 
+@pytest.mark.parametrize("num_splits", [None, pytest.param(2, marks=pytest.mark.slow)])
+def test_decode_packs_the_groups_of_several_kv_heads_per_tile(num_splits, monkeypatch):
+    # GQA 2 with 4 KV heads: the 4 groups share one 64-row tile (8 real rows, the only rows loaded
+    # and stored), the block loops over (key step, KV head) units. Planned as on a 1-SM GPU, so
+    # these 4 sequences already "fill" it and the planner packs; None then picks one split, 2 takes
+    # the float32 partials path.
+    from pallas_kernels import decode_plan
+
+    jax.clear_caches()
+    monkeypatch.setattr(decode_plan, "NUM_SMS", 1)
+    assert decode_plan.heads_per_tile(4, 2, 64, num_seqs=4) == 4
+    check_decode(page_size=16, head_dim=64, group=2, num_kv_heads=4, seq_lens=[1, 17, 0, 70],
+                 num_splits=num_splits, seed=5)
+
+
 def test_rejects_float32_pages_with_a_message():
     q = jnp.zeros((4, 2, 64), jnp.float32)
     kv = jnp.zeros((1, 2, 1, 4, 16, 64), jnp.float32)

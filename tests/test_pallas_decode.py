@@ -41,8 +41,9 @@ def check_decode(
     num_splits=3,
     pages_per_compute_block=2,
     seed=0,
+    seq_lens=None,
 ):
-    seq_lens = decode_lengths(page_size)
+    seq_lens = decode_lengths(page_size) if seq_lens is None else seq_lens
     q_lens = [1 if n else 0 for n in seq_lens]
     case = make_case(
         np.random.default_rng(seed),
@@ -119,6 +120,82 @@ def test_decode_split_and_block_sizes_agree(num_splits, pages_per_compute_block)
         num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block,
     )
+
+
+@pytest.fixture
+def one_sm_gpu(monkeypatch):
+    """Plan as if the GPU had 1 SM, so that a test's handful of sequences already "fills" it and
+    the planner packs KV heads (decode_plan.heads_per_tile); jit caches are cleared around it."""
+    from pallas_kernels import decode_plan
+
+    jax.clear_caches()
+    monkeypatch.setattr(decode_plan, "NUM_SMS", 1)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("num_kv_heads,group,num_splits", [(8, 2, 1), (8, 2, 3), (4, 1, None), (2, 8, None)])
+def test_decode_packs_the_groups_of_several_kv_heads_per_tile(one_sm_gpu, num_kv_heads, group, num_splits):
+    # Qwen3's GQA 2 with 8 KV heads: all 8 groups share one 16-row tile (every row real), one KV
+    # head's block per loop step; GQA 1 packs 4 heads into 4 of 16 rows; GQA 8 packs 2 heads. One
+    # split (the kernel normalises and writes q's dtype) and three (float32 partials, combined).
+    from pallas_kernels.decode_plan import heads_per_tile
+
+    assert heads_per_tile(num_kv_heads, group, 16, num_seqs=6) == min(num_kv_heads, 16 // group)
+    check_decode(page_size=16, head_dim=128, group=group, dtype=jnp.bfloat16, num_kv_heads=num_kv_heads,
+                 num_splits=num_splits, seed=num_kv_heads + group)
+
+
+def test_decode_chooses_splits_that_fill_the_gpu_within_the_partials_budget():
+    from pallas_kernels.decode_plan import NUM_SMS, PARTIALS_BUDGET, num_splits_for
+
+    # Qwen3-0.6B, bf16, 16 rows x (128 + 2) floats per split, 8 KV heads x 16 tokens x K and V per page.
+    qwen3 = dict(pages_per_block=4, partial_bytes_per_split=2 * 16 * 130 * 4, kv_bytes_per_page=8 * 16 * 2 * 256)
+    assert num_splits_for(num_tiles=NUM_SMS, pages_per_seq=64, **qwen3) == 1  # the batch fills the GPU
+    assert num_splits_for(num_tiles=256, pages_per_seq=256, **qwen3) == 1
+    for num_tiles, pages_per_seq in [(1, 64), (1, 256), (16, 16), (16, 64), (64, 64), (100, 1024)]:
+        splits = num_splits_for(num_tiles=num_tiles, pages_per_seq=pages_per_seq, **qwen3)
+        assert 1 <= splits <= -(-2 * NUM_SMS // num_tiles)  # no more programs than ~2 per SM
+        pages_per_split = pages_per_seq // splits  # a full split's partials stay inside the budget
+        assert splits == 1 or qwen3["partial_bytes_per_split"] <= PARTIALS_BUDGET * pages_per_split * qwen3[
+            "kv_bytes_per_page"]
+    assert num_splits_for(num_tiles=1, pages_per_seq=256, **qwen3) == 32  # batch 1, 4096 tokens: 8 pages each
+    assert num_splits_for(num_tiles=16, pages_per_seq=16, **qwen3) == 2  # short contexts: few splits
+
+
+def _pallas_call_outputs(num_seqs, num_kv_heads, group, pages_per_seq, **kw):
+    q = jnp.zeros((num_seqs, num_kv_heads * group, 128), jnp.bfloat16)
+    pages = jnp.zeros((num_kv_heads, num_seqs * pages_per_seq + 1, 16, 128), jnp.bfloat16)
+    tables = jnp.zeros((num_seqs, pages_per_seq), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda *a: decode_attention(*a, scale=0.1, interpret=True, **kw))(
+        q, pages, pages, tables, jnp.zeros((num_seqs,), jnp.int32))
+
+    def pallas_calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            for value in eqn.params.values():  # sub-jaxprs: jit, cond branches
+                for item in value if isinstance(value, (tuple, list)) else [value]:
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        yield from pallas_calls(inner)
+
+    (call,) = pallas_calls(jaxpr.jaxpr)
+    return [v.aval for v in call.outvars]
+
+
+def test_decode_writes_no_partials_when_the_batch_fills_the_gpu():
+    # 256 sequences x 1 tile of 8 KV heads >= 132 SMs: one split, the output in bf16, [S, tiles, rows, H].
+    (out,) = _pallas_call_outputs(256, 8, 2, 64)
+    assert out.shape == (256, 1, 16, 128) and out.dtype == jnp.bfloat16
+    # 64 sequences: 2 heads per tile still give 256 programs; the kernel stores their 4 real rows only.
+    (out,) = _pallas_call_outputs(64, 8, 2, 64)
+    assert out.shape == (64, 4, 4, 128) and out.dtype == jnp.bfloat16
+    # 4 sequences: one KV head per program and splits; each split stores float32 partials of its 2
+    # real rows only (not the 16-row tile).
+    out, m, l = _pallas_call_outputs(4, 8, 2, 64)
+    assert out.dtype == jnp.float32 and out.shape[:2] == (4, 8) and out.shape[2] > 1 and out.shape[3:] == (2, 128)
+    assert m.shape == l.shape == out.shape[:4]
 
 
 def test_decode_soft_cap():
@@ -214,15 +291,17 @@ def test_decode_full_grid(page_size, head_dim, group, dtype):
 
 
 
-@pytest.mark.parametrize("group,dtype", [(3, jnp.float32), (8, jnp.bfloat16)])
-def test_decode_lowers_to_triton_for_cuda(group, dtype):
+@pytest.mark.parametrize("group,dtype,num_splits", [(3, jnp.float32, 2), (8, jnp.bfloat16, None), (2, jnp.bfloat16, 3)])
+def test_decode_lowers_to_triton_for_cuda(group, dtype, num_splits):
     """No GPU here, but the CUDA lowering (Pallas -> Triton IR) runs on CPU: it rejects shapes and
     ops the Triton backend cannot compile (non-power-of-two arrays, unsupported primitives)."""
     q = jnp.zeros((3, 2 * group, 64), dtype)
     pages = jnp.zeros((2, 11, 16, 64), dtype)
     block_tables = jnp.zeros((3, 5), jnp.int32)
     seq_lens = jnp.zeros((3,), jnp.int32)
-    lowered = jax.jit(lambda *a: decode_attention(*a, scale=0.125, soft_cap=30.0, interpret=False)).trace(
+    # num_splits 2 / 3: the partials store only the real rows (a split of the 16-row tile).
+    lowered = jax.jit(lambda *a: decode_attention(*a, scale=0.125, soft_cap=30.0, num_splits=num_splits,
+                                                  interpret=False)).trace(
         q, pages, pages, block_tables, seq_lens
     ).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -13,10 +13,13 @@ pallas_kernels/ragged.py), so `num_tokens // B + num_seqs` tiles fit any batch; 
     token:    0 1 2 3 | 4 5 6 7 | 8 | 9 10
     tile id:  0       | 1       | 3 | 4          tile 2 is empty (num_keys 0) and writes zeros
 
-Decode tiles. One tile per sequence (row g = query head g of the group; rows >= Gp are padding that
-the wgmma computes and the wrapper drops: decode is bound by reading K/V, not by the tensor cores),
-and `num_splits` blocks per tile, each over a contiguous share of the sequence's key steps; the
-wrapper merges the splits with their log-sum-exp.
+Decode tiles. One tile per (sequence, Hp KV heads): row r = query head r % G of local KV head
+r // G (pallas_kernels/decode_plan.py; Qwen3's G = 2 with 8 KV heads fills 16 of the 64 rows; rows
+past Hp * G are padding that the wgmma computes and the wrapper drops: decode is bound by reading
+K/V, not by the tensor cores). The block loops over (key step, local KV head) units, each one KV
+head's 64 keys for that head's rows. `num_splits` blocks per tile (1 when the batch fills the GPU),
+each over a contiguous share of the sequence's key steps; the wrapper merges splits with their
+log-sum-exp.
 """
 
 import functools
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import next_power_of_2
+from pallas_kernels.decode_plan import heads_per_tile, num_splits_for
 from pallas_kernels.mosaic.kernel import STEP_KEYS, TILE_ROWS, KernelShape, attention_tiles
 
 # Consumer warpgroups per ragged tile when compiled: 128 query rows share each K/V step. GPU interpret
@@ -76,7 +80,8 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
 
 
 def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, *,
-         group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret):
+         group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret,
+         heads_per_tile=1, group=1, real_rows=TILE_ROWS):
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
     pages_per_step = STEP_KEYS // page_size
     num_seqs, pages_per_seq = block_tables.shape
@@ -93,6 +98,9 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         num_splits=num_splits,
         num_slots=num_slots,
         num_consumers=num_consumers,
+        heads_per_tile=heads_per_tile,
+        group=group,
+        real_rows=real_rows,
         scale=scale,
         soft_cap=soft_cap,
         interpret=interpret,
@@ -210,7 +218,7 @@ def decode_attention(
     layer_idx,
     scale: float,
     soft_cap: float | None = None,
-    num_splits: int = 4,
+    num_splits: int | None = None,
     num_slots: int = 2,
     interpret: bool | None = None,
 ) -> Float[Array, "num_seqs num_heads head_dim"]:
@@ -218,39 +226,53 @@ def decode_attention(
 
     Equals `ragged_paged_attention(q, ..., seq_lens, arange(num_seqs + 1))` for real rows and gives
     zeros for padding rows (seq_len 0). Arguments as in `ragged_paged_attention`; q has one row per
-    block-table row.
+    block-table row. The query heads of Hp KV heads share each 64-row tile (decode_plan.py).
+    num_splits: None = chosen from the batch against the GPU's SMs (`decode_plan.num_splits_for`):
+    1 when the batch fills it (the kernel then writes bf16 rows, no float32 partials, no combine).
     """
     _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2]
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"decode needs one query per sequence: q has {num_seqs} rows, block_tables {block_tables.shape[0]}")
-    if num_splits < 1:
-        raise ValueError(f"{num_splits=} must be >= 1")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{num_splits=} must be >= 1 (or None to choose)")
     interpret = _resolve_interpret(interpret)
     group = num_heads // num_kv_heads
     seq_lens = seq_lens.astype(jnp.int32)
-
-    # [S, N, H] -> [S, K, G, H] -> [K, S, R, H]: rows past the group are zero padding.
-    q_tiles = q.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, TILE_ROWS - group), (0, 0)))
-    q_tiles = q_tiles.reshape(num_kv_heads * num_seqs, TILE_ROWS, head_dim)
+    # The groups of Hp KV heads share one 64-row tile (pallas_kernels/decode_plan.py):
+    # [S, N, H] -> [S, K / Hp, Hp * G, H] (free: query head n = k * G + g) -> [K / Hp, S, R8, H],
+    # R8 = Hp * G up to 8-row tiles: the kernel loads and stores only these rows of its 64.
+    tile_heads = heads_per_tile(num_kv_heads, group, TILE_ROWS, num_seqs)
+    num_tiles, real_rows = num_kv_heads // tile_heads, tile_heads * group
+    store_rows = -(-real_rows // 8) * 8  # q rows read and output rows stored (KernelShape.store_rows)
+    if num_splits is None:
+        pages_per_step = STEP_KEYS // kv_pages.shape[4]
+        num_splits = num_splits_for(
+            num_tiles=num_seqs * num_tiles, pages_per_seq=block_tables.shape[1], pages_per_block=pages_per_step,
+            # float32 partials (and one lse) per stored row, written and read back
+            partial_bytes_per_split=2 * store_rows * (head_dim + 1) * 4,
+            kv_bytes_per_page=tile_heads * kv_pages.shape[4] * 2 * head_dim * kv_pages.dtype.itemsize,
+        )
+    q_tiles = q.reshape(num_seqs, num_tiles, real_rows, head_dim).transpose(1, 0, 2, 3)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, store_rows - real_rows), (0, 0)))
+    q_tiles = q_tiles.reshape(num_tiles * num_seqs, store_rows, head_dim)
     # group_rows = R: every row of a decode tile is the sequence's last position.
     out, lse = _run(
         q_tiles, kv_pages, block_tables, layer_idx, jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - 1,
         seq_lens, group_rows=TILE_ROWS, num_consumers=1, num_splits=num_splits, num_slots=num_slots, scale=scale,
         soft_cap=soft_cap, out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype,
-        interpret=interpret,
-    )  # out [K * S * X, R, H], lse [K * S * X, R]
-    out = out.reshape(num_kv_heads, num_seqs, num_splits, TILE_ROWS, head_dim)[:, :, :, :group]
+        interpret=interpret, heads_per_tile=tile_heads, group=group, real_rows=real_rows,
+    )  # out [K/Hp * S * X, R8, H], lse [K/Hp * S * X, R8]
+    out = out.reshape(num_tiles, num_seqs, num_splits, store_rows, head_dim)[:, :, :, :real_rows]
     if num_splits > 1:
         # Merge the splits: weights exp(lse_x - max lse); an empty split has lse = MASK_VALUE, weight 0.
-        lse = lse.reshape(num_kv_heads, num_seqs, num_splits, TILE_ROWS)[:, :, :, :group]
-        weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))  # [K, S, X, G]
-        out = (out * weights[..., None]).sum(axis=2) / weights.sum(axis=2)[..., None]  # [K, S, G, H]
+        lse = lse.reshape(num_tiles, num_seqs, num_splits, store_rows)[:, :, :, :real_rows]
+        weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))  # [K/Hp, S, X, Hp*G]
+        out = (out * weights[..., None]).sum(axis=2) / weights.sum(axis=2)[..., None]  # [K/Hp, S, Hp*G, H]
     else:
         out = out[:, :, 0]
-    out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)  # [S, K, G, H] -> [S, N, H]
+    out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)  # [S, K/Hp, Hp*G, H] -> [S, N, H]
     return jnp.where((seq_lens > 0)[:, None, None], out, 0.0).astype(q.dtype)
 
 

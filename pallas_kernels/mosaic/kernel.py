@@ -1,8 +1,10 @@
 """The Mosaic GPU (Hopper) paged-attention kernel body shared by the ragged and the decode wrappers.
 
-One CUDA block = one query tile of one KV head (and, for decode, one split of its keys); C consumer
-warpgroups (2 for ragged tiles, 1 for decode) and one producer, warp-specialised as in JAX's
-`ops/gpu/attention_mgpu.py` (FlashAttention-3):
+One CUDA block = one query tile of Hp KV heads (Hp = 1 for ragged tiles; decode packs the groups of
+Hp heads into the tile's rows) and, for decode, one split of its keys; C consumer warpgroups (2 for
+ragged tiles, 1 for decode) and one producer, warp-specialised as in JAX's `ops/gpu/attention_mgpu.py`
+(FlashAttention-3). The loops run over units = (key step, local KV head), Hp units per key step;
+below, "step" is a unit and the pages are those of the unit's KV head:
 
     wg C (producer)                          wg c < C (consumers, 64 query rows each)
     for step in my key steps:                 q rows -> SMEM (TMA), wait
@@ -33,6 +35,11 @@ Rows of a tile (GQA packing, Gp = query heads per KV head padded to a power of t
 NaN safety: keys past the tile's causal limit `num_keys` are masked before the max, their
 probabilities are zeroed, and the V rows of those keys are overwritten with zeros in SMEM before the
 P V wgmma (0 * NaN = NaN inside the matmul otherwise); stale pages never reach the output.
+
+Registers (ptxas for sm_90a, Qwen3-0.6B shapes): ragged, 3 warpgroups, the producer at 40 and the
+consumers at 232 (`setmaxnreg`), no spills, 1 block per SM; decode, 2 warpgroups, 225-241 registers, no
+spills, 1 block per SM. One block keeps its 2-slot ring of 64 K and 64 V rows in flight (64 KB at
+H = 128), over twice what an SM's share of the HBM bandwidth needs (DESIGN.md).
 
 Per-tile metadata (computed by the wrappers with a few jnp ops, read here as scalars from GMEM):
     tile_seq_idx[t]   block-table row of the tile's sequence
@@ -72,6 +79,13 @@ class KernelShape:
     num_splits: int  # key splits per tile (decode); 1 = each block sees all its keys
     num_slots: int  # D: pipeline depth in key steps
     num_consumers: int  # C: consumer warpgroups, 64 rows of the tile each (tile = C * 64 rows)
+    heads_per_tile: int  # Hp: KV heads whose query heads share a tile (decode packing; 1 for ragged)
+    group: int  # G: query heads per KV head; with Hp > 1, row r belongs to local KV head r // G
+    real_rows: int  # decode: Hp * G rows hold queries, the rest are masked; ragged: TILE_ROWS
+
+    @property
+    def store_rows(self) -> int:  # rows of a block read from q and stored: the real ones, to 8-row tiles
+        return -(-self.real_rows // 8) * 8
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
@@ -79,6 +93,10 @@ class KernelShape:
     @property
     def pages_per_step(self) -> int:
         return STEP_KEYS // self.page_size
+
+    @property
+    def num_head_tiles(self) -> int:  # the grid's "kv_head" axis: tiles of Hp KV heads
+        return self.num_kv_heads // self.heads_per_tile
 
 
 def _wgmma_layout(x, shape: KernelShape, *, reduced: bool = False):
@@ -136,10 +154,10 @@ def _attention_kernel(
     tile_first_pos_ref,  # GMEM int32 [Q]
     tile_num_keys_ref,  # GMEM int32 [Q]
     block_tables_ref,  # GMEM int32 [S, padded_pages]
-    q_ref,  # GMEM [K * Q * C, 64, H]: query tiles, 64 rows per consumer
+    q_ref,  # GMEM [K * Q * C, store_rows, H]: query tiles, 64 rows per consumer (decode: the real ones)
     kv_ref,  # GMEM [L * 2 * K * num_pages, page_size, H]: the whole KV buffer, one row per page
-    out_ref,  # GMEM [K * Q * splits * C, 64, H]
-    lse_ref,  # GMEM f32 [K * Q * splits * C, 64] (splits > 1) or None
+    out_ref,  # GMEM [K * Q * splits * C, store_rows, H] (store_rows = 64 for ragged tiles)
+    lse_ref,  # GMEM f32 [K * Q * splits * C, store_rows] (splits > 1) or None
     q_smem,  # SMEM [C, 64, H]: each consumer's query rows
     k_smem,  # SMEM [D, 64, H]
     v_smem,  # SMEM [D, 64, H]
@@ -154,7 +172,7 @@ def _attention_kernel(
     *,
     shape: KernelShape,
 ):
-    kv_head = lax.axis_index("kv_head")
+    head_tile = lax.axis_index("kv_head")  # this block's Hp KV heads: head_tile * Hp ...
     tile_idx = lax.axis_index("q_tile")
     split_idx = lax.axis_index("split")
     wg_idx = lax.axis_index("wg")
@@ -170,23 +188,39 @@ def _attention_kernel(
     step_begin = jnp.minimum(split_idx * steps_per_split, num_steps)
     step_end = jnp.minimum(step_begin + steps_per_split, num_steps)
     num_my_steps = step_end - step_begin
+    # A unit is (key step, local KV head): Hp units per key step, each ONE KV head's 64 keys, which
+    # update only that head's rows (decode packing: pallas_kernels/decode_plan.py). Hp = 1: units = steps.
+    Hp = shape.heads_per_tile
+    num_my_units = num_my_steps * Hp
+
+    # Registers (compiled, C = 2: 3 warpgroups of 128 threads share one SM's 65536): the producer
+    # only issues TMA, so it gives registers to the consumers (as JAX's attention_mgpu.py does):
+    # 2 x 128 x 232 + 128 x 40 = 64512. Without it ptxas caps every thread at 168 and spills.
+    rebalance = C == 2 and not shape.interpret
 
     @pl.when(wg_idx < C)
     def _consumer():
+        if rebalance:
+            plgpu.set_max_registers(232, action="increase")
         # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
-        q_tile = (kv_head * shape.num_q_tiles + tile_idx) * C + wg_idx
-        plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem_wg, q_barrier.at[wg_idx])
+        q_tile = (head_tile * shape.num_q_tiles + tile_idx) * C + wg_idx
+        R = shape.store_rows  # rows R.. of q_smem are never loaded: they belong to no head (masked)
+        q_rows = q_smem_wg if R == TILE_ROWS else q_smem_wg.at[pl.ds(0, R)]
+        plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_rows, q_barrier.at[wg_idx])
         plgpu.barrier_wait(q_barrier.at[wg_idx])
         # Position of each row's token, for the causal mask: [64, 64] in the wgmma layout.
         row = wg_idx * TILE_ROWS + _iota((TILE_ROWS, STEP_KEYS), 0, shape)  # row of the C * 64-row tile
         col = _iota((TILE_ROWS, STEP_KEYS), 1, shape)
         row_pos = first_pos + lax.div(row, jnp.int32(shape.group_rows))
 
-        def step(local_step, carry):
+        row_head = lax.div(row, jnp.int32(shape.group))  # the local KV head of each row (Hp > 1)
+
+        def step(unit, carry):
             acc, m_prev, l_prev = carry
-            slot = lax.rem(local_step, D)
+            slot = lax.rem(unit, D)
+            local_step = lax.div(unit, jnp.int32(Hp))
             key_start = (step_begin + local_step) * STEP_KEYS
 
             plgpu.barrier_wait(k_ready.at[slot])
@@ -197,6 +231,8 @@ def _attention_kernel(
                 logits = shape.soft_cap * jnp.tanh(logits / shape.soft_cap)
             key_pos = key_start + col
             visible = (key_pos <= row_pos) & (key_pos < num_keys)
+            if Hp > 1 or shape.real_rows < TILE_ROWS:  # other heads' rows (and padding) see nothing
+                visible &= row_head == unit - local_step * Hp
             logits = jnp.where(visible, logits, MASK_VALUE)
             m_next = jnp.maximum(m_prev, logits.max(axis=1))  # [64]
             probs = jnp.where(visible, jnp.exp(logits - lax.broadcast_in_dim(m_next, logits.shape, [0])), 0.0)
@@ -227,33 +263,36 @@ def _attention_kernel(
         acc = _wgmma_layout(jnp.zeros((TILE_ROWS, shape.head_dim), jnp.float32), shape)
         m = _wgmma_layout(jnp.full((TILE_ROWS,), MASK_VALUE, jnp.float32), shape, reduced=True)
         l = _wgmma_layout(jnp.zeros((TILE_ROWS,), jnp.float32), shape, reduced=True)
-        acc, m, l = lax.fori_loop(0, num_my_steps, step, (acc, m, l))
+        acc, m, l = lax.fori_loop(0, num_my_units, step, (acc, m, l))
 
         # Rows that saw no key (empty tile or split, rows past the chunk) have l = 0: zeros, not 0/0.
         has_keys = l > 0.0
         inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
         o_smem_wg[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
-        block = ((kv_head * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
+        block = ((head_tile * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
         if lse_smem is not None:
             lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem_wg, out_ref.at[block])
+        plgpu.copy_smem_to_gmem(o_smem_wg if R == TILE_ROWS else o_smem_wg.at[pl.ds(0, R)], out_ref.at[block])
         if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg_idx], lse_ref.at[block])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg_idx, pl.ds(0, R)], lse_ref.at[block])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == C)
     def _producer():
+        if rebalance:
+            plgpu.set_max_registers(40, action="decrease")
         layer_idx = layer_idx_ref[0]
-        k_base = (layer_idx * 2 * shape.num_kv_heads + kv_head) * shape.num_pages
-        v_base = ((layer_idx * 2 + 1) * shape.num_kv_heads + kv_head) * shape.num_pages
-
-        @pl.loop(0, num_my_steps)
-        def _fill(local_step):
-            slot = lax.rem(local_step, D)
+        @pl.loop(0, num_my_units)
+        def _fill(unit):
+            slot = lax.rem(unit, D)
+            local_step = lax.div(unit, jnp.int32(Hp))
+            kv_head = head_tile * Hp + (unit - local_step * Hp)
+            k_base = (layer_idx * 2 * shape.num_kv_heads + kv_head) * shape.num_pages
+            v_base = ((layer_idx * 2 + 1) * shape.num_kv_heads + kv_head) * shape.num_pages
             first_page = (step_begin + local_step) * shape.pages_per_step
 
-            @pl.when(local_step >= D)
+            @pl.when(unit >= D)
             def _wait_free():
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
@@ -273,9 +312,9 @@ def _attention_kernel(
 
         # Observe the consumer's release of the last D steps too: every phase of a barrier is waited
         # on before the block exits (GPU interpret mode checks this when it frees the barriers).
-        @pl.loop(jnp.maximum(num_my_steps - D, 0), num_my_steps)
-        def _drain(local_step):
-            slot = lax.rem(local_step, D)
+        @pl.loop(jnp.maximum(num_my_units - D, 0), num_my_units)
+        def _drain(unit):
+            slot = lax.rem(unit, D)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
 
@@ -300,12 +339,12 @@ def attention_tiles(
     """
     dtype = q_tiles.dtype
     C = shape.num_consumers
-    num_blocks = shape.num_kv_heads * shape.num_q_tiles * shape.num_splits * C
+    num_blocks = shape.num_head_tiles * shape.num_q_tiles * shape.num_splits * C
     with_lse = shape.num_splits > 1
     swizzled = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-    out_types = [jax.ShapeDtypeStruct((num_blocks, TILE_ROWS, shape.head_dim), out_dtype)]
+    out_types = [jax.ShapeDtypeStruct((num_blocks, shape.store_rows, shape.head_dim), out_dtype)]
     if with_lse:
-        out_types.append(jax.ShapeDtypeStruct((num_blocks, TILE_ROWS), jnp.float32))
+        out_types.append(jax.ShapeDtypeStruct((num_blocks, shape.store_rows), jnp.float32))
 
     def entry(*refs):
         inputs, outputs = refs[:7], refs[7:]
@@ -339,7 +378,7 @@ def attention_tiles(
     kernel = plgpu.kernel(
         entry,
         out_type=out_types,
-        grid=(shape.num_kv_heads, shape.num_q_tiles, shape.num_splits),
+        grid=(shape.num_head_tiles, shape.num_q_tiles, shape.num_splits),
         grid_names=("kv_head", "q_tile", "split"),
         num_threads=C + 1,
         thread_name="wg",
