@@ -168,6 +168,9 @@ class ModelRunner:
         self.num_prev_token_rows = max_num_seqs
         self._no_prev_tokens = (self._abstract(jax.ShapeDtypeStruct((self.num_prev_token_rows,), jnp.int32))
                                 if self.abstract else jnp.zeros(self.num_prev_token_rows, jnp.int32))
+        if self.per_layer_weights and platform != "cpu":
+            # Unrolled, XLA's rematerialisation sees each layer's in-place KV write as a new pool: off.
+            step_shardings = dict(step_shardings, compiler_options={"xla_gpu_memory_limit_slop_factor": 1000})
         self._step = jax.jit(
             self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
         )
