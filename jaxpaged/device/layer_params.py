@@ -39,25 +39,26 @@ def has_stacked_layers(params) -> bool:
         params["params"].get("layers"), Mapping)
 
 
-def _unstack(leaf, num_layers: int) -> list:
+def _unstack(leaf, num_layers: int, delete: bool) -> list:
     if isinstance(leaf, jax.ShapeDtypeStruct):  # a compile-only runner: shapes, no memory
         return [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=leaf.sharding)] * num_layers
     if not isinstance(leaf, jax.Array):
         return list(np.asarray(leaf))  # host arrays: views, no copy
     parts = jnp.unstack(leaf)  # one op; each part is a buffer of its own
-    leaf.delete()  # the runner's own copy (device/runner.py `_to_device`): its bytes now live in parts
+    if delete:  # the runner's own copy (device/runner.py `_to_device`): its bytes now live in parts
+        leaf.delete()
     return list(parts)
 
 
-def split_layers(params):
-    """The serving layout of a canonical tree (anything else is returned as is). Device leaves are
-    the runner's own copies: each stacked leaf is deleted once split."""
+def split_layers(params, *, delete: bool = False):
+    """The serving layout of a canonical tree (anything else is returned as is). `delete`: the device
+    leaves are the caller's own copies, each stacked leaf deleted once split (the peak: one leaf more)."""
     if not has_stacked_layers(params):
         return params
     stacked = params["params"]["layers"]
     leaves, treedef = jax.tree.flatten(stacked)
     num_layers = leaves[0].shape[0]
-    per_leaf = [_unstack(leaf, num_layers) for leaf in leaves]
+    per_leaf = [_unstack(leaf, num_layers, delete) for leaf in leaves]
     layers = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(num_layers))
     return _with_layers(params, layers)
 

@@ -141,16 +141,16 @@ class ModelRunner:
             if self.tp is not None:
                 raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
             self._abstract_sharding = leaves[0].sharding
-            self.params = params
+            self._serve(params)
             self.kv_pages = jax.tree.map(
                 self._abstract, jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)))
             step_shardings = copy_shardings = {}
         elif self.tp is None:
-            self.params = self._to_device(params)
+            self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
             step_shardings = copy_shardings = {}
         else:
-            self.params = self._to_device(params)
+            self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.tp.zeros_kv_pages)
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
@@ -188,9 +188,9 @@ class ModelRunner:
         buffer per layer (`served_params`, device/layer_params.py) and this is a new stacked copy."""
         return stack_layers(self.served_params)
 
-    @params.setter
-    def params(self, params) -> None:
-        self.served_params = split_layers(params) if self.per_layer_weights else params
+    def _serve(self, params) -> None:
+        """Keeps the runner's own copy `params` (canonical) as the step reads it (stacked leaves deleted once split)."""
+        self.served_params = split_layers(params, delete=True) if self.per_layer_weights else params
 
     def _abstract(self, x) -> jax.ShapeDtypeStruct:
         """`x`'s shape and dtype on the compile-only runner's devices."""
@@ -369,7 +369,7 @@ class ModelRunner:
         new = self._to_device(params)
         if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
             raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
-        self.params = new
+        self._serve(new)
 
     def kv_cache_bytes(self) -> int:
         return tree_bytes(self.kv_pages)
