@@ -46,8 +46,8 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (jaxpaged/spec_decode/). None: off.
     speculative_config: dict | None = None
     # One weight buffer per layer, layers unrolled: the step copies no weight (jaxpaged/device/layer_params.py).
-    # None: on a GPU when tensor_parallel_size is 1. On a CPU True runs a decode step ~2x faster, but each
-    # step program compiles ~6x longer (30 layers: ~20 s instead of ~3.5 s on 2 loaded cores).
+    # None: on a GPU when tensor_parallel_size is 1. On a CPU True measured no faster (batch 16, noisy
+    # shared cores) and each step program compiles ~5x longer (30 layers: 15-17 s instead of 3-5 s).
     per_layer_weights: bool | None = None
 
     def __post_init__(self):
