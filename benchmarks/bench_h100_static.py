@@ -76,7 +76,8 @@ def _row_line(r: dict) -> str:
     return (f"{r['model']:<11} {r['backend']:<6} {r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} "
             f"ctx={r['context']:<5} launches={r['launches']:<5} copies={r['copies']:<4} "
             f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} floor_ms={r['floor_ms']:7.3f} "
-            f"ideal_ms={r['ideal_floor_ms']:7.3f} spills={spill} compile_s={r['compile_s']}")
+            f"ideal_ms={r['ideal_floor_ms']:7.3f} matmul_flops_x={r.get('matmul_flops_to_useful')} spills={spill} "
+            f"compile_s={r['compile_s']}")
 
 
 def vllm_predictions(rows: list[dict]) -> dict[str, float]:

@@ -48,6 +48,15 @@ def test_attention_backends_equal_the_reference(params, prompts, reference, back
     assert _run(params, prompts, backend=backend)[0] == reference
 
 
+def test_per_layer_weights_equal_the_reference(params, prompts, reference):
+    # The GPU default (jaxpaged/device/layer_params.py), here on the CPU with the Pallas kernels:
+    # one weight buffer per layer, the layers unrolled.
+    engine = tp_fixtures.make_engine(params, attention_fn=attention_fn("pallas"), per_layer_weights=True)
+    assert isinstance(engine.runner.served_params["params"]["layers"], tuple)
+    assert tp_fixtures.run_greedy(engine, prompts, max_tokens=6) == reference
+    assert engine.stats()["num_used_pages"] == 0
+
+
 def test_mosaic_backend_equals_the_reference_in_bfloat16(prompts):
     # The wgmma tiles need head_dim 64/128/256: one layer, 2 query heads of 64 per KV head. GPU
     # interpret mode runs every warpgroup on the host (minutes for the whole variant matrix), so this

@@ -4,8 +4,8 @@ budgets (benchmarks/h100/gate.py measures; the H100 toolchain is installed by .c
 Budgets are per program of the gate's 2-layer model (Qwen3-0.6B widths, batch 64, context 1024):
 "today" describes the step as it compiles now, with a little headroom, so a regression fails CI;
 "targets" are the bytes-floor issue's goals. `JAXPAGED_H100_BUDGETS=targets` runs the gate against
-the targets (today's step fails them: weight copies in the layer loop, float32 split partials
-padded to 16 rows). Every figure is an estimate from the compiled program; nothing runs on a GPU.
+the targets (today's step fails them: float32 split partials padded to 16 rows, ~16 launches per
+layer, two slices of the packed input copied). Every figure is an estimate from the compiled program; nothing runs on a GPU.
 """
 
 import json
@@ -16,9 +16,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUDGETS = {
-    "today": {"launches": 74, "copies_per_layer": 14, "bytes_to_ideal": 1.42},  # measured: 66/70, 13/14, 1.36/1.39
-    "targets": {"launches": 2 * 12 + 8, "copies_per_layer": 0, "bytes_to_ideal": 1.15},
+BUDGETS = {  # measured (pallas/mosaic): 37/38 launches, 2/1 copies (slices of the packed int32 input,
+    # 33 KB: no weight is copied), 1.23/1.26 x ideal; before the per-layer weights: 66/70, 26/28 (126 MB), 1.36/1.39
+    "today": {"launches": 40, "copies_per_layer": 1, "copy_bytes": 64 << 10, "bytes_to_ideal": 1.28},
+    "targets": {"launches": 2 * 12 + 8, "copies_per_layer": 0, "copy_bytes": 0, "bytes_to_ideal": 1.15},
 }
 
 
@@ -50,4 +51,5 @@ def test_step_compiles_for_an_h100_within_budget(gate_rows, backend):
         assert kernel["spill_store_bytes"] == 0 and kernel["spill_load_bytes"] == 0, kernel
     assert row["launches"] <= budget["launches"], row["launches"]
     assert row["copies"] / row["num_layers"] <= budget["copies_per_layer"], (row["copies"], row["largest_copies"])
+    assert row["copy_bytes"] <= budget["copy_bytes"], (row["copy_bytes"], row["largest_copies"])  # no weight copies
     assert row["bytes_to_ideal"] <= budget["bytes_to_ideal"], row["bytes_to_ideal"]

@@ -80,7 +80,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     step_input = runner.dummy_step_input(num_tokens, decode_only=case.decode)
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
-        runner._step, (runner.params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens),
+        runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens),
         kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True if kernels else None)
     try:
         figures = _figures(case, config, runner, out, num_tokens)
@@ -100,15 +100,15 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
                 tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
     new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
     io = new_kv + case.num_seqs * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
     ideal = weight_bytes + live_kv_per_layer * config.num_layers + io
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size
     matmul_params = weight_bytes // 2 - embed * (1 if config.tie_word_embeddings else 2)
-    useful = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
-    useful += 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
+    useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
     memory = out.compiled.memory_analysis()
     pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
     copies = [launch for launch in acc.launches if launch.kind == "copy"]
@@ -120,6 +120,9 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
         "floor_ms": round(acc.hbm_bytes / H100.hbm_bandwidth * 1e3, 4),
         "ideal_floor_ms": round(ideal / H100.hbm_bandwidth * 1e3, 4),
         "executed_flops": acc.flops, "useful_flops": useful,
+        # XLA's dots against the useful matmul FLOPs (attention's run inside the kernels, which the HLO
+        # does not size): > 1 would mean padded rows or logits computed for tokens that sample nothing.
+        "useful_matmul_flops": useful_matmul, "matmul_flops_to_useful": round(acc.flops / useful_matmul, 4),
         "compute_floor_ms": round(useful / H100.bf16_dense_flops * 1e3, 4),
         "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes,
         "kv_aliased": int(memory.alias_size_in_bytes) >= pool_bytes,

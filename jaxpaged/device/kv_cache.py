@@ -80,6 +80,7 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
             model_config, params, num_pages=2, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             attention_fn=attention_fn, decode_buckets=(), kv_cache_dtype=config.kv_cache_dtype,
+            per_layer_weights=config.per_layer_weights,  # the engine's own step program
         )
         step_temp = probe.step_temp_bytes()
         del probe

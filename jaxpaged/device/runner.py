@@ -30,6 +30,7 @@ from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import grouped_experts
 from jaxpaged.device.kv_cache import apply_page_copies
+from jaxpaged.device.layer_params import own_copy, split_layers, stack_layers
 from jaxpaged.device.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
@@ -65,6 +66,10 @@ class ModelRunner:
     runner: nothing is allocated, the KV buffer is abstract too, `trace_step` traces the engine's
     real step for that sharding's devices (e.g. an H100 from a CPU host: benchmarks/h100/), and
     `execute` refuses.
+
+    `per_layer_weights`: serve from one weight buffer per layer, layers unrolled (device/layer_params.py:
+    no weight copies in the step); None: on a GPU, single device. The CPU default stays one scan over
+    stacked weights: unrolled, a CPU program compiles ~5x longer and measured no faster.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class ModelRunner:
         decode_buckets: Sequence[int] | None = None,
         mesh=None,
         kv_cache_dtype: str = "auto",
+        per_layer_weights: bool | None = None,
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -125,28 +131,32 @@ class ModelRunner:
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         leaves = jax.tree.leaves(params)
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+        if per_layer_weights and self.tp is not None:
+            raise ValueError("per_layer_weights=True under tensor parallelism is not supported yet; leave it None")
+        platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
+        self.per_layer_weights = (self.tp is None and platform != "cpu") if per_layer_weights is None else per_layer_weights
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
         # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
         if self.abstract:  # compile-only: shapes and the params' sharding, no memory
             if self.tp is not None:
                 raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
             self._abstract_sharding = leaves[0].sharding
-            self.params = params
+            self._serve(params)
             self.kv_pages = jax.tree.map(
                 self._abstract, jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)))
             step_shardings = copy_shardings = {}
         elif self.tp is None:
-            self.params = self._to_device(params)
+            self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
             step_shardings = copy_shardings = {}
         else:
-            self.params = self._to_device(params)
+            self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.tp.zeros_kv_pages)
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
         # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
-        self._params_tree = jax.tree.structure(self.params)
+        self._params_tree = jax.tree.structure(params)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
@@ -158,6 +168,9 @@ class ModelRunner:
         self.num_prev_token_rows = max_num_seqs
         self._no_prev_tokens = (self._abstract(jax.ShapeDtypeStruct((self.num_prev_token_rows,), jnp.int32))
                                 if self.abstract else jnp.zeros(self.num_prev_token_rows, jnp.int32))
+        if self.per_layer_weights and platform != "cpu":
+            # Unrolled, XLA's rematerialisation sees each layer's in-place KV write as a new pool: off.
+            step_shardings = dict(step_shardings, compiler_options={"xla_gpu_memory_limit_slop_factor": 1000})
         self._step = jax.jit(
             self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
         )
@@ -169,36 +182,23 @@ class ModelRunner:
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
 
+    @property
+    def params(self):
+        """The canonical (stacked) parameter tree: with `per_layer_weights` the runner serves from one
+        buffer per layer (`served_params`, device/layer_params.py) and this is a new stacked copy."""
+        return stack_layers(self.served_params)
+
+    def _serve(self, params) -> None:
+        """Keeps the runner's own copy `params` (canonical) as the step reads it (stacked leaves deleted once split)."""
+        self.served_params = split_layers(params, delete=True) if self.per_layer_weights else params
+
     def _abstract(self, x) -> jax.ShapeDtypeStruct:
         """`x`'s shape and dtype on the compile-only runner's devices."""
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)
 
     def _to_device(self, params):
-        """The engine's own float copy of `params` in the model dtype.
-
-        Always a copy (`jnp.array(copy=True)`; `jnp.asarray` returns the caller's buffer when the
-        dtype matches): a training loop that later donates or deletes its arrays must not leave the
-        engine holding deleted buffers. Float leaves of another precision are cast; any other dtype
-        is refused, since casting integers to weights is never what was meant.
-        """
-        dtype = jnp.dtype(self.config.dtype)
-
-        def check(path, x):
-            x_dtype = getattr(x, "dtype", None)
-            if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
-                raise ValueError(
-                    f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating point "
-                    f"(they are cast to the model dtype {dtype})"
-                )
-
-        jax.tree_util.tree_map_with_path(check, params)
-        if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
-            return self.tp.place_params(params)
-        # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.
-        default = jax.devices()[0]
-        return jax.tree.map(lambda x: jnp.array(
-            np.asarray(x) if isinstance(x, jax.Array) and x.sharding.device_set != {default} else x,
-            dtype=dtype, copy=True), params)
+        """The engine's own float copy of `params` in the model dtype (device/layer_params.py `own_copy`)."""
+        return own_copy(params, jnp.dtype(self.config.dtype), self.tp)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
                  layout, decode_only: bool = False):
@@ -279,7 +279,7 @@ class ModelRunner:
         if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         logits, self.kv_pages = self._step(
-            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+            self.served_params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
         )
         return logits
 
@@ -369,7 +369,7 @@ class ModelRunner:
         new = self._to_device(params)
         if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
             raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
-        self.params = new
+        self._serve(new)
 
     def kv_cache_bytes(self) -> int:
         return tree_bytes(self.kv_pages)
@@ -384,7 +384,7 @@ class ModelRunner:
         if self.tp is not None:  # placed as execute places them
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(
-            self.params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
+            self.served_params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
         )
 
     def step_temp_bytes(self, bucket: int | None = None) -> int:

@@ -32,11 +32,12 @@ def sleep_runner(runner, level: int) -> None:
     jax.block_until_ready(runner.kv_pages)  # the last step's writes are done before the buffer goes
     _delete(runner.kv_pages)
     runner.kv_pages = None
-    if runner.params is None:  # slept at level 2 before and never given weights since
+    # The weights as the runner stores them (one buffer per layer on a single device: layer_params.py).
+    if runner.served_params is None:  # slept at level 2 before and never given weights since
         return
-    host = jax.device_get(runner.params) if level == 1 else None
-    _delete(runner.params)
-    runner.params = host
+    host = jax.device_get(runner.served_params) if level == 1 else None
+    _delete(runner.served_params)
+    runner.served_params = host
     runner.params_on_host = level == 1
 
 
@@ -48,7 +49,7 @@ def wake_runner(runner) -> None:
     runner.kv_pages = zeros_kv_cache(kv_shape, c.dtype, runner.kv_cache_dtype, zeros=zeros)
     if getattr(runner, "params_on_host", False):
         if runner.tp is not None:  # already KV-head-replicated: placed as is, slice by slice
-            runner.params = jax.device_put(runner.params, runner.tp.param_shardings(runner.params))
+            runner.served_params = jax.device_put(runner.served_params, runner.tp.param_shardings(runner.served_params))
         else:
-            runner.params = jax.tree.map(lambda x: jnp.array(x, copy=True), runner.params)
+            runner.served_params = jax.tree.map(lambda x: jnp.array(x, copy=True), runner.served_params)
         runner.params_on_host = False

@@ -104,6 +104,7 @@ class LLMEngine:
             attention_fn=attention_fn,
             mesh=mesh,  # tensor parallelism: jaxpaged/device/sharding.py
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
+            per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
         )
         self.processor = OutputProcessor(tokenizer)
         self.sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)

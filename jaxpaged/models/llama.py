@@ -4,11 +4,14 @@ over one paged KV buffer; `ModelConfig` switches the family details (models/hf_c
 The whole batch is a flat list of `num_tokens` tokens from many sequences (see `StepInput` in
 `jaxpaged/device/runner.py`). Per layer the model writes this step's K/V into the page pool by one
 scatter over `slot_mapping`, then calls the pluggable paged attention (DESIGN.md contract) on the
-layer's pages. The layers are one `nn.scan` over stacked parameters, and the KV buffer
+layer's pages. The parameters are stacked (a leading num_layers axis) and the layers are one
+`nn.scan` over them; given one parameter tree per layer instead (`params["params"]["layers"]` a
+tuple: the runner's serving layout, jaxpaged/device/layer_params.py) the layers are unrolled, each
+reading its own weights in place. Either way the KV buffer
 
     kv_pages: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim]   (axis 1: K, V)
 
-rides in the scan carry, so XLA updates it in place when the caller donates it.
+rides in the carry, so XLA updates it in place when the caller donates it.
 """
 
 from collections.abc import Callable
@@ -254,18 +257,28 @@ class CausalLM(nn.Module):
         rope = rotations(c.rope_theta, c.rope_scaling)
         rope += rotations(c.local_rope_theta, None) if c.local_rope_theta is not None else rope
 
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
-            split_rngs={"params": True},
-            in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
-            length=c.num_layers,
-        )(c, self.attention_fn, self.decode_only, self.expert_fn, name="layers")
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        is_local = jnp.asarray([w is not None for w in c.layer_windows])
-        (x, kv_pages), _ = layers(
-            (x, kv_pages), layer_ids, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc
-        )
+        shared = (rope, slot_mapping, block_tables, seq_lens, query_start_loc)
+        is_local = [w is not None for w in c.layer_windows]
+        per_layer = None if self.is_initializing() else self.variables["params"].get("layers")
+        if isinstance(per_layer, (tuple, list)):
+            # One parameter tree per layer (the runner's serving layout, device/layer_params.py): the
+            # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
+            # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
+            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, parent=None)
+            carry = (x, kv_pages)
+            for i, layer_params in enumerate(per_layer):
+                carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
+            x, kv_pages = carry
+        else:  # stacked parameters (the canonical tree): one scan over the leading num_layers axis
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
+                split_rngs={"params": True},
+                in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
+                length=c.num_layers,
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, name="layers")
+            layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
