@@ -16,9 +16,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUDGETS = {  # measured (pallas/mosaic): 37/38 launches, 2/1 copies (slices of the packed int32 input,
-    # 33 KB: no weight is copied), 1.23/1.26 x ideal; before the per-layer weights: 66/70, 26/28 (126 MB), 1.36/1.39
-    "today": {"launches": 40, "copies_per_layer": 1, "copy_bytes": 64 << 10, "bytes_to_ideal": 1.28},
+BUDGETS = {  # measured on the merged step (pallas/mosaic): 33/36 launches, 2/1 copies (slices of the packed
+    # int32 input, 33 KB: no weight is copied), 1.079/1.082 x ideal (packed decode tiles, one split: no
+    # float32 partials); before this wave: 66/70 launches, 26/28 copies (126 MB), 1.36/1.39
+    "today": {"launches": 38, "copies_per_layer": 1, "copy_bytes": 64 << 10, "bytes_to_ideal": 1.10},
     "targets": {"launches": 2 * 12 + 8, "copies_per_layer": 0, "copy_bytes": 0, "bytes_to_ideal": 1.15},
 }
 
