@@ -149,6 +149,17 @@ def test_top_p_keeps_exactly_the_smallest_prefix_reaching_p(top_k, top_p, num_ke
     assert set(token_ids.tolist()) == set(HAND_IDS[:num_kept].tolist())
 
 
+def test_top_p_boundary_is_exclusive_a_prefix_reaching_p_exactly_stops_there():
+    """p = [0.5, 0.25, 0.25] (exact in float32), top_p = 0.5: the first token alone reaches 0.5, so the
+    second (mass before it: exactly 0.5, not < 0.5) is out. vLLM and HF keep the smallest prefix whose
+    mass reaches top_p; a `<=` at the boundary would keep a second token."""
+    logits = np.log(np.array([[0.5, 0.25, 0.25]], np.float32))
+    token_ids = draw_many(logits, 200, temperature=1.0, top_p=0.5)
+    assert set(token_ids.tolist()) == {0}
+    token_ids = draw_many(logits, 200, temperature=1.0, top_p=0.5 + 1e-6)  # just past: the next token joins
+    assert set(token_ids.tolist()) == {0, 1}
+
+
 def test_min_p_excludes_tokens_below_min_p_times_max():
     # min_p 0.3 -> threshold 0.3 * 0.40 = 0.12: keeps 0.40, 0.25, 0.15; drops 0.10, 0.06, 0.04.
     token_ids = draw_many(hand_logits(), 3000, temperature=1.0, min_p=0.3)
