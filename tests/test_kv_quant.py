@@ -56,6 +56,19 @@ def test_round_trip_error_bound_and_zero_vectors(dtype, rel_bound):
     assert np.abs(back).max() == pytest.approx(np.abs(x).max(), rel=1e-6)  # amax is exact
 
 
+@pytest.mark.parametrize("dtype,qmax", [("int8", 127.0), ("float8_e4m3fn", 448.0)])
+def test_scale_is_amax_over_the_format_maximum_and_the_amax_element_hits_it(dtype, qmax):
+    """The scale is pinned, not just bounded: amax / 127 (int8) or amax / 448 (float8_e4m3fn's largest
+    finite value), so the largest element of each vector is stored as +-qmax and the format's range
+    is used whole (a smaller qmax would pass an error bound and waste fp8's top binades)."""
+    x = np.array([[0.5, -3.0, 1.25, 2.0], [7.0, 0.0, -1.0, 6.5]], np.float32)
+    values, scales = quantize(jnp.asarray(x), dtype)
+    np.testing.assert_allclose(np.asarray(scales), np.abs(x).max(-1) / qmax, rtol=1e-7)
+    stored = np.asarray(dequantize(values, jnp.ones_like(scales)))  # the stored values, unscaled
+    np.testing.assert_array_equal(stored[0, 1], -qmax)
+    np.testing.assert_array_equal(stored[1, 0], qmax)
+
+
 def test_config_validates_kv_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*use one of"):
         EngineConfig(kv_cache_dtype="int4")
