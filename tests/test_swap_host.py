@@ -47,10 +47,13 @@ def test_a_swap_pool_of_exactly_one_sequences_pages_swaps_it_and_holds_pages_in_
         step(sched, [1])
     assert a.is_finished and b.status is SequenceStatus.SWAPPED
 
-    # Step 6: b swaps in (8 pages: 7 copied back, 1 fresh) and computes its one new token.
+    # Step 6: b swaps in and computes its one new token. Its pages 0..5 still cache its tokens on
+    # the device (pages 4..9, freed but not reused): shared again, not copied. Page 6's device copy
+    # (page 10) was reused by a, so host page 6 is copied back into a fresh page; one more for token 28.
     out = step(sched, [1])
     assert out.seqs == [b] and out.num_new_tokens == [1] and sched.num_swaps_in == 1
-    assert [h for h, _ in out.swap_in] == list(range(7)) and len(b.block_table) == 8
+    assert out.swap_in == [(6, 10)] and b.block_table == [4, 5, 6, 7, 8, 9, 10, 3]
+    assert (bm.num_swap_in_shared_pages, bm.num_swapped_in_pages) == (6, 1)
     assert sched.num_recomputed_tokens == 0 and bm.swap_pool.num_free_pages == 7
 
 
@@ -82,3 +85,62 @@ def test_storing_a_hash_again_refreshes_it_so_the_next_eviction_takes_another_pa
     assert pool.num_evictions == 1
     assert pool.lookup(b"a", ("a",)) == 5 and pool.lookup(b"b", ("b",)) is None
     assert pool.lookup(b"c", ("c",)) == 6
+
+
+def test_a_page_filled_by_the_step_in_flight_at_swap_out_is_cached_once_swapped_in():
+    """Async stepping: step 2 is dispatched (advance) and step 3 is planned before step 2's tokens land
+    (commit). Step 2 fills b's 7th page; step 3 swaps b out; step 2's commit cannot register that
+    page (b's device pages are gone). At swap-in every full, computed page of b is registered."""
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE, num_swap_pages=8)
+    sched = Scheduler(bm, 4, 64, 64, preemption_mode="swap")
+    a = request(list(range(10)), max_tokens=6)  # 3 pages
+    b = request(list(range(100, 127)), max_tokens=8)  # 27 tokens: 7 pages, the pool is full
+    sched.add(a)
+    sched.add(b)
+    step(sched, [1, 2])
+    out2 = sched.schedule()  # a: token 10; b: token 27, the last slot of its page 6
+    sched.advance(out2, [0, 1])
+    out3 = sched.schedule()  # b needs page 7 and none is free: swapped out behind step 2
+    assert out3.preempted == [b] and b.status is SequenceStatus.SWAPPED and len(b.host_block_table) == 7
+    sched.advance(out3, [0])
+    sched.commit(out2, [3, 4])
+    sched.commit(out3, [5])
+    while not a.is_finished:
+        step(sched, [6])
+    while b.status is not SequenceStatus.RUNNING:
+        step(sched, [7])
+    # b's pages 0..6 hold tokens 0..27 (computed before the swap); all 7 are registered, page 6 too.
+    assert b.num_computed_tokens >= 28 and len(b.page_hashes) >= 7
+    assert bm.hash_to_page[b.page_hashes[6]] == b.block_table[6]
+    assert bm.page_hash[b.block_table[6]] == b.page_hashes[6]
+
+
+def test_pages_shared_with_another_sequence_come_back_shared_after_swap_in():
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE, num_swap_pages=4)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]  # two full pages
+    c = request(prefix + [9, 9, 9])
+    bm.allocate(c)  # pages 1, 2, 3
+    c.num_computed_tokens = 11
+    bm.cache_computed_pages(c, 0)  # its pages 1 and 2 are full: registered
+    b = request(prefix + [5, 5])
+    bm.allocate(b)  # hits c's pages 1 and 2, a fresh page 4 for tokens 8..9
+    assert b.block_table == [1, 2, 4] and b.num_computed_tokens == 8
+    b.num_computed_tokens = 10
+    b.append_token(7)
+    used_before = bm.stats()["num_used_pages"]
+    assert used_before == 4
+
+    bm.swap_out_seq(b)  # 3 host pages; c still holds pages 1 and 2
+    bm.take_transfers()
+    assert bm.ref_counts[1:5] == [1, 1, 1, 0]
+    bm.swap_in_seq(b)
+    # Pages 1 and 2 still hold the prefix (registered, used by c): b shares them again. Only its
+    # third page is copied back from host (into fresh page 4): b takes no second copy of the prefix.
+    assert b.block_table == [1, 2, 4] and bm.ref_counts[1:5] == [2, 2, 1, 1]
+    assert bm.swap_in == [(2, 4)] and (bm.num_swap_in_shared_pages, bm.num_swapped_in_pages) == (2, 1)
+    assert bm.stats()["num_used_pages"] == used_before
+    assert bm.swap_pool.num_free_pages == 3 and bm.swap_pool.transit_page_ids == [2]  # 0, 1: nothing reads them
+    bm.free(b)
+    bm.free(c)
+    bm.take_transfers()
+    assert bm.num_free_pages == NUM_PAGES - 1 and bm.swap_pool.num_free_pages == 4
