@@ -180,3 +180,33 @@ def test_swap_mode_recomputes_a_beam_that_waits_for_its_search():
     sched._preempt(decoding)
     assert decoding.status.name == "SWAPPED" and decoding.num_computed_tokens == 5
     assert sched.num_swaps_out == 1 and sched.num_recomputed_tokens == 5
+
+
+def test_early_stopping_never_with_a_positive_length_penalty_bounds_by_max_tokens():
+    """HF's `_check_early_stop_heuristic`: with early_stopping="never" and length_penalty > 0, the best
+    a running beam can still score is its cumulative logprob over max_tokens ** length_penalty (its
+    score can only improve by growing), not over its current length. Same steps as the heuristic test
+    above, with a running beam that the current length would give up on but max_tokens does not."""
+    bm, sched, beams, search = make(max_tokens=10, length_penalty=1.0, early_stopping="never")
+    (a,) = search.live
+    step(sched, beams, {a: [(EOS, -0.1), (EOS + 1, -0.2), (11, -0.3), (12, -5.0)]})
+    b = search.live[1]
+    # Step 2: hypotheses [eos] -0.1 and [10, eos] -0.4 / 2 = -0.2 (worst -0.2); b's -0.5 / 2 = -0.25
+    # is dropped. The best running beam, a+13, has -1.2: over max_tokens, -1.2 / 10 = -0.12 > -0.2,
+    # it may still win, so the search goes on (over its length 2, -0.6 <= -0.2 would stop it).
+    _, finished = step(sched, beams, {
+        a: [(EOS, -0.2), (13, -1.0), (14, -3.0), (15, -4.0)],
+        b: [(EOS, -0.2), (16, -3.0), (17, -3.0), (18, -4.0)],
+    })
+    assert finished == [] and search.can_improve and not search.done
+    assert [h.score for h in search.finished] == [np.float32(-0.1), np.float32(-0.4) / np.float32(2)]
+    assert [s.output_token_ids for s in search.live] == [[10, 13], [10, 14]]  # -1.2, -3.2
+    # Step 3: the best running beam falls to -2.2: -2.2 / 10 <= -0.2, nothing can improve: stop.
+    live = search.live
+    _, finished = step(sched, beams, {
+        live[0]: [(20, -1.0), (21, -2.0), (22, -3.0), (23, -4.0)],
+        live[1]: [(24, -3.0), (25, -3.0), (26, -3.0), (27, -4.0)],
+    })
+    assert finished == [search] and not search.can_improve
+    assert [h.token_ids for h in search.finished] == [[EOS], [10, EOS]]
+    assert bm.num_free_pages == 10 and not sched.has_unfinished()

@@ -48,6 +48,31 @@ def test_round_trip_is_exact(cache_dir):
     assert_same(checkpoint.restore_params("k", like=params), params)
 
 
+def test_restore_lands_in_host_memory_never_on_the_default_device(monkeypatch):
+    """Issue 30 item 11: orbax restores onto the default device unless told otherwise, so a cached
+    model would land whole on one accelerator before the engine splits it. Every leaf is asked for
+    on the host's CPU device, with and without `like`."""
+    import orbax.checkpoint as ocp
+
+    asked = []
+    restore = ocp.StandardCheckpointer.restore
+
+    def spy(self, directory, target=None, *args, **kwargs):
+        asked.append(target)
+        return restore(self, directory, target, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", spy)
+    params = sample_params()
+    checkpoint.save_params(params, "k")
+    for like in (None, params):
+        assert_same(checkpoint.restore_params("k", like=like), params)
+    host = jax.devices("cpu")[0]
+    assert len(asked) == 2
+    for target in asked:
+        leaves = jax.tree_util.tree_leaves(target)
+        assert len(leaves) == 4 and all(leaf.sharding.device_set == {host} for leaf in leaves)
+
+
 def test_miss_when_absent():
     assert checkpoint.restore_params("never-saved") is None
 

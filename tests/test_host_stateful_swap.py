@@ -60,7 +60,8 @@ class SwapHostMachine(HostMachine):
         stats = {**self.bm.stats(), **self.sched.stats()}
         event(f"swaps out: {min(stats['num_swaps_out'], 1)}, swaps in: {min(stats['num_swaps_in'], 1)}, "
               f"host-tier stores: {min(stats['num_host_cache_stores'], 1)}, "
-              f"host-tier hits: {min(stats['prefix_hit_tokens_host'], 1)}")
+              f"host-tier hits: {min(stats['prefix_hit_tokens_host'], 1)}, "
+              f"swapped-in pages shared again: {min(stats['num_swap_in_shared_pages'], 1)}")
         super().teardown()
         self.bm.take_transfers()  # the last planned swap-ins are issued: their pages are free again
         check_host_pools(self.bm, [])

@@ -17,7 +17,7 @@ from test_model_runner import _runner, tiny_params  # noqa: F401 (fixture)
 
 from jaxpaged.ops.attention import chunked_paged_attention, chunked_paged_attention_from_buffer, reference_paged_attention
 from jaxpaged.config import EngineConfig
-from jaxpaged.ops.kv_quant import QuantizedKV, dequantize, quantize
+from jaxpaged.ops.kv_quant import QuantizedKV, dequantize, hadamard, quantize, rotate
 from jaxpaged.device.kv_cache import kv_cache_bytes_per_page, num_pages_for_budget
 from jaxpaged.device.kv_cache import apply_page_copies
 from pallas_kernels import decode_attention, decode_attention_from_buffer, ragged_paged_attention
@@ -54,6 +54,48 @@ def test_round_trip_error_bound_and_zero_vectors(dtype, rel_bound):
     bound = rel_bound * (amax if dtype == "int8" else np.maximum(np.abs(x), amax / 448 * 2.0**-6))
     assert np.all(np.abs(back - x) <= bound * 1.0001 + 1e-7)
     assert np.abs(back).max() == pytest.approx(np.abs(x).max(), rel=1e-6)  # amax is exact
+
+
+@pytest.mark.parametrize("dtype,qmax", [("int8", 127.0), ("float8_e4m3fn", 448.0)])
+def test_scale_is_amax_over_the_format_maximum_and_the_amax_element_hits_it(dtype, qmax):
+    """The scale is pinned, not just bounded: amax / 127 (int8) or amax / 448 (float8_e4m3fn's largest
+    finite value), so the largest element of each vector is stored as +-qmax and the format's range
+    is used whole (a smaller qmax would pass an error bound and waste fp8's top binades)."""
+    x = np.array([[0.5, -3.0, 1.25, 2.0], [7.0, 0.0, -1.0, 6.5]], np.float32)
+    values, scales = quantize(jnp.asarray(x), dtype)
+    np.testing.assert_allclose(np.asarray(scales), np.abs(x).max(-1) / qmax, rtol=1e-7)
+    stored = np.asarray(dequantize(values, jnp.ones_like(scales)))  # the stored values, unscaled
+    np.testing.assert_array_equal(stored[0, 1], -qmax)
+    np.testing.assert_array_equal(stored[1, 0], qmax)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_the_hadamard_basis_is_orthonormal_symmetric_and_its_own_inverse(head_dim):
+    h = hadamard(head_dim)
+    np.testing.assert_allclose(h @ h, np.eye(head_dim), atol=1e-6)
+    np.testing.assert_array_equal(h, h.T)
+    block = head_dim & -head_dim  # 64, 32 (96 = 3 x 32), 128
+    assert np.all(np.abs(h[:block, :block]) == np.float32(block**-0.5)) and np.count_nonzero(h) == head_dim * block
+    x = np.random.default_rng(1).standard_normal((3, 2, head_dim)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(rotate(rotate(jnp.asarray(x)))), x, atol=1e-5)
+
+
+def test_int8_in_the_hadamard_basis_keeps_the_scores_of_keys_with_outlier_channels():
+    """SmolLM2's keys: a few channels ~10x the rest. Per-token int8 scales set by them leave the other
+    channels a few steps; in the Hadamard basis (what the model stores for int8) the amax falls towards
+    the rms and the score error q . (k - k~) drops several times. Scores are unchanged by the basis."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((512, 64)).astype(np.float32)
+    q = rng.standard_normal((64,)).astype(np.float32)
+    k[:, [5, 37]] *= 12.0  # two outlier channels (a RoPE pair), as in SmolLM2's keys
+    q[[5, 37]] *= 3.0
+    plain = np.asarray(dequantize(*quantize(jnp.asarray(k), "int8")))
+    k_rot, q_rot = np.asarray(rotate(jnp.asarray(k))), np.asarray(rotate(jnp.asarray(q)))
+    np.testing.assert_allclose(k_rot @ q_rot, k @ q, rtol=1e-4, atol=1e-3)
+    rotated = np.asarray(dequantize(*quantize(jnp.asarray(k_rot), "int8")))
+    err_plain = np.abs((plain - k) @ q).mean()
+    err_rotated = np.abs((rotated - k_rot) @ q_rot).mean()
+    assert err_rotated < err_plain / 2.5, (err_plain, err_rotated)  # measured 3.0x
 
 
 def test_config_validates_kv_cache_dtype():

@@ -1,14 +1,16 @@
 """A quantized KV cache on the bundled SmolLM2-135M: close to the float32 cache, and the flags reach it.
 
-Measured with benchmarks/kv_quant_accuracy.py (numbers in benchmarks/results/kv_quant_accuracy_cpu.json
-and the README). Bounds stated and tested here:
-  * prefill and first decode step, 2 chat prompts (int8; fp8 and both together in the slow suite): max |logit - float32-cache logit| < 1.5 for int8
-    and < 4.0 for fp8 (measured 0.79 and 2.07 on 12 prompts; logits of this model reach ~30);
-  * greedy, the 12 chat prompts of tests/test_engine.py x 48 tokens (slow): int8 >= 50% of tokens
-    identical up to each prompt's first divergence (measured 60.8%, 5 of 12 prompts identical),
-    fp8 >= 40% (measured 49.3%, 4 of 12), and at least 3 prompts identical throughout. The first
-    divergence can be token 0: two prompts ("def fibonacci(n):" and the French one) have near-tied
-    top logits, and a 0.8 logit error flips them.
+Measured with benchmarks/kv_quant_accuracy.py (numbers in benchmarks/results/kv_quant_accuracy_cpu.json;
+int8 pages hold K/V in a Hadamard basis, ops/kv_quant.py). Bounds stated and tested here:
+  * prefill and first decode step, 2 chat prompts (int8; fp8 and both together in the slow suite):
+    max |logit - float32-cache logit| < 0.5 for int8 (measured 0.23 on these 2 prompts, 0.40 on 12;
+    per-token scales without the rotation measured 0.66 and 0.80) and < 4.0 for fp8 (measured 1.77 on
+    12); logits of this model reach ~30;
+  * greedy, the 12 chat prompts of tests/test_engine.py x 48 tokens (slow): int8 >= 70% of tokens
+    identical up to each prompt's first divergence (measured 79.0%, 9 of 12 prompts identical; 64.2%
+    and 5 of 12 before the rotation), fp8 >= 40% (measured 56.8%, 4 of 12), and at least 3 prompts
+    identical throughout. The first divergence can be token 0 or 1: near-tied top logits flip under
+    a logit error of a few tenths.
 """
 
 import json
@@ -24,8 +26,8 @@ from jaxpaged.entrypoints.cli import build_parser, engine_args
 from jaxpaged.ops.kv_quant import QuantizedKV
 from jaxpaged.models.weights import load_model
 
-LOGIT_BOUND = {"int8": 1.5, "float8_e4m3fn": 4.0}
-AGREEMENT_BOUND = {"int8": 0.5, "float8_e4m3fn": 0.4}
+LOGIT_BOUND = {"int8": 0.5, "float8_e4m3fn": 4.0}
+AGREEMENT_BOUND = {"int8": 0.7, "float8_e4m3fn": 0.4}
 
 
 @pytest.fixture(scope="module")

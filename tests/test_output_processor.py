@@ -47,13 +47,13 @@ def streamed_text(tokenizer, ids: list[int], finished: bool) -> str:
     return text + detokenizer.flush() if finished else text
 
 
-def run(tokenizer, streams, stops, only_finished: bool):
+def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0):
     """Feeds each stream one token per step, as Scheduler.commit does; returns the final outputs and
     the concatenated streamed deltas per request."""
     processor = OutputProcessor(tokenizer)
     seqs = []
     for i, (ids, stop) in enumerate(zip(streams, stops)):
-        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True)
+        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True, min_tokens=min_tokens)
         seq = Sequence([1, 2, 3], params)
         seq.status = SequenceStatus.RUNNING
         processor.add_request(str(i), None, seq, params, seed=0)
@@ -135,6 +135,19 @@ def test_stop_strings_same_in_both_modes_and_never_streamed(tokenizer):
             assert b.finish_reason == "length" and b.text == tokenizer.decode(ids)
         assert not any(s in b.text for s in stops[i])
     assert num_stopped > 30
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_stops(tokenizer):
+    """min_tokens = m: stop strings count from the m-th output token on (vLLM: once len(output) >=
+    min_tokens), so one completed by token m stops there; with min_tokens = m + 1 it is not a stop."""
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    m = next(k + 1 for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1]))
+    assert 2 <= m < len(ids)
+    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m)
+    assert finals["0"].finish_reason == "stop" and finals["0"].token_ids == ids[:m]
+    assert finals["0"].text == tokenizer.decode(ids[:m]).split("three")[0]
+    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m + 1)
+    assert finals["0"].finish_reason == "length" and finals["0"].token_ids == ids
 
 
 class FakeSeq:

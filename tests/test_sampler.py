@@ -149,6 +149,37 @@ def test_top_p_keeps_exactly_the_smallest_prefix_reaching_p(top_k, top_p, num_ke
     assert set(token_ids.tolist()) == set(HAND_IDS[:num_kept].tolist())
 
 
+def test_top_p_boundary_is_exclusive_a_prefix_reaching_p_exactly_stops_there():
+    """p = [0.5, 0.25, 0.25] (exact in float32), top_p = 0.5: the first token alone reaches 0.5, so the
+    second (mass before it: exactly 0.5, not < 0.5) is out. vLLM and HF keep the smallest prefix whose
+    mass reaches top_p; a `<=` at the boundary would keep a second token."""
+    logits = np.log(np.array([[0.5, 0.25, 0.25]], np.float32))
+    token_ids = draw_many(logits, 200, temperature=1.0, top_p=0.5)
+    assert set(token_ids.tolist()) == {0}
+    token_ids = draw_many(logits, 200, temperature=1.0, top_p=0.5 + 1e-6)  # just past: the next token joins
+    assert set(token_ids.tolist()) == {0, 1}
+
+
+def test_min_tokens_bans_stop_tokens_up_to_output_m_and_eos_can_be_output_m_plus_1():
+    """min_tokens = m: the row drawing output number k (k - 1 outputs out) bans eos while k - 1 < m,
+    i.e. for outputs 1..m; output m + 1 may be eos (vLLM's MinTokensLogitsProcessor). Eos is the
+    overwhelming favourite here, so a drawn non-eos token shows the ban."""
+    from jaxpaged.device.sampling import row_spec
+    from jaxpaged.planner.request import SamplingParams
+    from jaxpaged.planner.sequence import Sequence
+
+    eos, m = 3, 4
+    params = SamplingParams(temperature=0.0, min_tokens=m, max_tokens=10)
+    seq = Sequence([1, 2], params, eos_token_id=eos)
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, eos] = 30.0
+    logits[0, 5] = 1.0
+    for num_out in range(m + 2):
+        rows = [row_spec(0, params, 0, 0, seq, num_out)]
+        token_ids, _ = sample(jnp.asarray(logits), make_sampling_arrays(rows, 1))
+        assert int(token_ids[0]) == (5 if num_out < m else eos), num_out
+
+
 def test_min_p_excludes_tokens_below_min_p_times_max():
     # min_p 0.3 -> threshold 0.3 * 0.40 = 0.12: keeps 0.40, 0.25, 0.15; drops 0.10, 0.06, 0.04.
     token_ids = draw_many(hand_logits(), 3000, temperature=1.0, min_p=0.3)

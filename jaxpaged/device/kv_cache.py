@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.device.sharding import TensorParallel, kv_head_replicas, replica_meshes
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.ops.kv_quant import QuantizedKV, bytes_per_token_head
 
@@ -37,9 +39,26 @@ def bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "a
 kv_cache_bytes_per_page = bytes_per_page  # the name benchmarks and tests have used
 
 
-def num_pages_for_budget(config: ModelConfig, page_size: int, budget_bytes: int, kv_cache_dtype: str = "auto") -> int:
-    """How many pages (the padding page 0 included) fit in `budget_bytes` of KV memory."""
-    num_pages = budget_bytes // bytes_per_page(config, page_size, kv_cache_dtype)
+def device_bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto",
+                          tensor_parallel_size: int = 1) -> int:
+    """Bytes of one page on each device of a tensor-parallel mesh: its KV heads (repeated
+    tp / num_kv_heads times when tp exceeds them, as device/sharding.py places them) split over tp."""
+    replicas = kv_head_replicas(config, tensor_parallel_size)
+    return bytes_per_page(config, page_size, kv_cache_dtype) * replicas // tensor_parallel_size
+
+
+def per_device_param_bytes(params, shardings) -> int:
+    """Bytes of the parameters on one device of a mesh, each leaf placed with its sharding (from the
+    shard shapes; nothing is moved). `shardings`: a pytree like `params` (`TensorParallel.param_shardings`)."""
+    return sum(math.prod(sharding.shard_shape(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+               for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
+
+
+def num_pages_for_budget(config: ModelConfig, page_size: int, budget_bytes: int, kv_cache_dtype: str = "auto",
+                         tensor_parallel_size: int = 1) -> int:
+    """How many pages (the padding page 0 included) fit in `budget_bytes` of KV memory, counted per
+    device under tensor parallelism (`device_bytes_per_page`), for the whole page otherwise."""
+    num_pages = budget_bytes // device_bytes_per_page(config, page_size, kv_cache_dtype, tensor_parallel_size)
     if num_pages < 2:
         raise ValueError(
             f"a KV budget of {budget_bytes} bytes holds {num_pages} pages of {page_size} tokens; "
@@ -64,7 +83,11 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
 
         kv_memory_fraction x (free memory - the compiled largest step's scratch memory - 512 MiB)
 
-    so warm-up and the largest step still fit beside the pool.
+    so warm-up and the largest step still fit beside the pool. Under tensor parallelism the budget is
+    one device's (the first of replica 0's mesh): its share of the weights is subtracted, and each
+    page costs it only its share of the KV heads (`device_bytes_per_page`), so a tp-way mesh holds
+    tp times the pages of one device (fewer when KV heads are repeated). `kv_memory_bytes` counts
+    whole pages, on every platform.
     """
     if config.num_pages is not None:
         return config.num_pages
@@ -73,8 +96,18 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
     if on_gpu():
         from jaxpaged.device.runner import ModelRunner  # the runner builds on this module's sizes
 
-        params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
-        free = free_device_memory()
+        tp_size = config.tensor_parallel_size
+        if tp_size == 1:
+            params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
+            free = free_device_memory()
+        else:  # the weights are not placed here: the runner splits them leaf by leaf
+            mesh = replica_meshes(config.data_parallel_size, tp_size)[0]
+            shardings = TensorParallel.create(mesh, model_config).param_shardings(params)
+            free = free_device_memory() - per_device_param_bytes(params, shardings)
+            # The probe below compiles the unsplit step (its scratch: an upper bound per device) from
+            # abstract weights, so nothing lands whole on one device.
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=device), params)
         # The largest step, compiled over a 2-page pool: its scratch does not grow with the pool.
         probe = ModelRunner(
             model_config, params, num_pages=2, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
@@ -91,8 +124,8 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
                 f"{_GPU_MARGIN_BYTES >> 20} MiB margin and nothing is left for KV pages; lower "
                 "max_num_batched_tokens, use a smaller model or dtype, or free device memory"
             )
-        return num_pages_for_budget(
-            model_config, config.page_size, int(free * config.kv_memory_fraction), config.kv_cache_dtype)
+        return num_pages_for_budget(model_config, config.page_size, int(free * config.kv_memory_fraction),
+                                    config.kv_cache_dtype, tensor_parallel_size=tp_size)
     full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
     page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
     return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))

@@ -105,12 +105,18 @@ def restore_params(key: str, like: Any = None) -> Any | None:
         with open(marker) as f:
             record = json.load(f)
         with ocp.StandardCheckpointer() as checkpointer:  # closed (threads joined) even on a failed read
-            if like is None:
-                params = checkpointer.restore(os.path.join(final, "state"))
-            else:
-                abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), like)
-                params = checkpointer.restore(os.path.join(final, "state"), abstract)
-            params = jax.block_until_ready(params)
+            state = os.path.join(final, "state")
+            if like is None:  # the saved structure: leaves' shapes and dtypes from the entry's metadata
+                item = checkpointer.metadata(state).item_metadata
+                like = getattr(item, "tree", item)
+            # Into host memory, as a converted GGUF is: the engine splits the parameters over its
+            # devices leaf by leaf. Restored onto the default device, the whole model would first
+            # land on one accelerator (under tensor parallelism, a model that fits only split).
+            host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            abstract = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=host), like,
+                is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+            params = jax.block_until_ready(checkpointer.restore(state, abstract))
         saved, restored = record["leaves"], _leaf_record(params)
         if like is not None:
             # The restored tree takes `like`'s type, so compare structure-free: shapes and dtypes in order.

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.ops.attention import reference_paged_attention
-from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, write_slots
+from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
 from jaxpaged.models.config import ModelConfig, RopeScaling
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
@@ -141,6 +141,9 @@ class Attention(nn.Module):
             q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="q_norm")(q)
             key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        rotated = rotates(kv_pages)  # int8 pages hold K/V in a Hadamard basis (ops/kv_quant.py)
+        if rotated:
+            q, key, value = rotate(q), rotate(key), rotate(value)
 
         kv_pages = write_kv(kv_pages, layer_idx, key, value, slot_mapping)
         # A backend with a decode kernel is told, statically, that the step is decode-only.
@@ -166,6 +169,8 @@ class Attention(nn.Module):
         else:
             local_window = max(w for w in self.windows if w is not None)
             out = jax.lax.cond(is_local, lambda: attend(local_window), lambda: attend(None))
+        if rotated:
+            out = rotate(out)  # back from the Hadamard basis: H is its own inverse
         y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)

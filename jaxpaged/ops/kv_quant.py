@@ -22,6 +22,17 @@ bytes of K or V (64 for SmolLM2: 68 bytes instead of 256 in float32 or 128 in bf
     x~    = q * scale
 An all-zero vector (amax = 0) gets scale 1 (q = 0, exact).
 
+int8 pages hold K and V in a Hadamard basis (`rotate`, QuaRot's fix for outlier channels). Llama-
+family keys carry a few channels ~10x larger than the rest (SmolLM2: up to 20 against a median of
+~3): a per-token scale set by them leaves the other channels a few int8 steps. The orthonormal,
+symmetric head_dim x head_dim Hadamard H spreads every channel over all of them, so the per-token
+amax falls towards the vector's rms. The model stores k H and v H, attends with q H (scores are
+unchanged: qH . kH = q . k) and turns the output back (out = (sum_i p_i v_i H) H). The kernels,
+the chunked backend and the reference read the pages as before: the basis change lives in the model
+(`models/llama.py`), no page format or kernel changes, and pages stay write-once. fp8 is not rotated:
+its error is relative to each element (3 mantissa bits) and the amax element is exact, so spreading
+an outlier over every channel makes its scores worse (measured: benchmarks/kv_quant_accuracy.py).
+
 float8_e4m3fn values are *stored as their bits* in a uint8 array (`lax.bitcast_convert_type`, free)
 and bitcast back as they are read. XLA's CPU backend has no native fp8 arithmetic and upcasts fp8
 operations (the step's in-place scatter included) through a float16 copy of the whole operand: a
@@ -30,6 +41,8 @@ ever gathered and scattered as bytes, so it stays in place on every backend.
 """
 
 from typing import NamedTuple
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +127,28 @@ def quantize(x: Float[Array, "... head_dim"], dtype) -> tuple[Shaped[Array, "...
     if dtype == jnp.float8_e4m3fn:
         values = lax.bitcast_convert_type(values, jnp.uint8)
     return values, scale.astype(SCALE_DTYPE)
+
+
+def rotates(kv_pages) -> bool:
+    """True for a KV state whose pages hold K/V in the Hadamard basis (an int8 cache; module doc)."""
+    return isinstance(kv_pages, QuantizedKV) and kv_pages.pages.dtype == jnp.int8
+
+
+def hadamard(head_dim: int) -> np.ndarray:
+    """The orthonormal, symmetric [head_dim, head_dim] basis change (H @ H = I): Sylvester's Hadamard
+    of the largest power of two b dividing head_dim, / sqrt(b), repeated on the diagonal (head_dim 96:
+    three 32 x 32 blocks)."""
+    block = head_dim & -head_dim  # the largest power of two dividing head_dim
+    h = np.ones((1, 1))
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(head_dim // block), h / np.sqrt(block)).astype(np.float32)
+
+
+def rotate(x: Float[Array, "... head_dim"]) -> Float[Array, "... head_dim"]:
+    """`x @ H` in float32, back in x's dtype; its own inverse (module doc)."""
+    basis = jnp.asarray(hadamard(x.shape[-1]))
+    return jnp.einsum("...h,hd->...d", x.astype(jnp.float32), basis).astype(x.dtype)
 
 
 def values_as_float(values: Shaped[Array, "..."]) -> Float[Array, "..."]:

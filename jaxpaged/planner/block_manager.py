@@ -31,9 +31,10 @@ import collections
 from jaxpaged.planner.host_pool import HostPagePool
 from jaxpaged.planner.prefix_cache import PageKey, hash_page, page_key
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.planner.swap_space import SwapSpace
 
 
-class BlockManager:
+class BlockManager(SwapSpace):
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, *,
                  num_swap_pages: int = 0, num_host_cache_pages: int = 0) -> None:
         if num_pages < 2:
@@ -71,7 +72,8 @@ class BlockManager:
         self.num_prefix_hit_tokens_host = 0  # of num_prefix_hit_tokens, tokens found in the host tier
         self.num_host_cache_stores = 0  # device evictions kept in the host tier
         self.num_swapped_out_pages = 0
-        self.num_swapped_in_pages = 0
+        self.num_swapped_in_pages = 0  # copied back from host
+        self.num_swap_in_shared_pages = 0  # swapped-in pages found still cached on the device: shared, not copied
 
     # ------------------------------------------------------------------ hashing (prefix_cache.py)
 
@@ -294,56 +296,6 @@ class BlockManager:
             self.swap_pool.release(host_page_id)
         seq.host_block_table = []
 
-    # ------------------------------------------------------------------ swapping a sequence out and in
-
-    def _num_swap_pages(self, seq: Sequence) -> int:
-        return self._num_pages_for(seq.num_computed_tokens)  # pages holding computed K/V
-
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < self._num_swap_pages(seq) <= self.swap_pool.num_free_pages
-
-    def swap_out_seq(self, seq: Sequence) -> None:
-        """Copy the pages holding `seq`'s computed K/V to host pages, then free its device pages.
-
-        The copies are planned in `swap_out`, issued before this step's writes; a step still in
-        flight that writes these pages is ordered before them on the device (same buffer)."""
-        host_block_table = [self.swap_pool.take() for _ in range(self._num_swap_pages(seq))]
-        self.swap_out += zip(seq.block_table, host_block_table)
-        self.num_swapped_out_pages += len(host_block_table)
-        for page_id in reversed(seq.block_table):
-            self._release(page_id)
-        seq.block_table = []
-        seq.host_block_table = host_block_table
-
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return self._num_pages_for(len(seq.token_ids)) <= len(self.free_page_ids)
-
-    def swap_in_seq(self, seq: Sequence) -> None:
-        """Fresh device pages for a swapped-out sequence: its host pages are copied back (`swap_in`)
-        before this step reads them, and more fresh pages cover its tokens not computed yet."""
-        if self._num_pages_for(len(seq.token_ids)) > len(self.free_page_ids):
-            raise RuntimeError(f"no room to swap sequence {seq.seq_id} in; call can_swap_in() first")
-        block_table = []
-        for host_page_id in seq.host_block_table:
-            page_id = self._take_fresh_page()
-            self.swap_in.append((host_page_id, page_id))
-            self.swap_pool.release_after_transfer(host_page_id)
-            block_table.append(page_id)
-        self.num_swapped_in_pages += len(block_table)
-        while len(block_table) * self.page_size < len(seq.token_ids):
-            block_table.append(self._take_fresh_page())
-        seq.block_table = block_table
-        seq.host_block_table = []
-
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The (swap_out, swap_in) copies planned since the last call; host pages read by the last
-        call's swap-ins are free again from now on."""
-        self.swap_pool.end_transit()
-        self.host_cache.end_transit()
-        transfers = self.swap_out, self.swap_in
-        self.swap_out, self.swap_in = [], []
-        return transfers
-
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""
         if not parent.block_table:
@@ -387,6 +339,7 @@ class BlockManager:
             "num_swap_pages_free": self.swap_pool.num_free_pages,
             "num_swapped_out_pages": self.num_swapped_out_pages,
             "num_swapped_in_pages": self.num_swapped_in_pages,
+            "num_swap_in_shared_pages": self.num_swap_in_shared_pages,
             "prefix_hit_rate": self.num_prefix_hit_tokens / max(1, self.num_prefix_query_tokens),
             "num_evictions": self.num_evictions,
             "num_cow_copies": self.num_cow_copies,

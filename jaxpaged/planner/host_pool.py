@@ -11,8 +11,9 @@ Each page is in exactly one of three states:
   ordered like the device free list: unregistered pages at the front, registered ones from least
   to most recently stored;
 - in transit: ref count 0, read by a swap-in planned this step, in `transit_page_ids`. It goes back
-  to the free list at the next `end_transit()` (the scheduler calls it at the start of the next
-  step), so that no later write into the same host page can be planned before the read happens.
+  to the free list at the next `end_transit()`, when `BlockManager.take_transfers` hands the step's
+  transfers to the engine (which issues the reads before it plans again), so that nothing planned
+  later in the same step (a host-tier store) can write into the page before the read happens.
 """
 
 from __future__ import annotations
