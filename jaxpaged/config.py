@@ -45,6 +45,9 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (jaxpaged/spec_decode/). None: off.
     speculative_config: dict | None = None
+    # MoE (vLLM's engine argument): CompletionOutput.routed_experts gets every fed token's top-k expert
+    # ids per layer, [len(prompt) + len(output) - 1, num_layers, top_k] (engine/routed_experts.py).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
         if self.host_cache_bytes is not None and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes is a tier of the prefix cache; set enable_prefix_caching=True")
+        if self.enable_return_routed_experts and self.speculative_config is not None:
+            raise ValueError("enable_return_routed_experts does not run with speculative_config yet; leave one unset")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'")
         if self.dtype not in (None, "float32", "bfloat16"):

@@ -256,7 +256,7 @@ class CausalLM(nn.Module):
 
         layers = nn.scan(
             DecoderLayer,
-            variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
+            variable_axes={"params": 0, "intermediates": 0},  # a leading num_layers axis (intermediates: MoE ids)
             split_rngs={"params": True},
             in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
             length=c.num_layers,

@@ -74,6 +74,16 @@ def grouped_experts(
 ExpertFn = Callable[..., Float[Array, "T D"]]
 
 
+def apply_returning_routed_experts(model: nn.Module, enabled: bool, params, *args):
+    """`(model.apply(params, *args), ids [T, L, k] int16 | None)`: with `enabled` (static), the top-k
+    expert ids every MoE layer sowed, token-major; without, the default program and None."""
+    if not enabled:
+        return model.apply(params, *args), None
+    out, state = model.apply(params, *args, mutable=["intermediates"])
+    (ids,) = state["intermediates"]["layers"]["moe"]["routed_experts"]  # [L, T, k]: the layer scan stacks them
+    return out, jnp.swapaxes(ids, 0, 1)
+
+
 class MoE(nn.Module):
     num_experts: int
     top_k: int
@@ -88,6 +98,9 @@ class MoE(nn.Module):
         dim, e, f = x.shape[-1], self.num_experts, self.intermediate_size
         router_logits = jnp.einsum("TD,DE->TE", x, self.param("router", _init, (dim, e), self.dtype))
         weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
+        # Routed expert ids for RL users (engine/routed_experts.py): kept only when the caller makes
+        # "intermediates" mutable; otherwise sow does nothing and the program is unchanged.
+        self.sow("intermediates", "routed_experts", ids.astype(jnp.int16))
         return self.expert_fn(
             x, ids, weights,
             self.param("expert_gate", _init, (e, dim, f), self.dtype),
