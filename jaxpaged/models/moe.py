@@ -9,11 +9,8 @@ gathered in that order, and each projection is one `jax.lax.ragged_dot` over the
 (group g = the rows routed to expert g). Work is O(T * k * D * F), not O(T * E * D * F).
 
 Expert parallelism (`expert_fn`, device/sharding.py `TensorParallel.shard_experts`): each device
-holds E/ep experts [offset, offset + E/ep); every device sees all tokens (activations between
-blocks are replicated under tensor parallelism), computes only the pairs routed to its experts
-(the others sort past the last local group and are zeroed), and one all-reduce sums the partial
-outputs. Replication + all-reduce stands in for an all-to-all token exchange: the same result, and
-at decode batch sizes the all-reduce of [T, D] is what the dense MLP's row split costs anyway.
+holds E/ep experts; tokens are exchanged by all-to-all so that each device runs `grouped_experts` on
+the pairs routed to its experts only (device/expert_parallel.py).
 """
 
 from collections.abc import Callable
