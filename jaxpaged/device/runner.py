@@ -93,6 +93,7 @@ class ModelRunner:
         # Tensor parallelism (jaxpaged/device/sharding.py): parameters and the KV buffer split over `mesh`,
         # attention run per device on its own heads. self.config is the model as the devices see
         # it (KV heads replicated when the mesh is wider than num_kv_heads).
+        model_config = model_config.for_max_model_len(max_model_len)  # LongRoPE: long factors past the original
         self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
         if self.tp is not None:
             model_config = self.tp.config
@@ -170,8 +171,7 @@ class ModelRunner:
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
 
-    def _abstract(self, x) -> jax.ShapeDtypeStruct:
-        """`x`'s shape and dtype on the compile-only runner's devices."""
+    def _abstract(self, x) -> jax.ShapeDtypeStruct:  # x's shape and dtype on the compile-only runner's devices
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)
 
     def _to_device(self, params):
