@@ -252,8 +252,9 @@ class CausalLM(nn.Module):
         def rotations(theta, scaling):
             inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
             angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-            scale = scaling.attention_factor if isinstance(scaling, LongRope) else 1.0  # LongRoPE only
-            return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+            if isinstance(scaling, LongRope):  # cos/sin scaled by its attention factor
+                return jnp.cos(angles) * scaling.attention_factor, jnp.sin(angles) * scaling.attention_factor
+            return jnp.cos(angles), jnp.sin(angles)
 
         rope = rotations(c.rope_theta, c.rope_scaling)
         rope += rotations(c.local_rope_theta, None) if c.local_rope_theta is not None else rope
