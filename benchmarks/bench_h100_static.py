@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_h100_static            # the matrix below, ~5-10 min on 2 cores
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024 only
+    python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
 
 Needs the toolchain once: `benchmarks/h100/install_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -34,7 +35,18 @@ H100_BYTES = 84_942_979_072  # device_memory_size of benchmarks/h100/h100_sxm.tx
 AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Llama-3-8B"}
 
 
-def cases(quick: bool) -> list[dict]:
+def family_cases() -> list[dict]:
+    """Decode steps of the other model families: MoE (Mixtral-8x7B at 16 of its 32 layers, which fit an
+    H100) at batch 1 (2 of 8 experts needed) and 64 (all of them), and Gemma 2 (local/global layers)."""
+    mixtral = lambda b: dict(model="mixtral-8x7b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=2048,
+                             num_layers=16)
+    return [mixtral(1), mixtral(64),
+            dict(model="gemma2-9b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048)]
+
+
+def cases(quick: bool, families: bool = False) -> list[dict]:
+    if families:
+        return family_cases()
     c = []
     decode = lambda model, backend, kv, b, ctx: dict(model=model, backend=backend, kv_cache_dtype=kv, num_seqs=b,
                                                      context=ctx)
@@ -49,14 +61,14 @@ def cases(quick: bool) -> list[dict]:
     # A W1-like mixed step: 8192 tokens, 16 sequences of 512 new tokens over 512 cached ones.
     c += [dict(model="qwen3-0.6b", backend=backend, kv_cache_dtype="auto", num_seqs=16, context=1024, num_tokens=8192)
           for backend in ("pallas", "mosaic")]
-    return c
+    return c + family_cases()
 
 
 def child(args) -> None:
     from benchmarks.h100.step_profile import StepCase, profile
 
     rows = []
-    for spec in cases(args.quick):
+    for spec in cases(args.quick, args.families):
         case = StepCase(**spec)
         try:
             row = profile(case)
@@ -70,10 +82,10 @@ def child(args) -> None:
 
 def _row_line(r: dict) -> str:
     if "error" in r:
-        return f"{r['model']:<11} {r['backend']:<6} {r['kv_cache_dtype']:<6} b={r['num_seqs']:<4} ctx={r['context']:<5} ERROR {r['error']}"
+        return f"{r['model']:<12} {r['backend']:<6} {r['kv_cache_dtype']:<6} b={r['num_seqs']:<4} ctx={r['context']:<5} ERROR {r['error']}"
     kind = "decode" if not r["num_tokens"] else f"mixed {r['num_tokens']}"
     spill = max((k["spill_store_bytes"] for k in r.get("kernels", [])), default=0)
-    return (f"{r['model']:<11} {r['backend']:<6} {r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} "
+    return (f"{r['model']:<12} {r['backend']:<6} {r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} "
             f"ctx={r['context']:<5} launches={r['launches']:<5} copies={r['copies']:<4} "
             f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} floor_ms={r['floor_ms']:7.3f} "
             f"ideal_ms={r['ideal_floor_ms']:7.3f} matmul_flops_x={r.get('matmul_flops_to_useful')} spills={spill} "
@@ -82,7 +94,8 @@ def _row_line(r: dict) -> str:
 
 def vllm_predictions(rows: list[dict]) -> dict[str, float]:
     """aiconfigurator's vLLM decode-step latency (ms) per (model, batch, context), where it runs offline."""
-    wanted = sorted({(r["model"], r["num_seqs"], r["context"]) for r in rows if not r.get("num_tokens")})
+    wanted = sorted({(r["model"], r["num_seqs"], r["context"]) for r in rows
+                     if not r.get("num_tokens") and r["model"] in AIC_MODELS})  # the models it has tables for
     code = ("import json, sys\nfrom aiconfigurator_core.sdk.engine import EngineHandle\nout, handles = {}, {}\n"
             "for model, b, ctx in json.loads(sys.argv[1]):\n"
             "    try:\n"
@@ -129,6 +142,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
+    parser.add_argument("--families", action="store_true", help="the Mixtral and Gemma 2 decode steps only")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -138,10 +152,10 @@ def main(argv=None) -> int:
     from benchmarks.h100.target import run_in_h100_python
 
     os.makedirs(args.out, exist_ok=True)
-    name = "h100_static_quick" if args.quick else "h100_static"
+    name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
     child_out = os.path.join(args.out, f".{name}.child.json")
     run_in_h100_python(["-m", "benchmarks.bench_h100_static", *(["--quick"] if args.quick else []),
-                        "--child-out", child_out])
+                        *(["--families"] if args.families else []), "--child-out", child_out])
     with open(child_out) as f:
         rows = json.load(f)
     os.remove(child_out)
@@ -156,7 +170,7 @@ def main(argv=None) -> int:
               "aiconfigurator-core prediction. Nothing here ran on a GPU.", "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if not args.quick:
+    if not (args.quick or args.families):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:

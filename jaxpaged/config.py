@@ -49,8 +49,13 @@ class EngineConfig:
     # None: on a GPU when tensor_parallel_size is 1. On a CPU True measured no faster (batch 16, noisy
     # shared cores) and each step program compiles ~5x longer (30 layers: 15-17 s instead of 3-5 s).
     per_layer_weights: bool | None = None
+    # MoE (vLLM's engine argument): CompletionOutput.routed_experts gets every fed token's top-k expert
+    # ids per layer, [len(prompt) + len(output) - 1, num_layers, top_k] (engine/routed_experts.py).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
+        if self.per_layer_weights and self.enable_return_routed_experts:
+            raise ValueError("enable_return_routed_experts reads the layer scan's routed ids: leave per_layer_weights None")
         if self.per_layer_weights and self.tensor_parallel_size > 1:
             raise ValueError("per_layer_weights=True needs tensor_parallel_size=1 (sharded per-layer weights are "
                              "not supported yet); leave it None")
@@ -86,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
         if self.host_cache_bytes is not None and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes is a tier of the prefix cache; set enable_prefix_caching=True")
+        if self.enable_return_routed_experts and self.speculative_config is not None:
+            raise ValueError("enable_return_routed_experts does not run with speculative_config yet; leave one unset")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'")
         if self.dtype not in (None, "float32", "bfloat16"):

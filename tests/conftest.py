@@ -48,6 +48,13 @@ TINY_HF_CONFIGS = {
     # two pages of 4, so a window boundary falls inside a page as the context grows.
     "mistral-window": ("mistral", dict(sliding_window=8, tie_word_embeddings=False)),
     "phi3-window": ("phi3", dict(sliding_window=6, pad_token_id=0, tie_word_embeddings=False)),  # fused qkv/gate_up
+    # Phi-3 LongRoPE: an original context of 16 extended to 64 (attention factor sqrt(1 + ln 4 / ln 16)),
+    # a different divisor per frequency (head_dim 16: 8 of each).
+    "phi3-longrope": ("phi3", dict(pad_token_id=0, tie_word_embeddings=False, original_max_position_embeddings=16,
+                                   max_position_embeddings=64, rope_parameters=dict(
+                                       rope_type="longrope", rope_theta=10000.0,
+                                       short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                                       long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]))),
     # MoE: top-2 of 4 (Mixtral renormalises) and top-1 of 8 (Qwen3-MoE without norm_topk_prob, q/k norm).
     "mixtral-top2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
     "qwen3moe-top1": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32,
@@ -65,7 +72,7 @@ def tiny_hf_config(name: str):
     from transformers import AutoConfig
 
     model_type, overrides = TINY_HF_CONFIGS[name]
-    return AutoConfig.for_model(model_type, **_COMMON, **overrides)
+    return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
 
 
 _HF_CACHE = {}

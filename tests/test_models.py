@@ -22,6 +22,9 @@ NUM_PAGES = 24
 ATOL = 1e-4  # float32 against float32 torch
 
 _RUNNERS = {}
+# LongRoPE's factor set follows max_model_len (64 here: long) while HF's follows each forward's length,
+# so short sequences differ by design; tests/test_longrope.py covers it in both regimes.
+PAGED_CONFIGS = sorted(name for name in TINY_HF_CONFIGS if name != "phi3-longrope")
 
 
 @pytest.fixture
@@ -61,7 +64,7 @@ def _new_seq(token_ids, pages):
     return seq
 
 
-@pytest.mark.parametrize("name", sorted(TINY_HF_CONFIGS))
+@pytest.mark.parametrize("name", PAGED_CONFIGS)
 def test_chunked_prefill_then_decode_matches_hf(name, nan_runner, hf_logits):
     runner = nan_runner(name)
     rng = np.random.default_rng(0)
@@ -78,7 +81,7 @@ def test_chunked_prefill_then_decode_matches_hf(name, nan_runner, hf_logits):
         np.testing.assert_allclose(logits[0], expected[last], atol=ATOL, rtol=0, err_msg=f"position {last}")
 
 
-@pytest.mark.parametrize("name", sorted(TINY_HF_CONFIGS))
+@pytest.mark.parametrize("name", PAGED_CONFIGS)
 def test_ragged_batch_of_prefill_chunk_and_decode_matches_hf(name, nan_runner, hf_logits):
     runner = nan_runner(name)
     rng = np.random.default_rng(1)
@@ -141,10 +144,6 @@ def test_from_hf_rejects_what_it_cannot_run():
     ]:
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_hf(dict(model_type=model_type, **{field: value}))
-    phi3 = tiny_hf_config("phi3-window").to_dict()
-    phi3["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0], long_factor=[1.0])
-    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
-        ModelConfig.from_hf(phi3)
 
 
 def test_config_validates_itself():

@@ -38,6 +38,17 @@ MODELS = {  # shapes only: weights are abstract
                        num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128),
+    # Mixtral-8x7B (top-2 of 8 experts). Its 32 layers are 93 GB in bf16, over one H100's 80 GB: the
+    # cases run it with num_layers=16 (47 GB), and per-layer figures are what carries over.
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=14336),
+    # Gemma-2-9B: local (window 4096) and global layers alternating, soft caps, sandwich norms, gelu.
+    "gemma2-9b": dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16,
+                      num_kv_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                      layer_types=("sliding_attention", "full_attention") * 21, attn_soft_cap=50.0,
+                      final_soft_cap=30.0, norm_plus_one=True, sandwich_norms=True, scale_embedding=True,
+                      hidden_act="gelu_tanh", tie_word_embeddings=True),
 }
 
 
@@ -94,29 +105,42 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
 
 def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) -> dict:
     token_head = bytes_per_token_head(case.kv_cache_dtype, config.dtype, config.head_dim)  # scales included
-    live_kv_per_layer = case.num_seqs * case.context * config.num_kv_heads * 2 * token_head  # K and V
+    # Live K/V per layer; a sliding-window layer reads at most its window. The accounting's override is
+    # per launch, so windowed models use the mean over layers (exact when context <= window).
+    read = [min(case.context, w) if w is not None else case.context for w in config.layer_windows]
+    live_kv_per_layer = case.num_seqs * (sum(read) // len(read)) * config.num_kv_heads * 2 * token_head  # K and V
     # The pool is one entry parameter, or two for a quantized one (values, scales): one buffer to the
     # accounting, read per launch as the live context's values and scales (token_head counts both).
     kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
                 tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
+    # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
+    # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
+    expert_bytes = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
+                       if "expert_" in jax.tree_util.keystr(path))
+    active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
+    touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
     new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
     io = new_kv + case.num_seqs * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
-    ideal = weight_bytes + live_kv_per_layer * config.num_layers + io
+    ideal = weight_bytes - expert_bytes + touched * expert_bytes + live_kv_per_layer * config.num_layers + io
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size
-    matmul_params = weight_bytes // 2 - embed * (1 if config.tie_word_embeddings else 2)
-    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
-    useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
+    # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
+    # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
+    expert_bytes = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
+                       if "expert_" in jax.tree_util.keystr(path))
+    active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
+    touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
     memory = out.compiled.memory_analysis()
     pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
     copies = [launch for launch in acc.launches if launch.kind == "copy"]
     return {
-        **dataclasses.asdict(case), "num_layers": config.num_layers,
+        **dataclasses.asdict(case), "num_layers": config.num_layers, "expert_bytes": expert_bytes,
         "launches": acc.num_launches, "kernels_launched": acc.num_kernels, "copies": acc.num_copies,
         "copy_bytes": acc.copy_bytes, "launches_per_layer": round(acc.num_launches / config.num_layers, 2),
-        "hbm_bytes": acc.hbm_bytes, "ideal_bytes": ideal, "bytes_to_ideal": round(acc.hbm_bytes / ideal, 4),
+        "hbm_bytes": acc.hbm_bytes, "ideal_bytes": int(ideal), "bytes_to_ideal": round(acc.hbm_bytes / ideal, 4),
         "floor_ms": round(acc.hbm_bytes / H100.hbm_bandwidth * 1e3, 4),
         "ideal_floor_ms": round(ideal / H100.hbm_bandwidth * 1e3, 4),
         "executed_flops": acc.flops, "useful_flops": useful,

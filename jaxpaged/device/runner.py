@@ -28,7 +28,7 @@ from jaxpaged.device.step_input import StepInput, default_buckets, default_decod
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
-from jaxpaged.models.moe import grouped_experts
+from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.kv_cache import apply_page_copies
 from jaxpaged.device.layer_params import own_copy, split_layers, stack_layers
 from jaxpaged.device.sharding import TensorParallel
@@ -88,6 +88,7 @@ class ModelRunner:
         mesh=None,
         kv_cache_dtype: str = "auto",
         per_layer_weights: bool | None = None,
+        return_routed_experts: bool = False,  # MoE: execute returns (its result, ids [T, L, k]): engine/routed_experts.py
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -98,11 +99,12 @@ class ModelRunner:
         # Tensor parallelism (jaxpaged/device/sharding.py): parameters and the KV buffer split over `mesh`,
         # attention run per device on its own heads. self.config is the model as the devices see
         # it (KV heads replicated when the mesh is wider than num_kv_heads).
+        model_config = model_config.for_max_model_len(max_model_len)  # LongRoPE: long factors past the original
         self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
         if self.tp is not None:
             model_config = self.tp.config
             attention_fn = self.tp.shard_attention(attention_fn or reference_paged_attention)
-        self.config = model_config
+        self.config, self.return_routed_experts = model_config, return_routed_experts
         self.num_pages, self.page_size = num_pages, page_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.pages_per_seq = math.ceil(max_model_len / page_size)
@@ -134,7 +136,8 @@ class ModelRunner:
         if per_layer_weights and self.tp is not None:
             raise ValueError("per_layer_weights=True under tensor parallelism is not supported yet; leave it None")
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
-        self.per_layer_weights = (self.tp is None and platform != "cpu") if per_layer_weights is None else per_layer_weights
+        self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
+                                  ) if per_layer_weights is None else per_layer_weights
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
         # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
         if self.abstract:  # compile-only: shapes and the params' sharding, no memory
@@ -192,8 +195,7 @@ class ModelRunner:
         """Keeps the runner's own copy `params` (canonical) as the step reads it (stacked leaves deleted once split)."""
         self.served_params = split_layers(params, delete=True) if self.per_layer_weights else params
 
-    def _abstract(self, x) -> jax.ShapeDtypeStruct:
-        """`x`'s shape and dtype on the compile-only runner's devices."""
+    def _abstract(self, x) -> jax.ShapeDtypeStruct:  # x's shape and dtype on the compile-only runner's devices
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)
 
     def _to_device(self, params):
@@ -215,12 +217,13 @@ class ModelRunner:
             token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
         model = self.decode_model if decode_only else self.model  # static: a compiled program each
         targets = step_input.prompt_logprob_targets  # prompt logprobs: logits at every token too
-        logits, kv_pages = model.apply(
-            params, kv_pages, token_ids, step_input.positions, step_input.slot_mapping,
-            step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
+        (logits, kv_pages), routed = apply_returning_routed_experts(
+            model, self.return_routed_experts, params, kv_pages, token_ids, step_input.positions,
+            step_input.slot_mapping, step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
             with_every_token(step_input.logits_indices, targets),
         )
-        return split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets), kv_pages
+        logits = split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets)
+        return (logits if routed is None else (logits, routed)), kv_pages
 
     def _copy_fn(self, kv_pages, src, dst):
         self.num_copy_compiles += 1  # runs only while tracing
@@ -264,7 +267,7 @@ class ModelRunner:
         )
 
     def execute(self, step_input: StepInput, prev_tokens=None) -> (
-            Float[Array, "num_logits vocab_size"] | tuple[Float[Array, "num_logits vocab_size"], dict]):
+            Float[Array, "num_logits vocab_size"] | tuple):  # a tuple with prompt logprobs / routed experts
         """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (with
         `step_input.prompt_logprob_targets`: (logits, sampler_ext.token_logprobs of every token)).
 
@@ -296,8 +299,7 @@ class ModelRunner:
 
     def run(self, scheduler_output) -> Float[Array, "num_seqs vocab_size"]:
         """Copy-on-write copies, then the step: the whole device side of one `SchedulerOutput`."""
-        if scheduler_output.copies:
-            self.copy_pages(scheduler_output.copies)
+        self.copy_pages(scheduler_output.copies)
         return self.execute(self.prepare(scheduler_output))
 
     def _place_replicated(self, tree):
@@ -332,9 +334,9 @@ class ModelRunner:
         """Compiles the step for every bucket and decode bucket, the page copy, and (when the engine
         has host pages: swap, host tier) the host transfers, so serving never compiles."""
         for bucket in self.buckets:
-            self.execute(self.dummy_step_input(bucket)).block_until_ready()
+            jax.block_until_ready(self.execute(self.dummy_step_input(bucket)))
         for bucket in self.decode_buckets:
-            self.execute(self.dummy_step_input(bucket, decode_only=True)).block_until_ready()
+            jax.block_until_ready(self.execute(self.dummy_step_input(bucket, decode_only=True)))
         for bucket in self.buckets:  # the prompt-logprobs program of each (decode buckets never need one)
             jax.block_until_ready(self.execute(dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))))
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing

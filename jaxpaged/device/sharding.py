@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpaged.device.expert_parallel import all_to_all_experts
 from jaxpaged.models.config import ModelConfig
 
 TP = "tp"
@@ -277,25 +278,11 @@ class TensorParallel:
     def shard_experts(self, expert_fn: Callable) -> Callable:
         """`expert_fn` (models/moe.py `grouped_experts`) with experts split over `tp`: expert parallelism.
 
-        Tokens and routing are replicated; device d runs its E/tp experts [d E/tp, (d+1) E/tp) on the
-        pairs routed to them, and one psum adds the partial outputs (a pair's expert lives on
-        exactly one device, so the sum is the unsplit result).
+        Device d holds experts [d E/tp, (d+1) E/tp); each device takes 1/tp of the (replicated) tokens
+        and sends every (token, expert) pair to the expert's device by all-to-all, and the results
+        come back the same way (device/expert_parallel.py).
         """
-        mesh = self.mesh
-        experts = P(TP)
-
-        def sharded(x, expert_ids, weights, w_gate, w_up, w_down, *, act):
-            def local(x, expert_ids, weights, w_gate, w_up, w_down):
-                offset = jax.lax.axis_index(TP) * w_gate.shape[0]
-                out = expert_fn(x, expert_ids, weights, w_gate, w_up, w_down, act=act, expert_offset=offset)
-                return jax.lax.psum(out, TP)
-
-            return jax.shard_map(
-                local, mesh=mesh, out_specs=P(), check_vma=False,
-                in_specs=(P(), P(), P(), experts, experts, experts),
-            )(x, expert_ids, weights, w_gate, w_up, w_down)
-
-        return sharded
+        return all_to_all_experts(expert_fn, self.mesh, TP)
 
 
 def per_device_bytes(array: jax.Array) -> dict[int, int]:

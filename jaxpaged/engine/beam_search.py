@@ -79,6 +79,8 @@ def check_beam_request(params: BeamSearchParams, num_prompt_tokens: int, config,
     if config.speculative_config is not None:
         raise ValueError("beam search cannot run with speculative decoding (speculative_config is set); "
                          "use an LLM without speculative_config for beam search")
+    if config.enable_return_routed_experts:
+        raise ValueError("beam search does not return routed experts; use an LLM without enable_return_routed_experts")
     k = params.beam_width
     if k > config.max_num_seqs:
         raise ValueError(

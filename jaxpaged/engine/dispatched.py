@@ -28,4 +28,5 @@ class Dispatched:
     # Prompt logprobs: every token's token_logprobs arrays, and which requests' prompt positions they fill.
     prompt_logprobs: dict | None = None
     prompt_chunks: list[PromptChunk] = dataclasses.field(default_factory=list)
+    routed: object = None  # RoutedStep (engine/routed_experts.py) with enable_return_routed_experts, else None
     spec: object = None  # SpecPending: the step's speculative verification (jaxpaged/spec_decode/), committed at once

@@ -42,6 +42,7 @@ from jaxpaged.engine.dispatched import Dispatched
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.engine.logprobs import HostLogprobs, prompt_targets
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.routed_experts import routed_experts_recorder
 from jaxpaged.engine.step_sampler import StepSampler, fan_out_order
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
@@ -49,7 +50,7 @@ from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine import weights
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.prefix_cache import versioned_salt
-from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits
+from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits, check_token_ids_in_vocab
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
@@ -105,8 +106,10 @@ class LLMEngine:
             mesh=mesh,  # tensor parallelism: jaxpaged/device/sharding.py
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
             per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
+            return_routed_experts=config.enable_return_routed_experts,
         )
         self.processor = OutputProcessor(tokenizer)
+        self.routed = self.processor.routed_experts = routed_experts_recorder(self, num_swap_pages + num_host_cache_pages)
         self.sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
@@ -152,12 +155,7 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raises ValueError for token ids in `params` outside this model's vocabulary."""
-        vocab_size = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        check_token_ids_in_vocab(params, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -257,6 +255,8 @@ class LLMEngine:
             self.host_kv.swap_out(out.swap_out)
         if out.swap_in:  # before this step reads them
             self.host_kv.swap_in(out.swap_in)
+        if self.routed is not None:  # routed-expert rows move with their pages
+            self.routed.add_swaps(out)
         dispatched = self._dispatch(out) if out.seqs else None
 
         previous, self._in_flight = self._in_flight, None
@@ -289,6 +289,7 @@ class LLMEngine:
         previous = self._in_flight
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
+        logits, routed = self.routed.plan(out, step_input.slot_mapping, logits) if self.routed else (logits, None)
         prompt_logprobs = None
         if targets is not None:
             logits, prompt_logprobs = logits
@@ -323,6 +324,7 @@ class LLMEngine:
                            and self.spec is None),
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
             prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
+            routed=routed,
         )
 
     def _commit(self, dispatched: Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
@@ -335,6 +337,8 @@ class LLMEngine:
             tokens = np.asarray(dispatched.tokens).tolist()  # waits for the device
             if dispatched.logprobs is not None:
                 logprobs = HostLogprobs.read(dispatched.logprobs)
+        if dispatched.routed is not None:
+            self.routed.commit(dispatched.routed)
         if dispatched.prompt_chunks:
             self.processor.add_prompt_logprobs(HostLogprobs.read(dispatched.prompt_logprobs), dispatched.prompt_chunks)
         t1 = time.perf_counter()

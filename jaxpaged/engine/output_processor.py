@@ -73,6 +73,7 @@ class OutputProcessor:
         self.decode_token = TokenDecoder(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, sample index)
+        self.routed_experts = None  # a RoutedExpertsRecorder when the engine returns routed experts
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence, params: SamplingParams,
                     seed: int, weight_version: int = 0) -> RequestState:
@@ -117,6 +118,8 @@ class OutputProcessor:
         if request is not None:
             for sample in request.samples:
                 self.owner.pop(sample.seq.seq_id, None)
+                if self.routed_experts is not None:
+                    self.routed_experts.forget(sample.seq.seq_id)
         return request
 
     def process(self, appended, rows, logprobs, *, only_finished: bool = False):
@@ -159,11 +162,10 @@ class OutputProcessor:
             extra = len(seq.output_token_ids) - request.samples[j].num_decoded
             if extra > 0:
                 del seq.output_token_ids[-extra:], seq.token_ids[-extra:]
-        for request in done:
+        outputs = [self.make_output(r) for r in (done if only_finished else moved.values())]
+        for request in done:  # retired after their last output is made
             self.pop(request.request_id)
-        if only_finished:
-            return [self.make_output(r) for r in done], stopped
-        return [self.make_output(r) for r in moved.values()], stopped
+        return outputs, stopped
 
     def start_weight_version(self, version: int) -> None:
         """Tokens sampled from now on belong to `version`: those still on the device (placeholders)
@@ -236,10 +238,13 @@ class OutputProcessor:
             text = sample.text
             if hold_back and sample.finish_reason is None:
                 text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
+            routed = None if self.routed_experts is None else self.routed_experts.rows_of(
+                sample.seq.seq_id, sample.seq.num_prompt_tokens + len(output_ids) - 1)
             # A snapshot over the live lists (they only grow): no copy of the tokens so far.
             completions.append(CompletionOutput.snapshot(
                 j, text, output_ids, sample.finish_reason, sample.logprobs if want_logprobs else None,
                 text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :], tuple(sample.version_runs),
+                routed,
             ))
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)

@@ -37,10 +37,12 @@ class CompletionOutput:
     delta_text / delta_token_ids: what was added since the previous streamed update.
     weight_versions: per token, the weight `version` (`update_params`) it was sampled under (None
     for outputs not made by the engine). Kept as runs [(first token index, version)], expanded on read.
+    routed_experts: with the engine's `enable_return_routed_experts` (MoE), int16 numpy
+    [len(prompt) + len(token_ids) - 1, num_layers, top_k]: each fed token's expert ids; else None.
     """
 
     __slots__ = ("index", "text", "finish_reason", "delta_text", "delta_token_ids",
-                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs", "_version_runs")
+                 "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs", "_version_runs", "routed_experts")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
                  logprobs: list[LogprobsDict] | None = None, delta_text: str = "",
@@ -53,11 +55,12 @@ class CompletionOutput:
         self._token_ids, self._num_tokens = token_ids, None  # None: the list is this output's own
         self._logprobs, self._num_logprobs = logprobs, None
         self._version_runs = None
+        self.routed_experts = None
 
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
                  live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int],
-                 version_runs: tuple[tuple[int, int], ...] | None = None) -> CompletionOutput:
+                 version_runs: tuple[tuple[int, int], ...] | None = None, routed_experts=None) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
         out.index, out.text, out.finish_reason = index, text, finish_reason
@@ -66,6 +69,7 @@ class CompletionOutput:
         out._logprobs = live_logprobs
         out._num_logprobs = None if live_logprobs is None else len(live_logprobs)
         out._version_runs = version_runs
+        out.routed_experts = routed_experts
         return out
 
     @property

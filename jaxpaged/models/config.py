@@ -35,6 +35,28 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE (`rope_type: "longrope"`): per-frequency divisors, short below the original
+    context and long past it, and cos/sin times `attention_factor`.
+
+    Which set a step uses is fixed per engine, as vLLM does: the long factors when the engine's
+    max_model_len exceeds `original_max_position_embeddings` (`ModelConfig.for_max_model_len`).
+    Hugging Face chooses per forward by the longest position in it; the two agree for every sequence
+    of an engine whose max_model_len <= original (short) and for a forward past it (long).
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+    use_long: bool = False
+
+    def __post_init__(self):
+        if len(self.short_factor) != len(self.long_factor) or min(self.short_factor + self.long_factor) <= 0:
+            raise ValueError("longrope short_factor and long_factor must be positive lists of head_dim / 2 values")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -45,7 +67,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRope | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama/Qwen3 if configured)
     o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 `attention_bias=True`)
@@ -105,6 +127,14 @@ class ModelConfig:
                     f"num_experts={self.num_experts} needs 0 < num_experts_per_tok={self.num_experts_per_tok} "
                     f"<= num_experts and moe_intermediate_size={self.moe_intermediate_size} > 0"
                 )
+
+    def for_max_model_len(self, max_model_len: int) -> "ModelConfig":
+        """LongRoPE: the long factors when `max_model_len` passes the original context (else unchanged)."""
+        scaling = self.rope_scaling
+        if not isinstance(scaling, LongRope):
+            return self
+        use_long = max_model_len > scaling.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, use_long=use_long))
 
     @property
     def num_queries_per_kv(self) -> int:

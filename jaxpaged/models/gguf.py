@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxpaged.models import gguf_families
+from jaxpaged.models.gguf_families import SUPPORTED_ARCHITECTURES
+
 # llama.cpp name (with `{i}` for the layer) -> Hugging Face name.
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -42,8 +45,6 @@ _GLOBAL_NAMES = {
 }
 # Tensors llama.cpp writes that a Llama state dict has no place for (precomputed RoPE tables).
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,12 @@ def gguf_to_hf_name(name: str) -> str | None:
     if name in _IGNORED:
         return None
     parts = name.split(".")  # ["blk", "3", "attn_q", "weight"]
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_LAYER_NAMES, **gguf_families.MOE_LAYER_NAMES}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ValueError(
         f"GGUF tensor {name!r} has no Hugging Face Llama name; this loader knows "
-        f"{sorted(_GLOBAL_NAMES)} and blk.N.{{{', '.join(_LAYER_NAMES)}}}.weight"
+        f"{sorted(_GLOBAL_NAMES)} and blk.N.{{{', '.join(_LAYER_NAMES | gguf_families.MOE_LAYER_NAMES)}}}.weight"
     )
 
 
@@ -194,7 +196,8 @@ def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> HFConfig:
-    """The Hugging Face `config.json` of a Llama GGUF, from its `llama.*` and `tokenizer.ggml.*` fields.
+    """The Hugging Face `config.json` of a GGUF, from its `{arch}.*` and `tokenizer.ggml.*` fields
+    (Llama, Mixtral, Qwen3-MoE: models/gguf_families.py).
 
     GGUF has no tying flag: the file ties the LM head to the embedding when it has no `output.weight`.
     A plain `HFConfig` (dict with attribute access), not a `transformers.LlamaConfig`, because
@@ -223,8 +226,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) ->
     if vocab_size == 0:
         raise ValueError("GGUF metadata gives no vocabulary size (no llama.vocab_size, no tokenizer.ggml.tokens)")
     return HFConfig(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
+        **gguf_families.family_config(arch, metadata, field),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=int(field("feed_forward_length")),
@@ -271,13 +273,15 @@ def load_gguf(path_or_file, *, weights: bool = True):
     config = gguf_to_hf_config(metadata, tie_word_embeddings="output.weight" not in tensor_names)
     if not weights:
         return config, None, metadata
-    state_dict = dequantize_state_dict(gguf_file, config)
+    state_dict = dequantize_state_dict(gguf_file, config, metadata["general.architecture"])
+    gguf_families.fuse_experts(state_dict, config.num_hidden_layers)
     check_llama_state_dict(config, state_dict)
     return config, state_dict, metadata
 
 
-def dequantize_state_dict(gguf_file, config) -> dict[str, np.ndarray]:
+def dequantize_state_dict(gguf_file, config, arch: str = "llama") -> dict[str, np.ndarray]:
     """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order."""
+    permuted = arch in gguf_families.PERMUTED_QK_ARCHITECTURES
     from gguf.quants import dequantize
 
     state_dict: dict[str, np.ndarray] = {}
@@ -287,9 +291,9 @@ def dequantize_state_dict(gguf_file, config) -> dict[str, np.ndarray]:
             continue
         # [rows, bytes_per_row] -> float32 [rows, row_len] -> (out, in): no transpose needed.
         weight = np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
-        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk_rows(weight, config.num_attention_heads)
-        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_qk_rows(weight, config.num_key_value_heads)
         state_dict[hf_name] = np.ascontiguousarray(weight)
     return state_dict
@@ -297,7 +301,7 @@ def dequantize_state_dict(gguf_file, config) -> dict[str, np.ndarray]:
 
 def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:
     """Raise if a tensor is missing or has the wrong shape for `config` (catches a transposed read)."""
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hidden, vocab = config.hidden_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q_out = config.num_attention_heads * head_dim
     kv_out = config.num_key_value_heads * head_dim
@@ -310,9 +314,7 @@ def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:
         expected[prefix + "self_attn.k_proj.weight"] = (kv_out, hidden)
         expected[prefix + "self_attn.v_proj.weight"] = (kv_out, hidden)
         expected[prefix + "self_attn.o_proj.weight"] = (hidden, q_out)
-        expected[prefix + "mlp.gate_proj.weight"] = (inter, hidden)
-        expected[prefix + "mlp.up_proj.weight"] = (inter, hidden)
-        expected[prefix + "mlp.down_proj.weight"] = (hidden, inter)
+        expected.update(gguf_families.expected_mlp_shapes(config, prefix))
         expected[prefix + "input_layernorm.weight"] = (hidden,)
         expected[prefix + "post_attention_layernorm.weight"] = (hidden,)
     missing = sorted(set(expected) - set(state_dict))

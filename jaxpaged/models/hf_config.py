@@ -13,6 +13,7 @@
                                              a separate RoPE base on local layers
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,6 +118,8 @@ def _gemma_layer_types(get, model_type: str, num_layers: int) -> tuple[str, ...]
 
 
 def _read_rope(get, model_type: str, RopeScaling):
+    from jaxpaged.models.config import LongRope
+
     """(theta, scaling, local theta) from `rope_parameters` (transformers >= 5) or the older fields.
 
     Gemma 3 keeps one parameter set per layer type; older Gemma 3 configs have `rope_local_base_freq`.
@@ -132,8 +135,16 @@ def _read_rope(get, model_type: str, RopeScaling):
         local_theta = float(get("rope_local_base_freq", 10000.0))
     params.update(get("rope_scaling") or {})
     theta = float(params.get("rope_theta", get("rope_theta", 10000.0)))
-    if _check_rope_type(params) == "default":
+    rope_type = _check_rope_type(params)
+    if rope_type == "default":
         return theta, None, local_theta
+    if rope_type == "longrope":
+        original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings"))
+        factor = params.get("factor") or get("max_position_embeddings") / original
+        attention = params.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        return theta, LongRope(tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"])),
+                               original, float(attention)), local_theta
     scaling = RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -145,6 +156,6 @@ def _read_rope(get, model_type: str, RopeScaling):
 
 def _check_rope_type(params: dict) -> str:
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default' and 'llama3' RoPE are")
+    if rope_type not in ("default", "llama3", "longrope"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default', 'llama3' and 'longrope' RoPE are")
     return rope_type

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
-from jaxpaged.models.config import ModelConfig, RopeScaling
+from jaxpaged.models.config import LongRope, ModelConfig, RopeScaling
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
@@ -38,11 +38,14 @@ KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies of the `head_dim // 2` rotated pairs, with Llama-3 scaling if given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | LongRope | None) -> np.ndarray:
+    """Inverse frequencies of the `head_dim // 2` rotated pairs, with Llama-3 or LongRoPE scaling if given."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq.astype(np.float32)
+    if isinstance(scaling, LongRope):  # Phi-3: each frequency divided by its factor (cos/sin scaled apart)
+        factors = np.asarray(scaling.long_factor if scaling.use_long else scaling.short_factor, np.float64)
+        return (inv_freq / factors).astype(np.float32)
     # Llama 3: long wavelengths (low frequencies) are slowed down by `factor`, short ones are
     # kept, and the band between is interpolated smoothly.
     wavelen = 2 * np.pi / inv_freq
@@ -257,6 +260,8 @@ class CausalLM(nn.Module):
         def rotations(theta, scaling):
             inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
             angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+            if isinstance(scaling, LongRope):  # cos/sin scaled by its attention factor
+                return jnp.cos(angles) * scaling.attention_factor, jnp.sin(angles) * scaling.attention_factor
             return jnp.cos(angles), jnp.sin(angles)
 
         rope = rotations(c.rope_theta, c.rope_scaling)
@@ -277,7 +282,7 @@ class CausalLM(nn.Module):
         else:  # stacked parameters (the canonical tree): one scan over the leading num_layers axis
             layers = nn.scan(
                 DecoderLayer,
-                variable_axes={"params": 0},  # every parameter gets a leading num_layers axis
+                variable_axes={"params": 0, "intermediates": 0},  # a leading num_layers axis (intermediates: MoE ids)
                 split_rngs={"params": True},
                 in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,

@@ -9,11 +9,8 @@ gathered in that order, and each projection is one `jax.lax.ragged_dot` over the
 (group g = the rows routed to expert g). Work is O(T * k * D * F), not O(T * E * D * F).
 
 Expert parallelism (`expert_fn`, device/sharding.py `TensorParallel.shard_experts`): each device
-holds E/ep experts [offset, offset + E/ep); every device sees all tokens (activations between
-blocks are replicated under tensor parallelism), computes only the pairs routed to its experts
-(the others sort past the last local group and are zeroed), and one all-reduce sums the partial
-outputs. Replication + all-reduce stands in for an all-to-all token exchange: the same result, and
-at decode batch sizes the all-reduce of [T, D] is what the dense MLP's row split costs anyway.
+holds E/ep experts; tokens are exchanged by all-to-all so that each device runs `grouped_experts` on
+the pairs routed to its experts only (device/expert_parallel.py).
 """
 
 from collections.abc import Callable
@@ -74,6 +71,16 @@ def grouped_experts(
 ExpertFn = Callable[..., Float[Array, "T D"]]
 
 
+def apply_returning_routed_experts(model: nn.Module, enabled: bool, params, *args):
+    """`(model.apply(params, *args), ids [T, L, k] int16 | None)`: with `enabled` (static), the top-k
+    expert ids every MoE layer sowed, token-major; without, the default program and None."""
+    if not enabled:
+        return model.apply(params, *args), None
+    out, state = model.apply(params, *args, mutable=["intermediates"])
+    (ids,) = state["intermediates"]["layers"]["moe"]["routed_experts"]  # [L, T, k]: the layer scan stacks them
+    return out, jnp.swapaxes(ids, 0, 1)
+
+
 class MoE(nn.Module):
     num_experts: int
     top_k: int
@@ -88,6 +95,9 @@ class MoE(nn.Module):
         dim, e, f = x.shape[-1], self.num_experts, self.intermediate_size
         router_logits = jnp.einsum("TD,DE->TE", x, self.param("router", _init, (dim, e), self.dtype))
         weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
+        # Routed expert ids for RL users (engine/routed_experts.py): kept only when the caller makes
+        # "intermediates" mutable; otherwise sow does nothing and the program is unchanged.
+        self.sow("intermediates", "routed_experts", ids.astype(jnp.int16))
         return self.expert_fn(
             x, ids, weights,
             self.param("expert_gate", _init, (e, dim, f), self.dtype),

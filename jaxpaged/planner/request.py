@@ -151,6 +151,15 @@ def seed_for(seed: int, sample_idx: int) -> int:
     return seed if sample_idx == 0 else (seed * 1_000_003 + sample_idx * 7_919) & SEED_MASK
 
 
+def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Raises ValueError for token ids in `params` outside a model's vocabulary [0, vocab_size)."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
     """Raises ValueError when a prompt leaves no room for a generated token under max_model_len."""
     if num_prompt_tokens + 1 > max_model_len:
