@@ -153,10 +153,6 @@ class LLMEngine:
             )
         check_prompt_fits(len(prompt_token_ids), self.config.max_model_len)
 
-    def validate_params(self, params: SamplingParams) -> None:
-        """Raises ValueError for token ids in `params` outside this model's vocabulary."""
-        check_token_ids_in_vocab(params, self.model_config.vocab_size)
-
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -167,7 +163,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
-        self.validate_params(params)
+        check_token_ids_in_vocab(params, self.model_config.vocab_size)  # logit_bias, allowed and stop ids
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
