@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.device.param_dtypes import check_param_dtypes
 from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
@@ -178,20 +179,12 @@ class ModelRunner:
 
         Always a copy (`jnp.array(copy=True)`; `jnp.asarray` returns the caller's buffer when the
         dtype matches): a training loop that later donates or deletes its arrays must not leave the
-        engine holding deleted buffers. Float leaves of another precision are cast; any other dtype
-        is refused, since casting integers to weights is never what was meant.
+        engine holding deleted buffers. Float leaves of another precision are cast, with a warning
+        (bf16 weights in a float32 engine run as float32: not what a bf16 engine computes); any other
+        dtype is refused, since casting integers to weights is never what was meant.
         """
         dtype = jnp.dtype(self.config.dtype)
-
-        def check(path, x):
-            x_dtype = getattr(x, "dtype", None)
-            if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
-                raise ValueError(
-                    f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating point "
-                    f"(they are cast to the model dtype {dtype})"
-                )
-
-        jax.tree_util.tree_map_with_path(check, params)
+        check_param_dtypes(params, dtype)
         if self.tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
             return self.tp.place_params(params)
         # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES
+from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, PREEMPTION_MODES
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -80,9 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn = quantized values plus a "
-                        "scale per token and KV head (about 2x the sequences of a bfloat16 cache in the same memory)")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES), default="auto",
+                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn (vLLM's fp8, fp8_e4m3) = "
+                        "quantized values plus a scale per token and KV head (about 2x the sequences of a bfloat16 "
+                        "cache in the same memory)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                    help="logprobs of the model's distribution, or of the one each token was drawn from")
@@ -91,7 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="out of KV pages: recompute a victim later, or swap its pages to host memory and back")
     e.add_argument("--swap-space", type=int, default=None, metavar="BYTES",
-                   help="host memory for swapped pages (with --preemption-mode swap)")
+                   help="host memory for swapped pages (with --preemption-mode swap; default 4 GiB, at most 40%% "
+                        "of host memory)")
     e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="keep prefix-cache pages evicted from the device in this much host memory")
     e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
