@@ -59,3 +59,20 @@ def test_params_of_another_dtype_are_cast_with_a_warning():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(llm.params))  # cast, as the warning says
     with pytest.raises(ValueError, match="must be floating point"):
         llm.update_params(jax.tree.map(lambda x: x.astype(jnp.int32), params))
+
+
+# ------------------------------------------------------------------ item 12: beam search after warm-up
+
+def test_beam_search_compiles_nothing_after_warm_up():
+    """At b8feddf the beam top-k compiled at the first beam step of each width (~seconds under load,
+    inside a request). Warm-up now compiles it for every step's row count at one width."""
+    from jaxpaged import BeamSearchParams
+    from jaxpaged.device.sampler import beam_candidates
+
+    llm = tiny_llm(warmup=True)
+    compiled_steps, compiled_top_k = llm.stats()["num_compiles"], beam_candidates._cache_size()
+    for width in (2, 3):
+        beams = llm.beam_search("Hello there", BeamSearchParams(width, max_tokens=4))[0].beams
+        assert len(beams) == width
+    assert beam_candidates._cache_size() == compiled_top_k, "the beam top-k compiled after warm-up"
+    assert llm.stats()["num_compiles"] == compiled_steps
