@@ -41,7 +41,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import CausalLM
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
-from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
 
 # Legend: R=rows (sequences of the batch, or a prefill group)  S=query tokens per row
 #         K=num_kv_heads  G=query heads per KV head  H=head_dim  L=kv_len (key positions read)
@@ -309,9 +309,14 @@ class DenseBaseline:
         return outputs
 
     def _row_spec(self, row: int, request_idx: int, p: SamplingParams, step: int) -> RowSpec:
+        """The engine's rules for a row (planner/request.py): its seed, and under min_tokens the stop
+        tokens masked in the logits, so both systems draw the same tokens."""
         seed = p.seed if p.seed is not None else request_idx
+        stop_token_set = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos or self.eos_token_id is None else frozenset([self.eos_token_id]))
         return RowSpec(row_idx=row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
-                       min_p=p.min_p, seed=seed, step=step)
+                       min_p=p.min_p, seed=seed_for(seed, 0), step=step,
+                       banned_ids=banned_token_ids(stop_token_set, step, p.min_tokens))
 
     def _accept(self, out: DenseOutput, p: SamplingParams, token: int, now: float) -> bool:
         """Appends a sampled token and applies the token-level stop rules; True when finished."""
