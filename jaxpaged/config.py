@@ -134,7 +134,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens; "
                 f"lower max_model_len")
-        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        max_num_seqs = self.max_num_seqs or default_max_num_seqs(on_gpu)
         max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
         return replace(
             self,
@@ -146,6 +146,11 @@ class EngineConfig:
                 ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
             ),
         )
+
+
+def default_max_num_seqs(on_gpu: bool) -> int:
+    """max_num_seqs when none is given: 256 on a GPU (vLLM's), 16 on the CPU."""
+    return 256 if on_gpu else 16
 
 
 SPECULATIVE_METHODS = ("ngram",)

@@ -192,17 +192,20 @@ def test_server_sizes_its_batch_from_the_kv_pool(monkeypatch):
     parts = (model_config, init_params(model_config, jax.random.key(0)), Tokenizer.from_gguf(default_model_path()))
     monkeypatch.setattr(build, "load_model", lambda model, dtype: parts)
     small = dict(page_size=4, max_model_len=64, warmup=False, attention_backend="reference")
-    # 16 pages of 4 tokens per sequence of max_model_len: a pool of 1 + 6 * 16 pages holds 6.
-    engine = build.build_engine(None, EngineConfig(num_pages=97, **small), max_num_seqs_from_pool=True)
-    assert engine.config.max_num_seqs == 6
-    # No pool size given: the whole CPU KV budget (here shrunk to 200 pages' worth), then the batch.
-    monkeypatch.setattr(build, "CPU_KV_BUDGET_BYTES", 200 * engine.kv_bytes_per_page)
+    # 16 pages of 4 tokens per sequence of max_model_len: a pool of 1 + 20 * 16 pages holds 20.
+    engine = build.build_engine(None, EngineConfig(num_pages=321, **small), max_num_seqs_from_pool=True)
+    assert engine.config.max_num_seqs == 20
+    # Never below the platform default (16 on the CPU): a pool of 6 sequences still batches 16.
+    assert build.build_engine(None, EngineConfig(num_pages=97, **small),
+                              max_num_seqs_from_pool=True).config.max_num_seqs == 16
+    # No pool size given: the whole CPU KV budget (here shrunk to 500 pages' worth), then the batch.
+    monkeypatch.setattr(build, "CPU_KV_BUDGET_BYTES", 500 * engine.kv_bytes_per_page)
     engine = build.build_engine(None, EngineConfig(**small), max_num_seqs_from_pool=True)
-    assert engine.stats()["num_pages"] == 199 and engine.config.max_num_seqs == 199 // 16
+    assert engine.stats()["num_pages"] == 499 and engine.config.max_num_seqs == 499 // 16
     # An explicit max_num_seqs wins, and the Python API keeps its defaults.
-    assert build.build_engine(None, EngineConfig(num_pages=97, max_num_seqs=2, **small),
+    assert build.build_engine(None, EngineConfig(num_pages=321, max_num_seqs=2, **small),
                               max_num_seqs_from_pool=True).config.max_num_seqs == 2
-    assert build.build_engine(None, EngineConfig(num_pages=97, **small)).config.max_num_seqs == 16
+    assert build.build_engine(None, EngineConfig(num_pages=321, **small)).config.max_num_seqs == 16
 
 
 def test_start_logs_one_configuration_line_and_no_absl_or_jax_info(served, capsys):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpaged.config import EngineConfig
+from jaxpaged.config import EngineConfig, default_max_num_seqs
 from jaxpaged.device.backends import attention_fn as backend_attention_fn
 from jaxpaged.device.kv_cache import CPU_KV_BUDGET_BYTES, num_pages_for, on_gpu
 from jaxpaged.device.sharding import replica_meshes
@@ -28,7 +28,8 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     `max_num_seqs_from_pool` (the server's default): with no max_num_seqs given, the KV pool is
     sized first (on the CPU: the whole host KV budget, not one default batch's worth) and the batch
     from it: as many sequences as the pool holds at max_model_len tokens each (vLLM's "maximum
-    concurrency"), at most MAX_NUM_SEQS_FROM_POOL, so requests the pool has room for do not queue.
+    concurrency"), never fewer than the platform's default, at most MAX_NUM_SEQS_FROM_POOL, so
+    requests the pool has room for do not queue.
     """
     # Before loading: too few devices is an error the user should see at once.
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
@@ -43,7 +44,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     attention_fn = backend_attention_fn(config.attention_backend)
     num_pages = num_pages_for(config, model_config, params, attention_fn)
     if from_pool:
-        config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config))
+        config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config, on_gpu()))
     return engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn)
 
 
@@ -59,8 +60,9 @@ def engine_from_parts(model_config, params, tokenizer, config: EngineConfig, *, 
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)
 
 
-def pool_max_num_seqs(num_pages: int, config: EngineConfig) -> int:
-    """Sequences of max_model_len tokens the pool's usable pages hold at once, in
-    [1, MAX_NUM_SEQS_FROM_POOL], and no more than one step's token budget."""
+def pool_max_num_seqs(num_pages: int, config: EngineConfig, on_gpu: bool) -> int:
+    """Sequences of max_model_len tokens the pool's usable pages hold at once, at least the
+    platform's default max_num_seqs, at most MAX_NUM_SEQS_FROM_POOL and one step's token budget."""
     pages_per_seq = -(-config.max_model_len // config.page_size)
-    return max(1, min((num_pages - 1) // pages_per_seq, MAX_NUM_SEQS_FROM_POOL, config.max_num_batched_tokens))
+    concurrency = max((num_pages - 1) // pages_per_seq, default_max_num_seqs(on_gpu))
+    return max(1, min(concurrency, MAX_NUM_SEQS_FROM_POOL, config.max_num_batched_tokens))
