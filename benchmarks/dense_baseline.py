@@ -309,14 +309,11 @@ class DenseBaseline:
         return outputs
 
     def _row_spec(self, row: int, request_idx: int, p: SamplingParams, step: int) -> RowSpec:
-        """The engine's rules for a row (planner/request.py): its seed, and under min_tokens the stop
-        tokens masked in the logits, so both systems draw the same tokens."""
-        seed = p.seed if p.seed is not None else request_idx
-        stop_token_set = frozenset(p.stop_token_ids) | (
-            frozenset() if p.ignore_eos or self.eos_token_id is None else frozenset([self.eos_token_id]))
-        return RowSpec(row_idx=row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
-                       min_p=p.min_p, seed=seed_for(seed, 0), step=step,
-                       banned_ids=banned_token_ids(stop_token_set, step, p.min_tokens))
+        """The engine's row rules (planner/request.py): the folded seed, the min_tokens stop-token mask."""
+        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return RowSpec(row_idx=row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
+                       seed=seed_for(p.seed if p.seed is not None else request_idx, 0), step=step,
+                       banned_ids=banned_token_ids(frozenset((*p.stop_token_ids, *eos)), step, p.min_tokens))
 
     def _accept(self, out: DenseOutput, p: SamplingParams, token: int, now: float) -> bool:
         """Appends a sampled token and applies the token-level stop rules; True when finished."""

@@ -166,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: cannot read --prompts-file: {err}", file=sys.stderr)
         return 2
+    from jaxpaged.entrypoints.cli_checks import check_flags
+
     try:
-        params, beam, formatted = _check_before_loading(args, prompts)
-    except (ValueError, OSError) as err:
+        params, config, beam = check_flags(args, engine_args(args))  # the flags alone: no jax yet
+    except ValueError as err:
         return _error(err)
-
-    from jaxpaged.entrypoints.llm import LLM  # after the checks: importing and loading take a while
-
-    if args.coordinator_address:  # every process runs this same program on the same prompts
+    if args.coordinator_address:  # before anything starts a jax backend; every process runs this program
         import jax
 
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if jax.process_index() != 0:  # one copy of the output, from process 0
             sys.stdout = open(os.devnull, "w")
+    try:
+        formatted = _check_prompts(args, prompts, config, beam)
+    except (ValueError, OSError) as err:
+        return _error(err)
+
+    from jaxpaged.entrypoints.llm import LLM  # after the checks: importing and loading take a while
 
     try:
         t_load = time.perf_counter()
@@ -213,15 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_before_loading(args, prompts: list[str]):
-    """(SamplingParams, BeamSearchParams or None, the prompts as the model reads them), after every
-    check that needs no weights: the flags, then the prompts against the model's config and
-    tokenizer (read from the model's files without its weights). ValueError / OSError otherwise."""
-    from jaxpaged.entrypoints.cli_checks import check_flags, check_requests
+def _check_prompts(args, prompts: list[str], config, beam) -> list[str]:
+    """The prompts as the model reads them (chat template applied), each checked against the limits
+    the engine will have, using the model's config and tokenizer read from its files without the
+    weights (seconds, not a load). ValueError / OSError otherwise."""
+    from jaxpaged.entrypoints.cli_checks import check_requests
     from jaxpaged.models.config import ModelConfig
     from jaxpaged.models.loading import load_model_files
 
-    params, config, beam = check_flags(args, engine_args(args))
     files = load_model_files(args.model, weights=False)
     tokenizer = files.tokenizer
     use_chat = args.chat if args.chat is not None else tokenizer.chat_template is not None
@@ -240,7 +244,7 @@ def _check_before_loading(args, prompts: list[str]):
 
     check_requests([len(tokenizer.encode(p)) for p in formatted], config, model_config, tokenizer.eos_token_id,
                    max_tokens=args.max_tokens, beam=beam, on_gpu=jax.default_backend() == "gpu")
-    return params, beam, formatted
+    return formatted
 
 
 def _error(err: BaseException) -> int:

@@ -1,9 +1,9 @@
 """What `python -m jaxpaged.generate` checks before it loads the model (seconds, not a load and compile).
 
-    check_flags(args)                   the flags alone: values, and combinations that cannot work
-    check_requests(args, config, ...)   with the model's config and tokenizer (read without the
-                                        weights): every prompt fits max_model_len and the page pool,
-                                        a beam search fits max_num_seqs
+    check_flags(args, engine_args)      the flags alone (no jax): values, and combinations that cannot work
+    check_requests(token_counts, ...)   the prompts, tokenized with the model's tokenizer (read with its
+                                        config, without the weights): each fits max_model_len and an
+                                        explicit pool; a beam search fits max_num_seqs and the pool
 
 Each check calls the same rule the engine applies later (SamplingParams, EngineConfig,
 check_prompt_fits, check_fits_pool, check_beam_request), so a request refused here is one the engine
