@@ -19,13 +19,14 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])
-def test_vllm_fp8_names_are_aliases_of_float8_e4m3fn(name):
-    assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == "float8_e4m3fn"
-    assert build_parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name  # the CLI takes them too
-    llm = tiny_llm(kv_cache_dtype=name)
+def test_vllm_fp8_names_are_aliases_of_float8_e4m3fn():
+    for name in ("fp8", "fp8_e4m3"):
+        assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == "float8_e4m3fn"
+        assert build_parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name  # the CLI takes them
+    llm = tiny_llm(kv_cache_dtype="fp8")
     assert llm.config.kv_cache_dtype == "float8_e4m3fn"
-    assert llm.engine.kv_bytes_per_page == tiny_llm(kv_cache_dtype="float8_e4m3fn").engine.kv_bytes_per_page
+    # float8 pages: per (layer, K/V, KV head, token) 8 one-byte values and a float32 scale
+    assert llm.engine.kv_bytes_per_page == 2 * 2 * 2 * 4 * (8 + 4)
 
 
 def test_unsupported_vllm_kv_dtype_is_refused_with_the_names_that_work():

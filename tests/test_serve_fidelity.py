@@ -5,6 +5,8 @@ random model with SmolLM2's tokenizer: nothing here needs what the model says, o
 sends. Expected outputs come from the same engine through `LLM`, before the server takes it over.
 """
 
+import contextlib
+import io
 import json
 import logging
 import re
@@ -34,10 +36,22 @@ def _sampled(seed):
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
 
 
+def _cli_token_ids(llm, seed: int) -> list[int]:
+    """`python -m jaxpaged.generate --seed SEED --json` (in-process, over `llm`): the token ids."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        mp.setattr(jaxpaged.entrypoints.llm, "LLM", lambda *a, **k: llm)
+        mp.setattr(logging.getLogger(), "handlers", [])
+        assert cli_main(["--no-chat", "--prompt", PROMPT, "--max-tokens", "6", "--temperature", "1",
+                         "--ignore-eos", "--seed", str(seed), "--json"]) == 0
+    return json.loads(out.getvalue().splitlines()[0])["token_ids"]
+
+
 @pytest.fixture(scope="module")
 def served():
     llm = tiny_llm()
     expected = {seed: llm.generate(PROMPT, _sampled(seed))[0].outputs[0] for seed in SEEDS + [0, 2**32]}
+    cli = {seed: _cli_token_ids(llm, seed) for seed in (-1, 2**40)}  # before the server takes the engine
     app, bridge = build_server(llm.engine, served_model_name=MODEL)
     bridge.start()
     with socket.socket() as s:
@@ -56,7 +70,7 @@ def served():
             time.sleep(0.1)
     else:
         pytest.fail("the server did not come up in 30 s")
-    yield dict(llm=llm, base=base, expected=expected, bridge=bridge)
+    yield dict(llm=llm, base=base, expected=expected, cli=cli, bridge=bridge)
     server.should_exit = True
     thread.join(10)
     bridge.shutdown()
@@ -69,7 +83,7 @@ def client(served):
 
 # ------------------------------------------------------------------ item 1: one seed rule on every path
 
-def test_64_bit_seeds_draw_alike_through_the_api_the_cli_and_the_server(served, client, monkeypatch, capsys):
+def test_64_bit_seeds_draw_alike_through_the_api_the_cli_and_the_server(served, client):
     expected = served["expected"]
     assert expected[0].token_ids != expected[2**32].token_ids  # 64 bits count: not folded modulo 2**32
     assert expected[-1].token_ids == expected[2**64 - 1].token_ids  # the same seed, modulo 2**64
@@ -78,20 +92,8 @@ def test_64_bit_seeds_draw_alike_through_the_api_the_cli_and_the_server(served, 
         resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=seed,
                                          extra_body={"ignore_eos": True})
         assert resp.choices[0].text == expected[seed].text, seed
-    # The CLI, in-process over the same engine's weights (a second LLM on the tiny model).
-    tiny = tiny_llm()
-    monkeypatch.setattr(jaxpaged.entrypoints.llm, "LLM", lambda *a, **k: tiny)
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = []
-    try:
-        for seed in (-1, 2**40):
-            assert cli_main(["--no-chat", "--prompt", PROMPT, "--max-tokens", "6", "--temperature", "1",
-                             "--ignore-eos", "--seed", str(seed), "--json"]) == 0
-            record = json.loads(capsys.readouterr().out.splitlines()[0])
-            assert record["token_ids"] == expected[seed].token_ids, seed
-    finally:
-        root.handlers = saved
+    for seed, token_ids in served["cli"].items():  # the CLI's --seed, on the same engine
+        assert token_ids == expected[seed].token_ids, seed
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
