@@ -41,7 +41,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import CausalLM
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
-from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
 
 # Legend: R=rows (sequences of the batch, or a prefill group)  S=query tokens per row
 #         K=num_kv_heads  G=query heads per KV head  H=head_dim  L=kv_len (key positions read)
@@ -309,9 +309,11 @@ class DenseBaseline:
         return outputs
 
     def _row_spec(self, row: int, request_idx: int, p: SamplingParams, step: int) -> RowSpec:
-        seed = p.seed if p.seed is not None else request_idx
-        return RowSpec(row_idx=row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
-                       min_p=p.min_p, seed=seed, step=step)
+        """The engine's row rules (planner/request.py): the folded seed, the min_tokens stop-token mask."""
+        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return RowSpec(row_idx=row, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
+                       seed=seed_for(p.seed if p.seed is not None else request_idx, 0), step=step,
+                       banned_ids=banned_token_ids(frozenset((*p.stop_token_ids, *eos)), step, p.min_tokens))
 
     def _accept(self, out: DenseOutput, p: SamplingParams, token: int, now: float) -> bool:
         """Appends a sampled token and applies the token-level stop rules; True when finished."""

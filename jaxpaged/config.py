@@ -5,11 +5,26 @@ Defaults depend on the platform: a GPU serves many long sequences, a 2-core CPU 
 token budget are kept moderate there).
 """
 
+import logging
+import os
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
+# vLLM's spellings of the same storage, accepted and stored under jaxpaged's name ("fp8" is e4m3 in vLLM).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# preemption_mode="swap" without swap_space_bytes: vLLM's default swap space (4 GiB), at most this
+# share of the host's memory (vLLM warns above 40% and refuses above 70%; so does EngineConfig).
+DEFAULT_SWAP_SPACE_BYTES = 4 << 30
+SWAP_SPACE_DEFAULT_SHARE, SWAP_SPACE_MAX_SHARE = 0.4, 0.7
+
+logger = logging.getLogger("jaxpaged")
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -25,6 +40,7 @@ class EngineConfig:
     dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
     # K/V page storage: "auto" = the model dtype; "int8" / "float8_e4m3fn" = quantized values plus a
     # float32 scale per (token, KV head), about half (bf16) or a quarter (f32) of the bytes per token.
+    # vLLM's "fp8" / "fp8_e4m3" are accepted and stored as "float8_e4m3fn".
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # "auto": Pallas (Triton) on GPU, chunked jnp on CPU; "mosaic": Hopper kernels
     seed: int = 0  # draws the seeds of requests that give none
@@ -37,7 +53,9 @@ class EngineConfig:
     # Out of pages, a victim's K/V is recomputed later ("recompute") or copied to host memory and
     # back ("swap", within swap_space_bytes of host pages; recompute when those are full).
     preemption_mode: str = "recompute"
-    swap_space_bytes: int | None = None  # host bytes for swapped pages; required by preemption_mode="swap"
+    # Host bytes for swapped pages (preemption_mode="swap" only). None with "swap": vLLM's 4 GiB, at
+    # most 40% of host memory (logged); more than 70% of host memory is refused.
+    swap_space_bytes: int | None = None
     host_cache_bytes: int | None = None  # host tier under the device prefix cache; None: no tier
     # What logprobs report (vLLM's engine argument): "raw_logprobs" = the model's distribution;
     # "processed_logprobs" = the one each token was drawn from (penalties, bias, temperature, top-k/p, min-p).
@@ -86,7 +104,15 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 byte (or None for none)")
         if self.preemption_mode == "swap" and self.swap_space_bytes is None:
-            raise ValueError("preemption_mode='swap' needs swap_space_bytes (host memory for swapped pages, e.g. 1<<30)")
+            default = min(DEFAULT_SWAP_SPACE_BYTES, int(SWAP_SPACE_DEFAULT_SHARE * host_memory_bytes()))
+            object.__setattr__(self, "swap_space_bytes", default)
+            logger.info("preemption_mode='swap': swap_space_bytes=%d (%.2f GiB; vLLM's default 4 GiB, at most "
+                        "%d%% of host memory); pass swap_space_bytes to choose", default, default / 2**30,
+                        SWAP_SPACE_DEFAULT_SHARE * 100)
+        if self.swap_space_bytes is not None and self.swap_space_bytes > SWAP_SPACE_MAX_SHARE * host_memory_bytes():
+            raise ValueError(
+                f"swap_space_bytes={self.swap_space_bytes} is more than {SWAP_SPACE_MAX_SHARE:.0%} of this host's "
+                f"{host_memory_bytes()} bytes of memory; lower it (leave it out for a default)")
         if self.swap_space_bytes is not None and self.preemption_mode != "swap":
             raise ValueError(f"swap_space_bytes={self.swap_space_bytes} is used only with preemption_mode='swap'")
         if self.host_cache_bytes is not None and not self.enable_prefix_caching:
@@ -99,9 +125,11 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: use 'float32', 'bfloat16' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+        if self.kv_cache_dtype in KV_CACHE_DTYPE_ALIASES:
+            object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES[self.kv_cache_dtype])
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES} "
-                             "('auto' stores K/V in the model dtype)")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES} or vLLM's "
+                             f"{tuple(KV_CACHE_DTYPE_ALIASES)} ('auto' stores K/V in the model dtype)")
         if self.attention_backend == "mosaic" and self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"attention_backend='mosaic' reads bfloat16 pages only, not kv_cache_dtype={self.kv_cache_dtype!r}; "
@@ -120,7 +148,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens; "
                 f"lower max_model_len")
-        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        max_num_seqs = self.max_num_seqs or default_max_num_seqs(on_gpu)
         max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
         return replace(
             self,
@@ -132,6 +160,11 @@ class EngineConfig:
                 ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
             ),
         )
+
+
+def default_max_num_seqs(on_gpu: bool) -> int:
+    """max_num_seqs when none is given: 256 on a GPU (vLLM's), 16 on the CPU."""
+    return 256 if on_gpu else 16
 
 
 SPECULATIVE_METHODS = ("ngram",)

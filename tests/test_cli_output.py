@@ -78,10 +78,11 @@ def test_stream_of_several_completions_prints_each_whole(cli, tiny, capsys, extr
     assert len(out.splitlines()) < 6 * len(prompts) * n  # not one line per token
 
 
-def test_single_stream_still_prints_as_it_goes(cli, tiny, capsys):
+def test_single_stream_prints_the_header_then_tokens_as_they_go(cli, tiny, capsys):
+    """The `>>>` header the other outputs show (missing at b8feddf: issue 30 item 4), then the text."""
     assert cli(["--no-chat", "--stream", "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos"]) == 0
     text = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].text
-    assert capsys.readouterr().out == text + "\n"
+    assert capsys.readouterr().out == f">>> Hello there\n{text}\n"
 
 
 def test_missing_model_is_one_error_line(capsys):

@@ -167,7 +167,9 @@ def test_eos_stops_and_min_tokens_holds(tiny_params, dense):
     out = stopping.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
     held = stopping.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))[0]
-    assert held.token_ids == free and held.finish_reason == "length"
+    # eos is masked under min_tokens (the engine's rule): the next best token is drawn instead.
+    assert held.token_ids[:first] == free[:first] and eos not in held.token_ids
+    assert len(held.token_ids) == 8 and held.finish_reason == "length"
 
 
 def test_request_longer_than_a_row_is_rejected(dense):
@@ -243,3 +245,17 @@ def test_harness_under_memory_pressure_compiles_nothing_and_keeps_tokens(tiny_pa
     assert paged.num_compiles == 0 and base.num_compiles == 0  # warm-up covered every bucket
     assert sum(r.num_output_tokens for r in paged.requests) == sum(s.max_tokens for s in sampling)
     assert max(s.num_allocated_tokens for s in paged.steps) <= 5 * PAGE_SIZE  # never more than the pool
+
+
+def test_min_tokens_masks_stop_tokens_as_the_engine_does(tiny_params, dense):
+    """Under min_tokens the engine masks the stop tokens in the logits (vLLM's and HF's rule) and
+    draws its best other token; at b8feddf the dense baseline drew the stop token and ignored it, so
+    the two systems generated different tokens and the comparison was not like for like."""
+    prompt = [5, 6, 7]
+    free = dense.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    stop = free[1]  # greedy output 2: banned while fewer than min_tokens outputs are out
+    held = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, stop_token_ids=[stop], ignore_eos=True)
+    want = _engine_greedy(tiny_params, [prompt], [held], num_pages=40)[0]
+    got = dense.generate([prompt], held)[0].token_ids
+    assert want[1] != stop and stop not in want[:6]  # the mask did act
+    assert got == want

@@ -24,7 +24,7 @@ from jaxpaged.device.sharding import TensorParallel, kv_head_replicas, replica_m
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.ops.kv_quant import QuantizedKV, bytes_per_token_head
 
-_CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
+CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 # GPU pool sizing leaves this much, besides the step's own scratch memory and the
 # (1 - kv_memory_fraction) share, for the sampler, page copies and XLA/cuBLAS workspaces.
 _GPU_MARGIN_BYTES = 512 << 20
@@ -128,7 +128,7 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
                                     config.kv_cache_dtype, tensor_parallel_size=tp_size)
     full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
     page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
-    return max(2, min(full_batch, _CPU_KV_BUDGET_BYTES // page_bytes))
+    return max(2, min(full_batch, CPU_KV_BUDGET_BYTES // page_bytes))
 
 
 def apply_page_copies(

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.device.param_dtypes import check_param_dtypes
+
 
 def _with_layers(params, layers):
     """`params` with `params["params"]["layers"]` replaced (same mapping types)."""
@@ -88,20 +90,11 @@ def own_copy(params, dtype, tp=None):
 
     Always a copy (`jnp.array(copy=True)`; `jnp.asarray` returns the caller's buffer when the
     dtype matches): a training loop that later donates or deletes its arrays must not leave the
-    engine holding deleted buffers. Float leaves of another precision are cast; any other dtype
-    is refused, since casting integers to weights is never what was meant. `tp`: a
+    engine holding deleted buffers. Float leaves of another precision are cast, with a warning;
+    any other dtype is refused (device/param_dtypes.py). `tp`: a
     `device.sharding.TensorParallel`, whose `place_params` puts each leaf on its mesh.
     """
-
-    def check(path, x):
-        x_dtype = getattr(x, "dtype", None)
-        if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
-            raise ValueError(
-                f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating point "
-                f"(they are cast to the model dtype {dtype})"
-            )
-
-    jax.tree_util.tree_map_with_path(check, params)
+    check_param_dtypes(params, dtype)
     if tp is not None:  # placed shard by shard (device_put copies); no device sees the whole model
         return tp.place_params(params)
     # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.

@@ -198,8 +198,7 @@ class ModelRunner:
     def _abstract(self, x) -> jax.ShapeDtypeStruct:  # x's shape and dtype on the compile-only runner's devices
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)
 
-    def _to_device(self, params):
-        """The engine's own float copy of `params` in the model dtype (device/layer_params.py `own_copy`)."""
+    def _to_device(self, params):  # the engine's own float copy in the model dtype (layer_params.own_copy)
         return own_copy(params, jnp.dtype(self.config.dtype), self.tp)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,

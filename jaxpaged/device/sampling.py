@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+from jaxpaged.device.sampler import RowSpec, beam_candidates, make_sampling_arrays, sample
 from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
 from jaxpaged.planner.sequence import Sequence
 
@@ -57,11 +57,22 @@ def sampler_row_counts(runner, max_num_seqs: int) -> list[int]:
     return sorted(row_counts)
 
 
+def beam_candidate_width(max_num_seqs: int, vocab_size: int) -> int:
+    """Candidates per logits row on every beam step: what the widest search this engine accepts
+    needs (beam_width <= max_num_seqs, 2 x beam_width candidates with eos), as a power of two. One
+    width for every search, so warm-up compiles the top-k once per row count; a narrower search
+    reads the first of them (best first)."""
+    return min(next_pow2(2 * max_num_seqs), vocab_size)
+
+
 def warmup_sampler(runner, max_num_seqs: int) -> None:
-    """Compiles the sampler for every row count a step can have, so serving never compiles."""
+    """Compiles the sampler and the beam top-k for every row count a step can have, so serving
+    never compiles."""
     num_out = runner.num_prev_token_rows
     for num_rows in sampler_row_counts(runner, max_num_seqs):
         logits = runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
+        jax.block_until_ready(
+            beam_candidates(logits, num_candidates=beam_candidate_width(max_num_seqs, logits.shape[-1])))
         rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
         arrays = make_sampling_arrays(rows, num_rows)
         # Both variants: without a grammar mask, and with one (a step with a structured-output row).

@@ -259,12 +259,6 @@ class BeamSearches:
     def __bool__(self) -> bool:
         return bool(self.searches)
 
-    def num_candidates(self, seqs: list[Sequence]) -> int:
-        """The most candidates any of these beams' searches needs (rounded up to a power of two, so
-        the device's top-k compiles for few sizes)."""
-        c = max(self.owner[seq.seq_id].num_candidates for seq in seqs)
-        return 1 << (c - 1).bit_length()
-
     def forget(self, preempted: list[Sequence]) -> None:
         """Preempted beams drop the candidates they reported: they report again once recomputed."""
         for seq in preempted:

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
-from jaxpaged.config import EngineConfig
+import dataclasses
+
+from jaxpaged.config import EngineConfig, default_max_num_seqs
 from jaxpaged.device.backends import attention_fn as backend_attention_fn
-from jaxpaged.device.kv_cache import num_pages_for, on_gpu
+from jaxpaged.device.kv_cache import CPU_KV_BUDGET_BYTES, num_pages_for, on_gpu
 from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
@@ -16,15 +18,33 @@ from jaxpaged.engine.protocol import EngineClient
 from jaxpaged.models.weights import load_model
 
 
-def build_engine(model: str | None, config: EngineConfig) -> EngineClient:
-    """Loads `model` (None: the bundled SmolLM2) and builds the engine `config` describes."""
+# The most sequences a batch sized from the pool may hold (vLLM's default max_num_seqs).
+MAX_NUM_SEQS_FROM_POOL = 256
+
+
+def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_pool: bool = False) -> EngineClient:
+    """Loads `model` (None: the bundled SmolLM2) and builds the engine `config` describes.
+
+    `max_num_seqs_from_pool` (the server's default): with no max_num_seqs given, the KV pool is
+    sized first (on the CPU: the whole host KV budget, not one default batch's worth) and the batch
+    from it: as many sequences as the pool holds at max_model_len tokens each (vLLM's "maximum
+    concurrency"), never fewer than the platform's default, at most MAX_NUM_SEQS_FROM_POOL, so
+    requests the pool has room for do not queue.
+    """
     # Before loading: too few devices is an error the user should see at once.
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype)
+    from_pool = max_num_seqs_from_pool and config.max_num_seqs is None
+    if from_pool and config.num_pages is None and config.kv_memory_bytes is None and not on_gpu():
+        config = dataclasses.replace(config, kv_memory_bytes=CPU_KV_BUDGET_BYTES)
+    if from_pool:  # the largest batch, for sizing the pool (a GPU compiles its largest step for it)
+        config = dataclasses.replace(config, max_num_seqs=MAX_NUM_SEQS_FROM_POOL)
     config = config.resolved(on_gpu=on_gpu(), model_max_len=model_config.max_position_embeddings)
     attention_fn = backend_attention_fn(config.attention_backend)
     num_pages = num_pages_for(config, model_config, params, attention_fn)
+    if from_pool:
+        config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config, on_gpu()))
     return engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn)
 
 
@@ -38,3 +58,11 @@ def engine_from_parts(model_config, params, tokenizer, config: EngineConfig, *, 
         for mesh in meshes
     ]
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)
+
+
+def pool_max_num_seqs(num_pages: int, config: EngineConfig, on_gpu: bool) -> int:
+    """Sequences of max_model_len tokens the pool's usable pages hold at once, at least the
+    platform's default max_num_seqs, at most MAX_NUM_SEQS_FROM_POOL and one step's token budget."""
+    pages_per_seq = -(-config.max_model_len // config.page_size)
+    concurrency = max((num_pages - 1) // pages_per_seq, default_max_num_seqs(on_gpu))
+    return max(1, min(concurrency, MAX_NUM_SEQS_FROM_POOL, config.max_num_batched_tokens))

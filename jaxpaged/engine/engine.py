@@ -36,7 +36,7 @@ from jaxpaged.device.kv_cache import bytes_per_page
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.sampler import beam_candidates
-from jaxpaged.device.sampling import warmup_sampler
+from jaxpaged.device.sampling import beam_candidate_width, warmup_sampler
 from jaxpaged.device.step_input import BlockTableRows
 from jaxpaged.engine.dispatched import Dispatched
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
@@ -301,8 +301,8 @@ class LLMEngine:
         entries, num_rows = sampled.entries, sampled.num_rows
         candidates = None
         if beam_seqs:
-            num_candidates = min(self.beams.num_candidates([s for _, s in beam_seqs]), logits.shape[-1])
-            candidates = beam_candidates(logits, num_candidates=num_candidates)
+            candidates = beam_candidates(  # one width, warmed up; each search reads the first it needs
+                logits, num_candidates=beam_candidate_width(self.config.max_num_seqs, logits.shape[-1]))
             for array in candidates:
                 array.copy_to_host_async()
         if self.events is not None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, TokenDecoder
-from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
-from jaxpaged.planner.request import SamplingParams, stop_string_start
+from jaxpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpaged.planner.request import SamplingParams, stop_prefix_len, stop_string_start
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
 
 FINISHED = SequenceStatus.FINISHED
@@ -50,7 +50,7 @@ class RequestState:
     params: SamplingParams
     seed: int  # sample j draws with planner.request.seed_for(seed, j)
     samples: list[Sample]  # starts with the parent alone; siblings join when it forks
-    hold_back: int  # characters held back while streaming: max(len(stop)) - 1, or 0
+    stops: tuple[str, ...]  # stop strings: while streaming, text that could still start one is held back
     num_finished: int = 0  # samples with a finish_reason
     # SamplingParams.prompt_logprobs: [None, {id: Logprob}, ...] filled chunk by chunk; shown once complete.
     prompt_logprobs: list | None = None
@@ -80,7 +80,7 @@ class OutputProcessor:
         stops = params.stop or ()
         request = RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
-            seed=seed, samples=[], hold_back=max((len(s) for s in stops), default=1) - 1,
+            seed=seed, samples=[], stops=tuple(stops),
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(request.prompt_token_ids)
@@ -223,7 +223,7 @@ class OutputProcessor:
     def make_output(self, request: RequestState) -> RequestOutput:
         """A snapshot of `request` with the deltas since the previous one (and marks them sent)."""
         completions = []
-        hold_back = request.hold_back
+        stops = request.stops
         want_logprobs = request.params.logprobs is not None
         for j, sample in enumerate(request.samples):
             output_ids = sample.seq.output_token_ids
@@ -236,8 +236,8 @@ class OutputProcessor:
             elif num_new:
                 _catch_up(sample)
             text = sample.text
-            if hold_back and sample.finish_reason is None:
-                text = text[: max(0, len(text) - hold_back)]  # may be the start of a stop string
+            if stops and sample.finish_reason is None:
+                text = text[: len(text) - stop_prefix_len(text, stops)]  # what may be the start of a stop string
             routed = None if self.routed_experts is None else self.routed_experts.rows_of(
                 sample.seq.seq_id, sample.seq.num_prompt_tokens + len(output_ids) - 1)
             # A snapshot over the live lists (they only grow): no copy of the tokens so far.
@@ -249,10 +249,11 @@ class OutputProcessor:
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)
             sample.num_sent_tokens = len(output_ids)
+        first = request.samples[0].seq
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, completions,
-            request.samples[0].seq.num_cached_tokens,
+            request.request_id, request.prompt, request.prompt_token_ids, completions, first.num_cached_tokens,
             request.prompt_logprobs if request.prompt_logprobs_done else None,
+            RequestMetrics(first.arrival_time, first.first_scheduled_time),
         )
 
 

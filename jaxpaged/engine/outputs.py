@@ -130,6 +130,19 @@ class CompletionOutput:
         return "CompletionOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """A request's times (vLLM's RequestMetrics names), `time.monotonic()` seconds."""
+
+    arrival_time: float  # when the engine took the request
+    first_scheduled_time: float | None  # its first admission to the running batch; None while it waits
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds it waited for its first admission (vLLM's request_queue_time)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -140,6 +153,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
     # per prompt token (the token itself and the top k), once the whole prompt is computed; else None.
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    metrics: RequestMetrics | None = None  # arrival and first admission times
 
     @property
     def finished(self) -> bool:

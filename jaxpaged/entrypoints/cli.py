@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES
+from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, PREEMPTION_MODES
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -80,9 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (debugging)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn = quantized values plus a "
-                        "scale per token and KV head (about 2x the sequences of a bfloat16 cache in the same memory)")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES), default="auto",
+                   help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn (vLLM's fp8, fp8_e4m3) = "
+                        "quantized values plus a scale per token and KV head (about 2x the sequences of a bfloat16 "
+                        "cache in the same memory)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                    help="logprobs of the model's distribution, or of the one each token was drawn from")
@@ -91,7 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="out of KV pages: recompute a victim later, or swap its pages to host memory and back")
     e.add_argument("--swap-space", type=int, default=None, metavar="BYTES",
-                   help="host memory for swapped pages (with --preemption-mode swap)")
+                   help="host memory for swapped pages (with --preemption-mode swap; default 4 GiB, at most 40%% "
+                        "of host memory)")
     e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="keep prefix-cache pages evicted from the device in this much host memory")
     e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -164,62 +166,45 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: cannot read --prompts-file: {err}", file=sys.stderr)
         return 2
+    from jaxpaged.entrypoints.cli_checks import check_flags
 
-    from jaxpaged.entrypoints.llm import LLM  # after argument parsing: importing jax takes a moment
-    from jaxpaged.planner.request import SamplingParams
-
-    if args.coordinator_address:  # every process runs this same program on the same prompts
+    try:
+        params, config, beam = check_flags(args, engine_args(args))  # the flags alone: no jax yet
+    except ValueError as err:
+        return _error(err)
+    if args.coordinator_address:  # before anything starts a jax backend; every process runs this program
         import jax
 
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if jax.process_index() != 0:  # one copy of the output, from process 0
             sys.stdout = open(os.devnull, "w")
+    try:
+        formatted = _check_prompts(args, prompts, config, beam)
+    except (ValueError, OSError) as err:
+        return _error(err)
+
+    from jaxpaged.entrypoints.llm import LLM  # after the checks: importing and loading take a while
 
     try:
-        params = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-            max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-            n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-            logit_bias=_logit_bias(args.logit_bias), allowed_token_ids=args.allowed_token_ids,
-        )
         t_load = time.perf_counter()
         llm = LLM(args.model, **engine_args(args))
         load_s = time.perf_counter() - t_load
-        use_chat = args.chat if args.chat is not None else llm.tokenizer.chat_template is not None
-        if use_chat:
-            def conversation(text):
-                system = [{"role": "system", "content": args.system}] if args.system else []
-                return system + [{"role": "user", "content": text}]
-
-            formatted = [llm.tokenizer.apply_chat_template(conversation(p), add_generation_prompt=True)
-                         for p in prompts]
-        else:
-            formatted = prompts
         t0 = time.perf_counter()
-        if args.beam_width is not None:
-            return _beam_search(llm, prompts, formatted, args, t0)
+        if beam is not None:
+            return _beam_search(llm, prompts, formatted, beam, args, t0)
         if args.stream:
             outputs = _stream(llm, prompts, formatted, params, args)
         else:
             outputs = llm.generate(formatted, params, use_tqdm=not args.json and sys.stderr.isatty())
         elapsed = time.perf_counter() - t0
-    except (ValueError, OSError) as err:  # bad arguments, a missing model, no network for a hub id
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, whatever the library wrote
-        return 2
+    except (ValueError, OSError) as err:  # what only the loaded engine can tell (e.g. too few devices)
+        return _error(err)
 
-    for prompt, out in zip(prompts, outputs):
-        for c in out.outputs:
-            if args.json:
-                record = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                          "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
-                          "num_cached_tokens": out.num_cached_tokens}
-                if args.logprobs is not None:
-                    record["logprobs"] = [[{"token_id": t, **lp._asdict()} for t, lp in entry.items()]
-                                          for entry in c.logprobs]
-                print(json.dumps(record, ensure_ascii=False))
-            elif not args.stream:
-                print(_completion_text(prompt, c, args))
+    if not args.stream:  # --stream printed each completion as it came
+        for prompt, out in zip(prompts, outputs):
+            for c in out.outputs:
+                print(json.dumps(_record(prompt, out, c, args), ensure_ascii=False) if args.json
+                      else _completion_text(prompt, c, args))
 
     stats = llm.stats()
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -233,14 +218,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _beam_search(llm, prompts, formatted, args, t0) -> int:
-    """--beam-width: every prompt's beams, best first, with their cumulative logprob and score."""
-    from jaxpaged.engine.beam_search import BeamSearchParams
+def _check_prompts(args, prompts: list[str], config, beam) -> list[str]:
+    """The prompts as the model reads them (chat template applied), each checked against the limits
+    the engine will have, using the model's config and tokenizer read from its files without the
+    weights (seconds, not a load). ValueError / OSError otherwise."""
+    from jaxpaged.entrypoints.cli_checks import check_requests
+    from jaxpaged.models.config import ModelConfig
+    from jaxpaged.models.loading import load_model_files
 
-    if args.stream:
-        raise ValueError("--stream does not apply to beam search (beams are known only at the end); drop one")
-    params = BeamSearchParams(args.beam_width, args.max_tokens, length_penalty=args.length_penalty,
-                              ignore_eos=args.ignore_eos)
+    files = load_model_files(args.model, weights=False)
+    tokenizer = files.tokenizer
+    use_chat = args.chat if args.chat is not None else tokenizer.chat_template is not None
+    if use_chat and tokenizer.chat_template is None:
+        raise ValueError(f"--chat: the model {files.source.source_id!r} has no chat template; use --no-chat")
+    if use_chat:
+        def conversation(text):
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            return system + [{"role": "user", "content": text}]
+
+        formatted = [tokenizer.apply_chat_template(conversation(p), add_generation_prompt=True) for p in prompts]
+    else:
+        formatted = prompts
+    model_config = ModelConfig.from_hf(files.hf_config, dtype=config.dtype or "float32")
+    import jax  # the platform decides the defaults (max_model_len, max_num_seqs)
+
+    check_requests([len(tokenizer.encode(p)) for p in formatted], config, model_config, tokenizer.eos_token_id,
+                   max_tokens=args.max_tokens, beam=beam, on_gpu=jax.default_backend() == "gpu")
+    return formatted
+
+
+def _error(err: BaseException) -> int:
+    print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, whatever the library wrote
+    return 2
+
+
+def _record(prompt: str, out, c, args) -> dict:
+    """The --json object of one finished completion."""
+    record = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+              "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
+              "num_cached_tokens": out.num_cached_tokens}
+    if args.logprobs is not None:
+        record["logprobs"] = [[{"token_id": t, **lp._asdict()} for t, lp in entry.items()] for entry in c.logprobs]
+    return record
+
+
+def _beam_search(llm, prompts, formatted, params, args, t0) -> int:
+    """--beam-width: every prompt's beams, best first, with their cumulative logprob and score."""
     outputs = llm.beam_search(formatted, params)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(prompts, outputs):
@@ -264,18 +287,6 @@ def _completion_text(prompt: str, c, args) -> str:
     return f">>> {prompt}\n{tag}{c.text}\n{_logprobs_line(c, args)}"
 
 
-def _logit_bias(items: list[str]) -> dict[int, float] | None:
-    """--logit-bias ID=BIAS flags as a dict (ValueError names the bad one)."""
-    bias = {}
-    for item in items:
-        token_id, sep, value = item.partition("=")
-        try:
-            bias[int(token_id)] = float(value)
-        except ValueError:
-            raise ValueError(f"--logit-bias {item!r} must be ID=BIAS, e.g. 50256=-100") from None
-    return bias or None
-
-
 def _logprobs_line(c, args) -> str:
     if args.logprobs is None or c.logprobs is None:
         return ""
@@ -285,22 +296,34 @@ def _logprobs_line(c, args) -> str:
 
 
 def _stream(llm, prompts, formatted, params, args):
-    """One prompt and n = 1: tokens are printed as they come. Several prompts or samples would
-    interleave token by token, so each completion is printed whole when it finishes."""
+    """--stream. One prompt and n = 1: its header, then tokens as they come. Several prompts or
+    samples would interleave token by token, so each completion is printed whole when it finishes.
+    With --json: one object per new piece of text as it comes ({"prompt", "index", "delta_text",
+    "delta_token_ids"}), then each completion's --json object when it finishes."""
     live = len(prompts) == 1 and args.n == 1 and not args.json
     final = {}
     order = []
+    finished_samples = set()  # (request id, sample index) whose --json object is out
+    if live:
+        sys.stdout.write(f">>> {prompts[0]}\n")
     for out in llm.stream(formatted, params):
         if out.request_id not in final:
             order.append(out.request_id)
         final[out.request_id] = out
+        prompt = prompts[formatted.index(out.prompt)]  # the text this request was given
         if live:
             sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-        elif not args.json and out.finished:
-            prompt = prompts[formatted.index(out.prompt)]  # the text this request was given
+        for c in out.outputs if args.json else ():
+            if c.delta_token_ids or c.delta_text:
+                print(json.dumps({"prompt": prompt, "index": c.index, "delta_text": c.delta_text,
+                                  "delta_token_ids": c.delta_token_ids}, ensure_ascii=False))
+            if c.finish_reason is not None and (out.request_id, c.index) not in finished_samples:
+                finished_samples.add((out.request_id, c.index))
+                print(json.dumps(_record(prompt, out, c, args), ensure_ascii=False))
+        if not live and not args.json and out.finished:
             for c in out.outputs:
                 print(_completion_text(prompt, c, args))
+        sys.stdout.flush()
     if live:
         sys.stdout.write("\n" + _logprobs_line(final[order[0]].outputs[0], args))
     by_id = {r: final[r] for r in order}

@@ -87,7 +87,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     expanded = os.path.expanduser(model)
     if expanded.endswith(".gguf"):
         if not os.path.isfile(expanded):
-            raise FileNotFoundError(f"GGUF file {model!r} does not exist; check the path, or pass model=None for the default")
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist; check the path, or leave the model out for the bundled default")
         return ModelSource("gguf", os.path.abspath(expanded), model)
     if os.path.isdir(expanded):
         directory = os.path.abspath(expanded)
@@ -106,13 +106,13 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     if os.path.exists(expanded) or os.path.isabs(expanded) or expanded.startswith("."):
         raise FileNotFoundError(
             f"model {model!r} is neither a .gguf file nor a directory; pass a .gguf file, a Hugging Face "
-            "directory (config.json + *.safetensors), a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or None"
+            "directory (config.json + *.safetensors), a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the model out for the bundled default"
         )
     if model.count("/") == 1 and all(model.split("/")):
         return ModelSource("hf_dir", _download_from_hub(model), model)
     raise ValueError(
         f"model {model!r} is not an existing path and not a hub id ('org/name'); pass a .gguf file, "
-        "a Hugging Face directory (config.json + *.safetensors), a hub id, or None for the bundled default"
+        "a Hugging Face directory (config.json + *.safetensors) or a hub id, or leave the model out for the bundled default"
     )
 
 

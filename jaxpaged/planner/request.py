@@ -7,6 +7,7 @@
     token_stop_reason         token-level stops at commit: "length" (max_tokens / max_model_len), "stop"
                               (eos unless ignore_eos, stop_token_ids), once min_tokens are out
     stop_string_start         string-level stops: where a stop string ends in newly added text
+    stop_prefix_len           what a stream holds back: the end of the text that may start a stop string
     placeholder_token_id/row  the stand-in for a token sampled on the device, not yet read back
 
 The scheduler calls `token_stop_reason` once per token at commit; the output processor calls
@@ -31,7 +32,7 @@ class SamplingParams:
     top_k: int = -1  # keep the k most likely tokens; -1 or 0 = off
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
-    seed: int | None = None  # per-request seed; None = the engine's random stream
+    seed: int | None = None  # per-request seed, any 64-bit int (SEED_MIN..SEED_MAX); None = the engine's stream
     max_tokens: int | None = 16  # generate at most this many tokens ("length"); None = up to max_model_len
     min_tokens: int = 0  # eos / stop_token_ids do not stop before this many tokens
     stop: str | list[str] | tuple[str, ...] | None = ()  # stop strings (the engine checks text); a tuple, None = ()
@@ -76,8 +77,10 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0.0 to turn min-p off")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (any signed or unsigned "
+                             "64-bit integer) or None")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (or None: up to max_model_len)")
         if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
@@ -142,12 +145,30 @@ def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-# Seeds are drawn and derived in [0, SEED_MASK]: the sampler folds them into a 32-bit PRNG key.
+# A request's seed is any integer a 64-bit client can send, signed or unsigned (OpenAI's and vLLM's
+# seeds are 64-bit): a seed and its value modulo 2**64 are the same seed (-1 is 2**64 - 1). The
+# sampler's PRNG key takes 32 bits, so `seed_for` folds the 64 into them: seeds below 2**32 are kept
+# as they are, larger ones are mixed (splitmix64's finalizer), not truncated, so 2**32 + s and s
+# draw differently. The engine draws the seeds of requests without one in [0, SEED_MASK].
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 SEED_MASK = 2**31 - 1
+_MASK64 = 2**64 - 1
+
+
+def _fold_seed(seed: int) -> int:
+    """A 64-bit seed as the sampler's 32-bit one (identity below 2**32)."""
+    z = seed & _MASK64
+    if z < 2**32:
+        return z
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
 
 
 def seed_for(seed: int, sample_idx: int) -> int:
-    """Seed of a request's sample `sample_idx`; sample 0 uses the request's own seed."""
+    """The sampler's 32-bit seed of a request's sample `sample_idx`; sample 0 uses the request's own."""
+    seed = _fold_seed(seed)
     return seed if sample_idx == 0 else (seed * 1_000_003 + sample_idx * 7_919) & SEED_MASK
 
 
@@ -225,6 +246,22 @@ def find_stop(text: str, num_new_chars: int, stops) -> int:
         idx = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
         if idx >= 0 and (best < 0 or idx < best):
             best = idx
+    return best
+
+
+def stop_prefix_len(text: str, stops) -> int:
+    """Characters a stream holds back: the longest end of `text` that could still grow into a stop
+    string (a proper prefix of one), so no more than that. With stop "cat!":
+
+        "The ca"   -> 2 ("ca" may become "cat!")       "The cap" -> 0 (nothing can)
+
+    """
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
     return best
 
 

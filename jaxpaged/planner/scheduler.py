@@ -171,7 +171,7 @@ class Scheduler:
             else:
                 break
             waiting.popleft()
-            seq.status = RUNNING
+            seq.admit()  # RUNNING; the first admission ends its time in the queue
             running.append(seq)
             num_new = len(seq.token_ids) - seq.num_computed_tokens
             samples.append(num_new <= budget)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 import sys
+import time
 
 from jaxpaged.planner.request import SamplingParams
 
@@ -70,6 +71,8 @@ class Sequence:
         "stop_token_set",  # frozenset: stop_token_ids, plus eos_token_id unless ignore_eos
         "max_num_tokens",  # finish "length" at this many tokens: prompt + max_tokens, capped by Scheduler.add
         "num_placeholders",  # trailing entries of token_ids sampled on device, not yet committed
+        "arrival_time",  # time.monotonic() at creation (the request's arrival)
+        "first_scheduled_time",  # time.monotonic() at its first admission to the running batch, or None
     )
 
     def __init__(
@@ -105,6 +108,14 @@ class Sequence:
         max_tokens = self.sampling_params.max_tokens  # None: only max_model_len stops it (Scheduler.add caps)
         self.max_num_tokens = len(self.prompt_token_ids) + (max_tokens if max_tokens is not None else sys.maxsize)
         self.num_placeholders = 0
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+
+    def admit(self) -> None:
+        """Into the running batch (the scheduler's admission); the first one ends its queue time."""
+        self.status = SequenceStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -152,6 +163,7 @@ class Sequence:
         child.stop_token_set = self.stop_token_set
         child.max_num_tokens = self.max_num_tokens
         child.num_placeholders = self.num_placeholders
+        child.arrival_time, child.first_scheduled_time = self.arrival_time, self.first_scheduled_time
         return child
 
 

@@ -1,6 +1,7 @@
 """The FastAPI app: error handlers, the auth and body-size guard, and the routes of each endpoint.
 
-    GET  /health, /metrics, /v1/models     here
+    GET  /health, /metrics, /v1/models,
+         /v1/models/{id}                   here
     POST /v1/completions                   completions.py
     POST /v1/chat/completions              chat.py
 
@@ -17,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
-from jaxpaged.entrypoints.serve.common import APIError, ServerState, error_response, server_state
+from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
 
 router = APIRouter()
 
@@ -32,11 +33,21 @@ async def prometheus_metrics(request: Request):
     return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(state) -> dict:
+    return {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "jaxpaged",
+            "max_model_len": state.config.max_model_len}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(server_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve; a served name may hold "/"
+async def retrieve_model(model_id: str, request: Request):
     state = server_state(request)
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "created": 0,
-                                        "owned_by": "jaxpaged", "max_model_len": state.config.max_model_len}]}
+    check_model(state, model_id)
+    return _model_card(state)
 
 
 async def _api_error(_request, err: APIError):

@@ -220,6 +220,9 @@ class EngineBridge:
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)
         if num_new and timing.first_token is None:
             timing.first_token = now
+            queued = output.metrics.time_in_queue if output.metrics is not None else None
+            if self.metrics is not None and queued is not None:
+                self.metrics.queue_time.observe(queued)
         timing.num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         if self.metrics is not None:
             self.metrics.generation_tokens.inc(num_new)

@@ -70,9 +70,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                for c, new_lps in deltas_to_send(output, done)]
                     choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None]
                 else:
-                    choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                    # Never an empty delta: a choice goes out with new text, its finish, or (asked
+                    # for) the logprobs of tokens whose text is still held back ("content": "").
+                    choices = [{"index": c.index, "delta": {"content": c.delta_text},
                                 "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
-                               for c, new_lps in deltas_to_send(output, done)]
+                               for c, new_lps in deltas_to_send(output, done)
+                               if c.delta_text or c.finish_reason is not None or body.logprobs]
                 if choices:
                     yield sse(chunk(choices))
             if include_usage and final is not None:

@@ -43,25 +43,47 @@ def served_name(model: str | None) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
+def configure_logging(level: str) -> None:
+    """`--log-level` for jaxpaged's and uvicorn's own lines; everyone else (absl, orbax, jax's
+    compiler and cache loggers: a dozen INFO lines per start) at WARNING."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("jaxpaged").setLevel(level.upper())
+
+
+def startup_line(engine, served_model_name: str, url: str) -> str:
+    """The server's configuration in one line (logged once at start)."""
+    config, stats = engine.config, engine.stats()
+    num_pages = stats["num_pages"]  # usable pages, over every replica
+    kv_gib = num_pages * engine.kv_bytes_per_page / 2**30
+    replicas = f", data_parallel_size={config.data_parallel_size}" if config.data_parallel_size > 1 else ""
+    return (f"serving {served_model_name} at {url}: {num_pages} KV pages of {config.page_size} tokens "
+            f"({kv_gib:.2f} GiB, kv_cache_dtype={config.kv_cache_dtype}), max_num_seqs={config.max_num_seqs}, "
+            f"max_model_len={config.max_model_len}, max_num_batched_tokens={config.max_num_batched_tokens}, "
+            f"backend={config.attention_backend}, dtype={config.dtype}, "
+            f"tensor_parallel_size={config.tensor_parallel_size}{replicas}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
-    logging.basicConfig(level=args.log_level.upper(), format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level)
 
     import uvicorn
 
-    from jaxpaged.entrypoints.llm import LLM
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.engine.build import build_engine
     from jaxpaged.entrypoints.serve import build_server
 
-    try:
-        llm = LLM(args.model, **engine_args(args))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
+        engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
+    except (ValueError, OSError) as err:
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
-    app, bridge = build_server(
-        llm.engine, served_model_name=args.served_model_name or served_name(args.model), api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes)
+    name = args.served_model_name or served_name(args.model)
+    app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
+                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes)
+    logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
     bridge.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -20,7 +20,6 @@ from jaxpaged.entrypoints.serve.protocol import error_body
 from jaxpaged.planner.request import SamplingParams
 
 _DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to check whether the client is still there
-_MAX_SEED = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +97,6 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
     if body.n > max_num_seqs:
         raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}; "
                             "ask for fewer samples", param="n")
-    if body.seed is not None and not 0 <= body.seed <= _MAX_SEED:
-        raise APIError(400, f"seed={body.seed} must be in [0, {_MAX_SEED}]", param="seed")
     try:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
@@ -109,8 +106,9 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
             structured_outputs=structured_outputs)
-    except ValueError as err:
-        raise APIError(400, str(err)) from None
+    except ValueError as err:  # SamplingParams' rules, one for every entry point ("seed=... must be ...")
+        field = str(err).split("=", 1)[0]
+        raise APIError(400, str(err), param=field if field.isidentifier() else None) from None
 
 
 async def start(state: ServerState, token_ids: list[int], params: SamplingParams,

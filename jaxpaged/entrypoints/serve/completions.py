@@ -103,6 +103,8 @@ async def completions(body: CompletionRequest, request: Request):
                     choices = []
                     for c, new_lps in deltas_to_send(output, done):
                         echo = body.echo and c.index not in echoed
+                        if not (c.delta_text or echo or c.finish_reason is not None or body.logprobs is not None):
+                            continue  # tokens whose text is held back: nothing to send yet
                         echoed.add(c.index)
                         choices.append({
                             "index": p * body.n + c.index, "finish_reason": c.finish_reason,

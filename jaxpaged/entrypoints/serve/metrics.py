@@ -8,6 +8,10 @@ Two kinds:
   `engine.stats()` after every step (`publish`), and a collector turns the latest snapshot into
   metric families at scrape time. The scrape never touches the engine, which only its thread calls.
 
+Queueing, as vLLM reports it: `jaxpaged_requests_waiting` (vllm:num_requests_waiting, sequences
+queued for admission, preempted ones included) beside `jaxpaged_requests_running`, and
+`jaxpaged_request_queue_time_seconds` (vllm:request_queue_time_seconds: arrival to first admission).
+
 Derived figures, each computed here and nowhere else:
   usage ratio = used pages / usable pages;  KV bytes in use = used pages * bytes per page;
   fragmentation = 1 - live slots / (used pages * page_size)  (the unfilled tails of last pages).
@@ -46,6 +50,10 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS_S, registry=r)
         self.e2e_latency = Histogram(
             "jaxpaged_e2e_request_latency_seconds", "Admission to last output token",
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.queue_time = Histogram(
+            "jaxpaged_request_queue_time_seconds",
+            "Time a request waited for its first admission to the running batch (vllm:request_queue_time_seconds)",
             buckets=_LATENCY_BUCKETS_S, registry=r)
         self.step_duration = Histogram(
             "jaxpaged_step_duration_seconds", "Wall time of one engine step (host + device)",
@@ -132,8 +140,10 @@ class _EngineStateCollector:
             yield gauge("jaxpaged_spec_decode_acceptance_ratio", "Accepted / proposed tokens", s["spec_acceptance_rate"])
             yield gauge("jaxpaged_spec_decode_mean_accepted_length",
                         "New tokens per verified sequence per step (accepted + 1)", s["spec_mean_accepted_length"])
-        yield gauge("jaxpaged_requests_running", "Sequences holding pages", s.get("num_running", 0))
-        yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission", s.get("num_waiting", 0))
+        yield gauge("jaxpaged_requests_running", "Sequences holding pages (vllm:num_requests_running)",
+                    s.get("num_running", 0))
+        yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission (vllm:num_requests_waiting)",
+                    s.get("num_waiting", 0))
 
         # Snapshot distribution of ref counts over used pages (a page shared by k sequences counts k).
         hist = s.get("ref_count_histogram", {})

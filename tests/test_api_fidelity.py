@@ -1,0 +1,79 @@
+"""vLLM's spellings and the weights accessor in the Python API (issue 30 items 5 and 6)."""
+
+import logging
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.entrypoints.cli import build_parser
+from test_llm_inputs import tiny_llm
+
+
+# ------------------------------------------------------------------ item 5: vLLM's names and defaults
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_vllm_fp8_names_are_aliases_of_float8_e4m3fn():
+    for name in ("fp8", "fp8_e4m3"):
+        assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == "float8_e4m3fn"
+        assert build_parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name  # the CLI takes them
+    llm = tiny_llm(kv_cache_dtype="fp8")
+    assert llm.config.kv_cache_dtype == "float8_e4m3fn"
+    # float8 pages: per (layer, K/V, KV head, token) 8 one-byte values and a float32 scale
+    assert llm.engine.kv_bytes_per_page == 2 * 2 * 2 * 4 * (8 + 4)
+
+
+def test_unsupported_vllm_kv_dtype_is_refused_with_the_names_that_work():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2'.*'int8', 'float8_e4m3fn'.*'fp8', 'fp8_e4m3'"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_swap_without_swap_space_takes_vllms_4_gib_bounded_by_host_memory(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        config = EngineConfig(preemption_mode="swap")
+    want = min(4 << 30, int(0.4 * host_memory_bytes()))  # vLLM's 4 GiB, bounded by host memory
+    assert config.swap_space_bytes == want > 0
+    assert any(f"swap_space_bytes={want}" in r.getMessage() for r in caplog.records)  # logged
+    assert EngineConfig(preemption_mode="swap", swap_space_bytes=1 << 20).swap_space_bytes == 1 << 20
+    with pytest.raises(ValueError, match=r"more than 70% of this host's"):
+        EngineConfig(preemption_mode="swap", swap_space_bytes=host_memory_bytes())
+
+
+# ------------------------------------------------------------------ item 6: llm.params and its dtype
+
+def test_params_of_another_dtype_are_cast_with_a_warning():
+    llm = tiny_llm()
+    params = llm.params  # the accessor the README documents
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the engine's own dtype: silent
+        llm.update_params(params)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.warns(UserWarning, match=r"params are not in the engine's dtype float32 .*bfloat16.*dtype='bfloat16'"):
+        llm.update_params(bf16)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(llm.params))  # cast, as the warning says
+    with pytest.raises(ValueError, match="must be floating point"):
+        llm.update_params(jax.tree.map(lambda x: x.astype(jnp.int32), params))
+
+
+# ------------------------------------------------------------------ item 12: beam search after warm-up
+
+def test_beam_search_compiles_nothing_after_warm_up():
+    """At b8feddf the beam top-k compiled at the first beam step of each width (~seconds under load,
+    inside a request). Warm-up now compiles it for every step's row count at one width."""
+    from jaxpaged import BeamSearchParams
+    from jaxpaged.device.sampler import beam_candidates
+
+    llm = tiny_llm(warmup=True)
+    compiled_steps, compiled_top_k = llm.stats()["num_compiles"], beam_candidates._cache_size()
+    for width in (2, 3):
+        beams = llm.beam_search("Hello there", BeamSearchParams(width, max_tokens=4))[0].beams
+        assert len(beams) == width
+    assert beam_candidates._cache_size() == compiled_top_k, "the beam top-k compiled after warm-up"
+    assert llm.stats()["num_compiles"] == compiled_steps
