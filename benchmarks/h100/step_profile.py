@@ -126,13 +126,10 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     ideal = weight_bytes - expert_bytes + touched * expert_bytes + live_kv_per_layer * config.num_layers + io
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
-    # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
-    # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
-    expert_bytes = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
-                       if "expert_" in jax.tree_util.keystr(path))
-    active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
-    touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
+    matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
+        1 if config.tie_word_embeddings else 2)
+    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
+    useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
     memory = out.compiled.memory_analysis()
     pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
     copies = [launch for launch in acc.launches if launch.kind == "copy"]
