@@ -43,7 +43,8 @@ class EngineConfig:
     # "processed_logprobs" = the one each token was drawn from (penalties, bias, temperature, top-k/p, min-p).
     logprobs_mode: str = "raw_logprobs"
     # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} (jaxpaged/spec_decode/). None: off.
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"method": "draft_model", "model": path or
+    # hub id, "num_speculative_tokens": k} (jaxpaged/spec_decode/). None: off.
     speculative_config: dict | None = None
 
     def __post_init__(self):
@@ -120,7 +121,7 @@ class EngineConfig:
         )
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def check_speculative_config(spec: dict) -> dict:
@@ -131,7 +132,7 @@ def check_speculative_config(spec: dict) -> dict:
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown}; use {sorted(known)}")
-    method = spec.get("method", "ngram")
+    method = spec.get("method", "draft_model" if "model" in spec else "ngram")  # vLLM infers it from 'model' too
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config method={method!r} is not supported; use one of {SPECULATIVE_METHODS}")
     k = spec.get("num_speculative_tokens")
@@ -144,7 +145,16 @@ def check_speculative_config(spec: dict) -> dict:
             raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+    checked = {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+               "prompt_lookup_min": lookup_min}
+    if method == "draft_model":
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config method='draft_model' needs 'model': a path or hub id of a smaller "
+                             f"model with the same tokenizer; got {model!r}")
+        if "prompt_lookup_max" in spec or "prompt_lookup_min" in spec:
+            raise ValueError("speculative_config prompt_lookup_max/min are for method='ngram'; drop them")
+        return {"method": method, "model": model, "num_speculative_tokens": k}
     if "model" in spec:
-        raise ValueError("speculative_config 'model' is for method='draft_model', which is not supported yet")
-    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-            "prompt_lookup_min": lookup_min}
+        raise ValueError(f"speculative_config 'model' is for method='draft_model', not {method!r}")
+    return checked

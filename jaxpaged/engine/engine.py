@@ -53,7 +53,7 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fit
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.spec_decode.speculator import Speculator, commit_step
+from jaxpaged.spec_decode.speculator import Speculator, commit_step, draft_proposer
 
 logger = logging.getLogger("jaxpaged")
 
@@ -65,7 +65,7 @@ class LLMEngine:
     """
 
     def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn,
-                 mesh=None):
+                 mesh=None, draft_model=None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -110,7 +110,10 @@ class LLMEngine:
         self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
-        self.spec = Speculator(config) if config.speculative_config else None  # steps synchronously while on
+        # Steps synchronously while on. draft_model: (ModelConfig, params) for method "draft_model".
+        self.spec = (Speculator(config, draft_proposer(draft_model, self.runner, config, attention_fn, mesh,
+                                                       num_swap_pages + num_host_cache_pages))
+                     if config.speculative_config else None)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: Dispatched | None = None
         self._request_counter = itertools.count()
@@ -273,6 +276,8 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             log_step(logger, self._num_steps, out, self.block_manager.stats())
         t0 = time.perf_counter()
+        if self.spec is not None:  # the draft model's swaps, copies and proposals (before the input is read)
+            self.spec.before_step(out, self.processor.owner)
         plan = out.spec_plan  # speculative verification: several logits rows per sequence
         step_input = self.runner.prepare(out, self._block_table_rows, **(self.spec.logits_rows(plan) if plan else {}))
         targets, prompt_chunks = prompt_targets(out, self.processor.owner, step_input.num_tokens)
@@ -286,6 +291,8 @@ class LLMEngine:
         previous = self._in_flight
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
+        if self.spec is not None:
+            self.spec.mirror(step_input)  # the draft model computes the same tokens' K/V
         prompt_logprobs = None
         if targets is not None:
             logits, prompt_logprobs = logits
