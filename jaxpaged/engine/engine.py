@@ -362,8 +362,9 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
-        warmup_sampler(self.runner, self.config.max_num_seqs)
-        self.sampler.warmup(self.config.max_num_seqs)
+        widths = self.spec.logits_widths(self.runner) if self.spec is not None else ()  # verification steps
+        warmup_sampler(self.runner, self.config.max_num_seqs, widths)
+        self.sampler.warmup(self.config.max_num_seqs, widths)
         if self.spec is not None:
             self.spec.warmup(self.runner)  # the verification steps' programs
 

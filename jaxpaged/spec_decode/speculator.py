@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
-from jaxpaged.device.sampling import sample_padded
+from jaxpaged.device.sampler import RowSpec
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
@@ -176,7 +175,7 @@ class Speculator:
                          params.min_p, seed_for(request.seed, sample_idx), step))
             seqs.append((seq, drafts))
         tokens, num_accepted, logprobs = verify(logits, make_verify_arrays(rows, self.max_num_seqs, self.k),
-                                                plan.draft_probs)
+                                                draft_probs=plan.draft_probs)
         for array in (tokens, num_accepted, logprobs):
             array.copy_to_host_async()
         return SpecPending(seqs=seqs, tokens=tokens, num_accepted=num_accepted, logprobs=logprobs)
@@ -241,22 +240,23 @@ class Speculator:
         """ModelRunner.prepare's arguments for a step with proposals: logits rows per sequence."""
         return dict(num_logits=plan.num_logits, max_num_logits=self.max_num_logits)
 
+    def logits_widths(self, runner) -> tuple[int, ...]:
+        """Logits rows of a verification step, per token bucket: the engine warms its samplers at these."""
+        return tuple(sorted({min(bucket, self.max_num_logits) for bucket in runner.buckets}))
+
     def warmup(self, runner) -> None:
-        """Compiles the verification variant of every token bucket (its logits rows), the sampler
-        and the verifier at those widths: a step with proposals never compiles."""
+        """Compiles the verification variant of every token bucket (its logits rows) and the verifier
+        at those widths (the engine warms the samplers there: `logits_widths`), and the draft model's
+        programs: a step with proposals never compiles."""
         for bucket in runner.buckets:
             width = min(bucket, self.max_num_logits)  # logits rows of a verification step
             dummy = runner.dummy_step_input(bucket)
-            step_input = dataclasses.replace(dummy, logits_indices=np.zeros(width, np.int32))
-            logits = runner.execute(step_input)
-            num_out = max(width, runner.num_prev_token_rows)
-            rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
-            jax.block_until_ready(sample_padded(logits, make_sampling_arrays(rows, width), num_out=num_out))
+            logits = runner.execute(dataclasses.replace(dummy, logits_indices=np.zeros(width, np.int32)))
             arrays = make_verify_arrays([(0, [1], 1.0, 2, 0.9, 0.0, 0, 0)], self.max_num_seqs, self.k)
-            jax.block_until_ready(verify(logits, arrays))
+            jax.block_until_ready(verify(logits, arrays, draft_probs=None))
             if self.draft is not None:  # the variant with the draft's distributions
                 q = jnp.full((self.max_num_seqs, self.k, logits.shape[-1]), 1.0 / logits.shape[-1], jnp.float32)
-                jax.block_until_ready(verify(logits, arrays, q))
+                jax.block_until_ready(verify(logits, arrays, draft_probs=q))
         if self.draft is not None:
             self.draft.warmup(host_transfers=self.draft.host_kv.num_host_pages > 0)
 
