@@ -286,6 +286,12 @@ def test_stats_metrics_and_cli_flag(params):
     text = generate_latest(metrics.registry).decode()
     assert f"jaxpaged_spec_decode_accepted_tokens_total {float(s['num_spec_accepted_tokens'])}" in text
     assert "jaxpaged_spec_decode_mean_accepted_length" in text
+    # vLLM's names: counts, drafts, and acceptances per position (position 0 most often)
+    assert f"vllm:spec_decode_num_draft_tokens_total {float(s['num_spec_draft_tokens'])}" in text
+    assert f"vllm:spec_decode_num_drafts_total {float(s['num_spec_verified'])}" in text
+    per_pos = [s[f"num_spec_accepted_tokens_pos{j}"] for j in range(NGRAM["num_speculative_tokens"])]
+    assert sum(per_pos) == s["num_spec_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {float(per_pos[0])}' in text
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -53,7 +53,7 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fit
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.spec_decode.speculator import Speculator, commit_step, draft_proposer
+from jaxpaged.spec_decode.speculator import Speculator, commit_step
 
 logger = logging.getLogger("jaxpaged")
 
@@ -110,10 +110,8 @@ class LLMEngine:
         self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
-        # Steps synchronously while on. draft_model: (ModelConfig, params) for method "draft_model".
-        self.spec = (Speculator(config, draft_proposer(draft_model, self.runner, config, attention_fn, mesh,
-                                                       num_swap_pages + num_host_cache_pages))
-                     if config.speculative_config else None)
+        self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh,  # None when off
+                                      self.host_kv.num_host_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: Dispatched | None = None
         self._request_counter = itertools.count()
@@ -362,11 +360,10 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
-        widths = self.spec.logits_widths(self.runner) if self.spec is not None else ()  # verification steps
-        warmup_sampler(self.runner, self.config.max_num_seqs, widths)
-        self.sampler.warmup(self.config.max_num_seqs, widths)
+        warmup_sampler(self.runner, self.config.max_num_seqs)
+        self.sampler.warmup(self.config.max_num_seqs)
         if self.spec is not None:
-            self.spec.warmup(self.runner)  # the verification steps' programs
+            self.spec.warmup(self.runner, self.sampler)  # the verification steps' programs
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

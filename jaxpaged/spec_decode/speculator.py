@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.device.sampler import RowSpec
+from jaxpaged.device.sampling import warmup_sampler
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
@@ -80,6 +81,17 @@ class Speculator:
         self.num_verified = 0  # (sequence, step) pairs verified: each yields accepted + 1 tokens
         self.num_emitted_tokens = 0  # tokens those verifications appended (stop rules may cut a run)
         self.num_accepted_per_pos = [0] * self.k  # verifications that kept the proposal at position j
+
+    @classmethod
+    def create(cls, config, runner, draft_model, attention_fn, mesh, num_host_pages: int) -> Speculator | None:
+        """The engine's speculator (None without speculative_config); `draft_model`: (ModelConfig, params)
+        of the draft for method "draft_model", else None."""
+        if not config.speculative_config:
+            if draft_model is not None:
+                raise ValueError("a draft model was given without speculative_config; pass "
+                                 "speculative_config={'method': 'draft_model', ...}")
+            return None
+        return cls(config, draft_proposer(draft_model, runner, config, attention_fn, mesh, num_host_pages))
 
     # ---------------------------------------------------------------- planning
 
@@ -240,14 +252,13 @@ class Speculator:
         """ModelRunner.prepare's arguments for a step with proposals: logits rows per sequence."""
         return dict(num_logits=plan.num_logits, max_num_logits=self.max_num_logits)
 
-    def logits_widths(self, runner) -> tuple[int, ...]:
-        """Logits rows of a verification step, per token bucket: the engine warms its samplers at these."""
-        return tuple(sorted({min(bucket, self.max_num_logits) for bucket in runner.buckets}))
-
-    def warmup(self, runner) -> None:
-        """Compiles the verification variant of every token bucket (its logits rows) and the verifier
-        at those widths (the engine warms the samplers there: `logits_widths`), and the draft model's
+    def warmup(self, runner, step_sampler) -> None:
+        """Compiles the verification variant of every token bucket (its logits rows), the samplers
+        (`step_sampler`: the engine's) and the verifier at those widths, and the draft model's
         programs: a step with proposals never compiles."""
+        widths = tuple(sorted({min(bucket, self.max_num_logits) for bucket in runner.buckets}))
+        warmup_sampler(runner, self.max_num_seqs, widths)  # sequences without proposals sample there
+        step_sampler.warmup(self.max_num_seqs, widths)
         for bucket in runner.buckets:
             width = min(bucket, self.max_num_logits)  # logits rows of a verification step
             dummy = runner.dummy_step_input(bucket)
