@@ -128,7 +128,8 @@ def check_speculative_config(spec: dict) -> dict:
     """vLLM's speculative_config dict, validated, with defaults filled in (a new dict)."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict (JSON object), got {type(spec).__name__}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+             "disable_by_batch_size"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown}; use {sorted(known)}")
@@ -145,8 +146,14 @@ def check_speculative_config(spec: dict) -> dict:
             raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+    # vLLM's key: no proposals while more requests than this are in the engine (a large batch is
+    # compute-bound: verifying k extra tokens per sequence costs more than it saves). None: 8 on the
+    # CPU (measured: benchmarks/bench_spec_decode.py), 32 elsewhere (not measured).
+    disable = spec.get("disable_by_batch_size")
+    if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
+        raise ValueError(f"speculative_config disable_by_batch_size={disable!r} must be an int >= 1 (or None)")
     checked = {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-               "prompt_lookup_min": lookup_min}
+               "prompt_lookup_min": lookup_min, "disable_by_batch_size": disable}
     if method == "draft_model":
         model = spec.get("model")
         if not isinstance(model, str) or not model:
@@ -154,7 +161,7 @@ def check_speculative_config(spec: dict) -> dict:
                              f"model with the same tokenizer; got {model!r}")
         if "prompt_lookup_max" in spec or "prompt_lookup_min" in spec:
             raise ValueError("speculative_config prompt_lookup_max/min are for method='ngram'; drop them")
-        return {"method": method, "model": model, "num_speculative_tokens": k}
+        return {"method": method, "model": model, "num_speculative_tokens": k, "disable_by_batch_size": disable}
     if "model" in spec:
         raise ValueError(f"speculative_config 'model' is for method='draft_model', not {method!r}")
     return checked

@@ -61,7 +61,10 @@ def test_speculative_config_validation():
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                                          "prompt_lookup_max": 2})
     spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config
-    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 1}
+    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 1,
+                    "disable_by_batch_size": None}
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0})
 
 
 _PLAIN: dict = {}  # mode -> the non-speculative engine's outputs (the oracle), computed once
@@ -142,7 +145,7 @@ def test_rejection_sampling_matches_target(always_accept, filters):
         drafts=np.tile(np.array(drafts, np.int32), (n, 1)), temperature=np.full(n, t, np.float32),
         top_k=np.full(n, k_, np.int32), top_p=np.full(n, p_, np.float32), min_p=np.zeros(n, np.float32),
         seed=np.arange(n, dtype=np.uint32), step=np.full(n, 5, np.int32))
-    tokens, num_accepted, _ = (np.asarray(a) for a in verifier.verify(logits, arrays, always_accept=always_accept))
+    tokens, num_accepted = (np.asarray(a) for a in verifier.verify(logits, arrays, always_accept=always_accept))
     counts = lambda x: np.bincount(x, minlength=SMALL_VOCAB)  # noqa: E731
     kept_first = num_accepted >= 1
     tvs = [_tv(counts(tokens[:, 0]), exact[0]),
@@ -325,7 +328,7 @@ def test_engine_sampled_distribution_small_vocab(monkeypatch, always_accept):
     num = 4000
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     marginals = []
-    for spec in (None, NGRAM):
+    for spec in (None, {**NGRAM, "disable_by_batch_size": num}):  # speculate with all requests queued
         config = EngineConfig(**{**ENGINE, "max_num_batched_tokens": 64, "max_num_seqs": 16, "num_pages": 80,
                                  "warmup": False, "speculative_config": spec})
         config = config.resolved(on_gpu=False, model_max_len=TINY.max_position_embeddings)

@@ -109,7 +109,7 @@ def test_rejection_sampling_with_draft_probs(always_accept):
         temperature=np.full(n, t, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
         min_p=np.zeros(n, np.float32), seed=np.arange(n, dtype=np.uint32), step=np.full(n, 3, np.int32))
     draft_probs = np.broadcast_to(q[None], (n, 2, SMALL_VOCAB))
-    tokens, num_accepted, _ = (np.asarray(a) for a in verifier.verify(
+    tokens, num_accepted = (np.asarray(a) for a in verifier.verify(
         logits, arrays, draft_probs, always_accept=always_accept))
     counts = lambda x: np.bincount(x, minlength=SMALL_VOCAB)  # noqa: E731
     tvs = [_tv(counts(tokens[:, 0]), exact[0]), _tv(counts(tokens[num_accepted >= 1, 1]), exact[1]),
@@ -151,7 +151,7 @@ def test_draft_model_config_errors(models):
     with pytest.raises(ValueError, match="prompt_lookup"):
         EngineConfig(speculative_config={**draft_config(2), "prompt_lookup_max": 3})
     assert EngineConfig(speculative_config={"model": "x", "num_speculative_tokens": 2}).speculative_config == {
-        "method": "draft_model", "model": "x", "num_speculative_tokens": 2}  # vLLM infers the method from 'model'
+        "method": "draft_model", "model": "x", "num_speculative_tokens": 2, "disable_by_batch_size": None}  # vLLM infers the method from 'model'
     with pytest.raises(ValueError, match="needs the draft model"):
         make_engine(params, warmup=False, speculative_config=draft_config(2))
     with pytest.raises(ValueError, match="method='draft_model'"):

@@ -53,7 +53,7 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fit
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.spec_decode.speculator import Speculator, commit_step
+from jaxpaged.spec_decode.speculator import Speculator, commit_step, verification_buckets
 
 logger = logging.getLogger("jaxpaged")
 
@@ -101,7 +101,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
-            attention_fn=attention_fn,
+            attention_fn=attention_fn, buckets=verification_buckets(config),  # None: the defaults
             mesh=mesh,  # tensor parallelism: jaxpaged/device/sharding.py
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
         )
@@ -322,7 +322,7 @@ class LLMEngine:
         return Dispatched(
             idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
             next_can_read=(num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained
-                           and self.spec is None),
+                           and (self.spec is None or not self.spec.enabled(self.scheduler))),
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
             prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
         )

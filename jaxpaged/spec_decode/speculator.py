@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.device.sampler import RowSpec
+from jaxpaged.device.sampler import GREEDY_TEMPERATURE, RowSpec
 from jaxpaged.device.sampling import warmup_sampler
+from jaxpaged.device.step_input import default_buckets
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
@@ -60,7 +61,6 @@ class SpecPending:
     seqs: list  # [(sequence, proposals)] in verification-row order
     tokens: jax.Array
     num_accepted: jax.Array
-    logprobs: jax.Array
 
 
 class Speculator:
@@ -75,6 +75,8 @@ class Speculator:
         self.lookup_min = spec_config.get("prompt_lookup_min")  # ngram only
         self.lookup_max = spec_config.get("prompt_lookup_max")
         self.max_num_seqs = max_num_seqs
+        disable = spec_config.get("disable_by_batch_size")
+        self.disable_by_batch_size = disable or (8 if jax.default_backend() == "cpu" else 32)
         self.max_num_logits = max_num_seqs * (1 + self.k)  # logits rows of a verification step, at most
         self.num_draft_tokens = 0  # proposals verified
         self.num_accepted_tokens = 0  # of those, kept
@@ -99,6 +101,8 @@ class Speculator:
         """Scheduler.schedule() with proposals for the decoding sequences it can take whole."""
         # Running sequences are scheduled first and in order: while their total demand fits the token
         # budget, each gets all its tokens, proposals included (none is cut into a chunk).
+        if not self.enabled(scheduler):
+            return scheduler.schedule()  # a large batch: no proposals, and the engine steps asynchronously
         budget = scheduler.max_num_batched_tokens
         for seq in scheduler.running:
             budget -= len(seq.token_ids) - seq.num_computed_tokens
@@ -136,6 +140,12 @@ class Speculator:
             del seq.token_ids[len(seq.token_ids) - len(drafts) :]
         out.spec_plan = self._plan(plan) if any(plan) else None
         return out
+
+    def enabled(self, scheduler: Scheduler) -> bool:
+        """Whether steps propose now: at most disable_by_batch_size requests in the engine (vLLM's rule).
+        While they do, each step is committed before the next is planned (the next proposals need its
+        tokens); otherwise the engine overlaps steps as without speculation."""
+        return scheduler.num_unfinished <= self.disable_by_batch_size
 
     def before_step(self, out, owner) -> None:
         """For the draft model, after the step's swaps and copies on the target: the same on the
@@ -186,11 +196,14 @@ class Speculator:
             rows.append((plan.first[i], drafts, params.temperature, max(params.top_k, 0), params.top_p,
                          params.min_p, seed_for(request.seed, sample_idx), step))
             seqs.append((seq, drafts))
-        tokens, num_accepted, logprobs = verify(logits, make_verify_arrays(rows, self.max_num_seqs, self.k),
-                                                draft_probs=plan.draft_probs)
-        for array in (tokens, num_accepted, logprobs):
+        # Rows padded to at most the logits width (a sequence with proposals has >= 2 logits rows), so a
+        # small verification step verifies few rows: no extra compiled variant per width.
+        arrays = make_verify_arrays(rows, min(self.max_num_seqs, logits.shape[0]), self.k)
+        greedy_only = bool((arrays.temperature < GREEDY_TEMPERATURE).all())
+        tokens, num_accepted = verify(logits, arrays, draft_probs=plan.draft_probs, greedy_only=greedy_only)
+        for array in (tokens, num_accepted):
             array.copy_to_host_async()
-        return SpecPending(seqs=seqs, tokens=tokens, num_accepted=num_accepted, logprobs=logprobs)
+        return SpecPending(seqs=seqs, tokens=tokens, num_accepted=num_accepted)
 
     # ---------------------------------------------------------------- after the step
 
@@ -263,11 +276,13 @@ class Speculator:
             width = min(bucket, self.max_num_logits)  # logits rows of a verification step
             dummy = runner.dummy_step_input(bucket)
             logits = runner.execute(dataclasses.replace(dummy, logits_indices=np.zeros(width, np.int32)))
-            arrays = make_verify_arrays([(0, [1], 1.0, 2, 0.9, 0.0, 0, 0)], self.max_num_seqs, self.k)
-            jax.block_until_ready(verify(logits, arrays, draft_probs=None))
-            if self.draft is not None:  # the variant with the draft's distributions
-                q = jnp.full((self.max_num_seqs, self.k, logits.shape[-1]), 1.0 / logits.shape[-1], jnp.float32)
-                jax.block_until_ready(verify(logits, arrays, draft_probs=q))
+            arrays = make_verify_arrays([(0, [1], 1.0, 2, 0.9, 0.0, 0, 0)], min(self.max_num_seqs, width), self.k)
+            qs = [None]
+            if self.draft is not None:  # the variants with the draft's distributions (None: all greedy)
+                qs.append(jnp.full((self.max_num_seqs, self.k, logits.shape[-1]), 1.0 / logits.shape[-1], jnp.float32))
+            for q in qs:
+                for greedy_only in (False, True):
+                    jax.block_until_ready(verify(logits, arrays, draft_probs=q, greedy_only=greedy_only))
         if self.draft is not None:
             self.draft.warmup(host_transfers=self.draft.host_kv.num_host_pages > 0)
 
@@ -319,3 +334,15 @@ def draft_proposer(draft_model, runner, config, attention_fn, mesh, num_host_pag
     return DraftModelProposer(draft_config, draft_params, runner, num_speculative_tokens=spec["num_speculative_tokens"],
                               max_model_len=config.max_model_len, attention_fn=attention_fn,
                               num_host_pages=num_host_pages)
+
+
+def verification_buckets(config) -> tuple[int, ...] | None:
+    """The target's token buckets with speculation: the default ones plus 1 + k tokens, one sequence's
+    verification step, which would otherwise be padded to the smallest default bucket (at k = 3 a
+    4-token step, not 16: on a CPU the padded tokens cost compute, 5x a decode step). None: off.
+    (Larger batches verify in the default buckets: one more bucket per batch size costs compilations.)"""
+    spec = config.speculative_config
+    if not spec:
+        return None
+    buckets = default_buckets(config.max_num_batched_tokens)
+    return tuple(sorted({*buckets, min(1 + spec["num_speculative_tokens"], buckets[0])}))
