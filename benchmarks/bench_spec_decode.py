@@ -67,7 +67,8 @@ def main() -> None:
         num_tokens = batch * args.max_tokens
         rows.append(dict(
             batch=batch, k=args.k, load_average_1min=round(os.getloadavg()[0], 1),
-            spec_steps=verified > 0,  # False: disable_by_batch_size turned proposals off at this batch plain_tok_s=round(num_tokens / plain_s, 1), spec_tok_s=round(num_tokens / spec_s, 1),
+            spec_steps=verified > 0,  # False: disable_by_batch_size turned proposals off at this batch
+            plain_tok_s=round(num_tokens / plain_s, 1), spec_tok_s=round(num_tokens / spec_s, 1),
             speedup=round(plain_s / spec_s, 2), acceptance_rate=round(accepted / max(1, drafts), 3),
             mean_accepted_length=round(emitted / max(1, verified), 2), identical=plain_out == spec_out,
         ))

@@ -160,3 +160,21 @@ def test_draft_model_config_errors(models):
     other_vocab = dataclasses.replace(draft_cfg, vocab_size=128)
     with pytest.raises(ValueError, match="same tokenizer|tokenizer"):
         make_engine(params, warmup=False, speculative_config=draft_config(2), draft_model=(other_vocab, draft_params))
+
+
+def test_llm_loads_the_draft_model_from_its_path(tmp_path):
+    """`LLM(model, speculative_config={"model": path, ...})` loads the draft the way the target is loaded
+    (build_engine); a model drafting for itself is always right, and the tokens equal plain generation."""
+    from jaxpaged import LLM
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(str(tmp_path / "tiny"))
+    args = dict(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32, warmup=False)
+    prompts = ["[user] the cat sat on the mat\n", "abc abc abc"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, **args).generate(prompts, greedy)]
+    llm = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+    stats = llm.stats()
+    assert stats["num_spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
+    assert stats["num_used_pages"] == 0
