@@ -147,7 +147,7 @@ def check_speculative_config(spec: dict) -> dict:
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
     # vLLM's key: no proposals while more requests than this are in the engine (a large batch is
-    # compute-bound: verifying k extra tokens per sequence costs more than it saves). None: 8 on the
+    # compute-bound: verifying k extra tokens per sequence costs more than it saves). None: 1 on the
     # CPU (measured: benchmarks/bench_spec_decode.py), 32 elsewhere (not measured).
     disable = spec.get("disable_by_batch_size")
     if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):

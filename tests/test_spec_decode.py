@@ -12,7 +12,9 @@ from jaxpaged.planner.request import SamplingParams
 from jaxpaged.spec_decode.ngram import propose_ngram
 from tp_fixtures import TINY, make_engine, tiny_params
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# disable_by_batch_size: these tests batch several requests, and the CPU default (1) would turn proposals off.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64}
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +346,19 @@ def test_engine_sampled_distribution_small_vocab(monkeypatch, always_accept):
         assert max(tvs) > 0.1, tvs
     else:
         assert max(tvs) < 0.05, tvs
+
+
+def test_disable_by_batch_size(params):
+    """More requests than disable_by_batch_size: no proposals, and steps overlap (step k+1 is dispatched
+    before step k's tokens are read back); one request alone is speculated again, with the same tokens."""
+    engine = make_engine(params, warmup=False, max_num_batched_tokens=32,
+                         speculative_config={**NGRAM, "disable_by_batch_size": 1})
+    engine.events = []
+    prompts = _prompts()[:2]
+    both = _run(engine, prompts, [_greedy(max_tokens=12)] * 2)
+    assert engine.stats()["num_spec_draft_tokens"] == 0
+    events = engine.events
+    assert events.index(("dispatch", 3)) < events.index(("readback", 2))
+    alone = _run(engine, prompts[:1], [_greedy(max_tokens=12)])
+    assert engine.stats()["num_spec_draft_tokens"] > 0
+    assert alone[0].outputs[0].token_ids == both[0].outputs[0].token_ids

@@ -21,7 +21,8 @@ DRAFT = dataclasses.replace(TINY, num_layers=1)
 
 
 def draft_config(k: int) -> dict:
-    return {"method": "draft_model", "model": "tiny-first-layer", "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": "tiny-first-layer", "num_speculative_tokens": k,
+            "disable_by_batch_size": 64}  # several requests at once: the CPU default (1) would not speculate
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,7 @@ def test_draft_model_config_errors(models):
         make_engine(params, warmup=False, speculative_config=draft_config(2), draft_model=(other_vocab, draft_params))
 
 
+@pytest.mark.slow  # ~90 s on the shared machine (two LLMs compiling lazily); the engine tests above cover the draft
 def test_llm_loads_the_draft_model_from_its_path(tmp_path):
     """`LLM(model, speculative_config={"model": path, ...})` loads the draft the way the target is loaded
     (build_engine); a model drafting for itself is always right, and the tokens equal plain generation."""
@@ -173,7 +175,7 @@ def test_llm_loads_the_draft_model_from_its_path(tmp_path):
     prompts = ["[user] the cat sat on the mat\n", "abc abc abc"]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path, **args).generate(prompts, greedy)]
-    llm = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 2})
+    llm = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 2, "disable_by_batch_size": 4})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
     stats = llm.stats()
     assert stats["num_spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
