@@ -163,6 +163,20 @@ def test_draft_model_config_errors(models):
         make_engine(params, warmup=False, speculative_config=draft_config(2), draft_model=(other_vocab, draft_params))
 
 
+def test_draft_kv_stays_right_through_overlapped_steps(models):
+    """With more requests than disable_by_batch_size the engine overlaps steps (input tokens read on
+    the device from the previous step's draws); the draft mirrors those steps too. A model drafting
+    for itself must then be accepted every time once the request runs alone."""
+    params, _ = models
+    spec = make_engine(params, warmup=False, max_num_batched_tokens=32, draft_model=(TINY, params),
+                       speculative_config={**draft_config(3), "disable_by_batch_size": 1})
+    prompts = _prompts()[:2]
+    _run(spec, prompts, [_greedy(max_tokens=30), _greedy(max_tokens=6)])
+    stats = spec.stats()
+    assert stats["num_spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
+    assert stats["num_used_pages"] == 0
+
+
 @pytest.mark.slow  # ~90 s on the shared machine (two LLMs compiling lazily); the engine tests above cover the draft
 def test_llm_loads_the_draft_model_from_its_path(tmp_path):
     """`LLM(model, speculative_config={"model": path, ...})` loads the draft the way the target is loaded

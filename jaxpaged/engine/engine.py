@@ -290,7 +290,7 @@ class LLMEngine:
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
         if self.spec is not None:
-            self.spec.mirror(step_input)  # the draft model computes the same tokens' K/V
+            self.spec.mirror(step_input, prev_tokens)  # the draft model computes the same tokens' K/V
         prompt_logprobs = None
         if targets is not None:
             logits, prompt_logprobs = logits

@@ -97,11 +97,13 @@ class DraftModelProposer:
         if out.copies:
             self.runner.copy_pages(out.copies)
 
-    def mirror(self, step_input: StepInput) -> None:
+    def mirror(self, step_input: StepInput, prev_tokens=None) -> None:
         """The draft computes the target step's tokens (K/V only: its logits are not read). Logits
-        rows as a plain step's, so the programs are the ones `ModelRunner.warmup` compiled."""
+        rows as a plain step's, so the programs are the ones `ModelRunner.warmup` compiled.
+        `prev_tokens`: the target's previous sampled tokens, where an overlapped step's input tokens are."""
         self.runner.execute(dataclasses.replace(
-            step_input, logits_indices=np.zeros(step_input.num_seqs, np.int32), prompt_logprob_targets=None))
+            step_input, logits_indices=np.zeros(step_input.num_seqs, np.int32), prompt_logprob_targets=None),
+            prev_tokens)
 
     # ---------------------------------------------------------------- proposals
 

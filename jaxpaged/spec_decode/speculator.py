@@ -173,10 +173,10 @@ class Speculator:
             out.seqs[i].token_ids[row.num_known :] = drafts
             plan.drafts[i] = drafts
 
-    def mirror(self, step_input) -> None:
+    def mirror(self, step_input, prev_tokens) -> None:
         """The draft model computes the target step's tokens too (draft_model.py: its invariant)."""
         if self.draft is not None:
-            self.draft.mirror(step_input)
+            self.draft.mirror(step_input, prev_tokens)
 
     def _plan(self, drafts: list[list[int] | None]) -> SpecPlan:
         num_logits = np.array([1 + len(d) if d else 1 for d in drafts], np.int32)
