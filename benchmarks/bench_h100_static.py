@@ -64,11 +64,41 @@ def cases(quick: bool, families: bool = False) -> list[dict]:
     return c + family_cases()
 
 
+def spec_decode_cases(k: int) -> list[dict]:
+    """Speculative decoding: each decode step beside the verification step of k proposals per sequence
+    (1 + k tokens each, logits at all of them), Qwen3-0.6B, pallas, context 1024."""
+    c = []
+    for b in (1, 16, 64):
+        base = dict(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=1024)
+        c += [base, dict(base, num_tokens=b * (1 + k), num_logits=b * (1 + k))]
+    return c
+
+
+def spec_decode_table(rows: list[dict], k: int, lengths=(1.5, 2.0, 2.5, 3.0)) -> list[dict]:
+    """HBM bytes per emitted token: a decode step's per sequence against a verification step's per
+    sequence / L, L = mean tokens a verification emits (accepted + 1; the CPU benchmark measures it).
+    Both add the sampler's or verifier's read of the float32 logits rows (a separate program)."""
+    out = []
+    for b in sorted({r["num_seqs"] for r in rows}):
+        decode = next(r for r in rows if r["num_seqs"] == b and not r.get("num_logits") and "error" not in r)
+        verify = next(r for r in rows if r["num_seqs"] == b and r.get("num_logits") and "error" not in r)
+        vocab_bytes = 4 * 151_936  # Qwen3's vocabulary, float32 logits
+        decode_bytes = decode["hbm_bytes"] + b * vocab_bytes
+        verify_bytes = verify["hbm_bytes"] + verify["num_logits"] * vocab_bytes
+        out.append(dict(num_seqs=b, k=k, decode_step_bytes=decode_bytes, verify_step_bytes=verify_bytes,
+                        verify_to_decode=round(verify_bytes / decode_bytes, 3),
+                        decode_bytes_per_token=decode_bytes // b,
+                        verify_bytes_per_token={str(L): int(verify_bytes / (b * L)) for L in lengths},
+                        decode_floor_ms=decode["floor_ms"], verify_floor_ms=verify["floor_ms"],
+                        verify_compute_floor_ms=verify["compute_floor_ms"]))
+    return out
+
+
 def child(args) -> None:
     from benchmarks.h100.step_profile import StepCase, profile
 
     rows = []
-    for spec in cases(args.quick, args.families):
+    for spec in spec_decode_cases(args.k) if args.spec_decode else cases(args.quick, args.families):
         case = StepCase(**spec)
         try:
             row = profile(case)
@@ -144,6 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
     parser.add_argument("--families", action="store_true", help="the Mixtral and Gemma 2 decode steps only")
     parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--spec-decode", action="store_true",
+                        help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
+    parser.add_argument("--k", type=int, default=3, help="with --spec-decode: proposals per sequence")
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_out:
@@ -152,6 +185,8 @@ def main(argv=None) -> int:
     from benchmarks.h100.target import run_in_h100_python
 
     os.makedirs(args.out, exist_ok=True)
+    if args.spec_decode:
+        return spec_decode_main(args, run_in_h100_python)
     name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
     child_out = os.path.join(args.out, f".{name}.child.json")
     run_in_h100_python(["-m", "benchmarks.bench_h100_static", *(["--quick"] if args.quick else []),
@@ -175,6 +210,27 @@ def main(argv=None) -> int:
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:
         print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else "(KV > 80 GB: not real)")
+    return 0
+
+
+def spec_decode_main(args, run_in_h100_python) -> int:
+    child_out = os.path.join(args.out, ".h100_spec_decode.child.json")
+    run_in_h100_python(["-m", "benchmarks.bench_h100_static", "--spec-decode", "--k", str(args.k),
+                        "--child-out", child_out])
+    with open(child_out) as f:
+        rows = json.load(f)
+    os.remove(child_out)
+    table = spec_decode_table(rows, args.k)
+    result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 programs (HBM bytes of the "
+              "step, plus the float32 logits the sampler / verifier reads); nothing ran on a GPU", "table": table,
+              "rows": rows}
+    with open(os.path.join(args.out, "h100_spec_decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n(estimates) HBM bytes per emitted token, Qwen3-0.6B bf16, context 1024, k =", args.k)
+    for t in table:
+        print(f"b={t['num_seqs']:<3} decode {t['decode_bytes_per_token'] / 1e6:8.2f} MB/token  verify step = "
+              f"{t['verify_to_decode']:.2f}x a decode step; per token at L accepted+1: "
+              + "  ".join(f"L={L}: {v / 1e6:.2f} MB" for L, v in t["verify_bytes_per_token"].items()))
     return 0
 
 

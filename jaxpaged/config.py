@@ -61,7 +61,8 @@ class EngineConfig:
     # "processed_logprobs" = the one each token was drawn from (penalties, bias, temperature, top-k/p, min-p).
     logprobs_mode: str = "raw_logprobs"
     # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} (jaxpaged/spec_decode/). None: off.
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"method": "draft_model", "model": path or
+    # hub id, "num_speculative_tokens": k} (jaxpaged/spec_decode/). None: off.
     speculative_config: dict | None = None
     # One weight buffer per layer, layers unrolled: the step copies no weight (jaxpaged/device/layer_params.py).
     # None: on a GPU when tensor_parallel_size is 1. On a CPU True measured no faster (batch 16, noisy
@@ -167,18 +168,19 @@ def default_max_num_seqs(on_gpu: bool) -> int:
     return 256 if on_gpu else 16
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def check_speculative_config(spec: dict) -> dict:
     """vLLM's speculative_config dict, validated, with defaults filled in (a new dict)."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict (JSON object), got {type(spec).__name__}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+             "disable_by_batch_size"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown}; use {sorted(known)}")
-    method = spec.get("method", "ngram")
+    method = spec.get("method", "draft_model" if "model" in spec else "ngram")  # vLLM infers it from 'model' too
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config method={method!r} is not supported; use one of {SPECULATIVE_METHODS}")
     k = spec.get("num_speculative_tokens")
@@ -191,7 +193,22 @@ def check_speculative_config(spec: dict) -> dict:
             raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+    # vLLM's key: no proposals while more requests than this are in the engine (a large batch is
+    # compute-bound: verifying k extra tokens per sequence costs more than it saves). None: 1 on the
+    # CPU (measured: benchmarks/bench_spec_decode.py), 32 elsewhere (not measured).
+    disable = spec.get("disable_by_batch_size")
+    if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
+        raise ValueError(f"speculative_config disable_by_batch_size={disable!r} must be an int >= 1 (or None)")
+    checked = {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+               "prompt_lookup_min": lookup_min, "disable_by_batch_size": disable}
+    if method == "draft_model":
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config method='draft_model' needs 'model': a path or hub id of a smaller "
+                             f"model with the same tokenizer; got {model!r}")
+        if "prompt_lookup_max" in spec or "prompt_lookup_min" in spec:
+            raise ValueError("speculative_config prompt_lookup_max/min are for method='ngram'; drop them")
+        return {"method": method, "model": model, "num_speculative_tokens": k, "disable_by_batch_size": disable}
     if "model" in spec:
-        raise ValueError("speculative_config 'model' is for method='draft_model', which is not supported yet")
-    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-            "prompt_lookup_min": lookup_min}
+        raise ValueError(f"speculative_config 'model' is for method='draft_model', not {method!r}")
+    return checked

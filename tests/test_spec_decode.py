@@ -12,7 +12,9 @@ from jaxpaged.planner.request import SamplingParams
 from jaxpaged.spec_decode.ngram import propose_ngram
 from tp_fixtures import TINY, make_engine, tiny_params
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# disable_by_batch_size: these tests batch several requests, and the CPU default (1) would turn proposals off.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,10 @@ def test_speculative_config_validation():
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                                          "prompt_lookup_max": 2})
     spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config
-    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 1}
+    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5, "prompt_lookup_min": 1,
+                    "disable_by_batch_size": None}
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0})
 
 
 _PLAIN: dict = {}  # mode -> the non-speculative engine's outputs (the oracle), computed once
@@ -142,7 +147,7 @@ def test_rejection_sampling_matches_target(always_accept, filters):
         drafts=np.tile(np.array(drafts, np.int32), (n, 1)), temperature=np.full(n, t, np.float32),
         top_k=np.full(n, k_, np.int32), top_p=np.full(n, p_, np.float32), min_p=np.zeros(n, np.float32),
         seed=np.arange(n, dtype=np.uint32), step=np.full(n, 5, np.int32))
-    tokens, num_accepted, _ = (np.asarray(a) for a in verifier.verify(logits, arrays, always_accept=always_accept))
+    tokens, num_accepted = (np.asarray(a) for a in verifier.verify(logits, arrays, always_accept=always_accept))
     counts = lambda x: np.bincount(x, minlength=SMALL_VOCAB)  # noqa: E731
     kept_first = num_accepted >= 1
     tvs = [_tv(counts(tokens[:, 0]), exact[0]),
@@ -286,6 +291,12 @@ def test_stats_metrics_and_cli_flag(params):
     text = generate_latest(metrics.registry).decode()
     assert f"jaxpaged_spec_decode_accepted_tokens_total {float(s['num_spec_accepted_tokens'])}" in text
     assert "jaxpaged_spec_decode_mean_accepted_length" in text
+    # vLLM's names: counts, drafts, and acceptances per position (position 0 most often)
+    assert f"vllm:spec_decode_num_draft_tokens_total {float(s['num_spec_draft_tokens'])}" in text
+    assert f"vllm:spec_decode_num_drafts_total {float(s['num_spec_verified'])}" in text
+    per_pos = [s[f"num_spec_accepted_tokens_pos{j}"] for j in range(NGRAM["num_speculative_tokens"])]
+    assert sum(per_pos) == s["num_spec_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {float(per_pos[0])}' in text
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -319,7 +330,7 @@ def test_engine_sampled_distribution_small_vocab(monkeypatch, always_accept):
     num = 4000
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     marginals = []
-    for spec in (None, NGRAM):
+    for spec in (None, {**NGRAM, "disable_by_batch_size": num}):  # speculate with all requests queued
         config = EngineConfig(**{**ENGINE, "max_num_batched_tokens": 64, "max_num_seqs": 16, "num_pages": 80,
                                  "warmup": False, "speculative_config": spec})
         config = config.resolved(on_gpu=False, model_max_len=TINY.max_position_embeddings)
@@ -335,3 +346,19 @@ def test_engine_sampled_distribution_small_vocab(monkeypatch, always_accept):
         assert max(tvs) > 0.1, tvs
     else:
         assert max(tvs) < 0.05, tvs
+
+
+def test_disable_by_batch_size(params):
+    """More requests than disable_by_batch_size: no proposals, and steps overlap (step k+1 is dispatched
+    before step k's tokens are read back); one request alone is speculated again, with the same tokens."""
+    engine = make_engine(params, warmup=False, max_num_batched_tokens=32,
+                         speculative_config={**NGRAM, "disable_by_batch_size": 1})
+    engine.events = []
+    prompts = _prompts()[:2]
+    both = _run(engine, prompts, [_greedy(max_tokens=12)] * 2)
+    assert engine.stats()["num_spec_draft_tokens"] == 0
+    events = engine.events
+    assert events.index(("dispatch", 3)) < events.index(("readback", 2))
+    alone = _run(engine, prompts[:1], [_greedy(max_tokens=12)])
+    assert engine.stats()["num_spec_draft_tokens"] > 0
+    assert alone[0].outputs[0].token_ids == both[0].outputs[0].token_ids

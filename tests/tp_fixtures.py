@@ -45,10 +45,10 @@ def prompts():
     return [rng.integers(0, TINY.vocab_size, n).tolist() for n in (1, 7, 8, 9, 23, 40)]
 
 
-def make_engine(params, *, mesh=None, attention_fn=chunked_paged_attention_from_buffer, **overrides):
+def make_engine(params, *, mesh=None, attention_fn=chunked_paged_attention_from_buffer, draft_model=None, **overrides):
     config = EngineConfig(**{**ENGINE, **overrides}).resolved(on_gpu=False, model_max_len=TINY.max_position_embeddings)
     return LLMEngine(TINY, params, SilentTokenizer(), config, num_pages=config.num_pages, attention_fn=attention_fn,
-                     mesh=mesh)
+                     mesh=mesh, draft_model=draft_model)
 
 
 def run_greedy(engine, prompt_list, max_tokens=8):

@@ -21,6 +21,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.h100.hlo_accounting import BufferOverride, account, entry_param_number
 from benchmarks.h100.ptxas_report import report as ptxas_report
@@ -61,6 +62,7 @@ class StepCase:
     context: int  # tokens of K/V each sequence reads (its prompt + outputs so far)
     num_tokens: int = 0  # mixed steps: tokens computed (0: a decode step, one per sequence)
     num_layers: int | None = None  # override (the CI gate's 2-layer model with real widths)
+    num_logits: int = 0  # logits rows (a speculative verification step: num_seqs * (1 + k)); 0: one per sequence
 
     @property
     def decode(self) -> bool:
@@ -89,6 +91,8 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         kv_cache_dtype=case.kv_cache_dtype,
     )
     step_input = runner.dummy_step_input(num_tokens, decode_only=case.decode)
+    if case.num_logits:  # a verification step: logits at every proposal position
+        step_input = dataclasses.replace(step_input, logits_indices=np.zeros(case.num_logits, np.int32))
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
         runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens),
@@ -122,13 +126,14 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
     touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
     new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
-    io = new_kv + case.num_seqs * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
+    num_logits = case.num_logits or case.num_seqs
+    io = new_kv + num_logits * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
     ideal = weight_bytes - expert_bytes + touched * expert_bytes + live_kv_per_layer * config.num_layers + io
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size
     matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
         1 if config.tie_word_embeddings else 2)
-    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * case.num_seqs
+    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
     useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
     memory = out.compiled.memory_analysis()
     pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))

@@ -48,9 +48,9 @@ def num_sample_rows(num_rows: int, num_logits_rows: int) -> int:
     return num_logits_rows if num_rows <= num_logits_rows else next_pow2(num_rows)
 
 
-def sampler_row_counts(runner, max_num_seqs: int) -> list[int]:
-    """Every row count a step's sampler can have."""
-    row_counts = {min(b, max_num_seqs) for b in runner.buckets} | set(runner.decode_buckets)
+def sampler_row_counts(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """Every row count a step's sampler can have (`extra`: a speculative verification step's logits widths)."""
+    row_counts = {min(b, max_num_seqs) for b in runner.buckets} | set(runner.decode_buckets) | set(extra)
     # n > 1 fan-out past a step's rows samples next_pow2(rows) rows: small decode buckets make that
     # likelier, so those counts are compiled too.
     row_counts |= {next_pow2(r) for r in row_counts}
@@ -65,11 +65,11 @@ def beam_candidate_width(max_num_seqs: int, vocab_size: int) -> int:
     return min(next_pow2(2 * max_num_seqs), vocab_size)
 
 
-def warmup_sampler(runner, max_num_seqs: int) -> None:
+def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> None:
     """Compiles the sampler and the beam top-k for every row count a step can have, so serving
     never compiles."""
     num_out = runner.num_prev_token_rows
-    for num_rows in sampler_row_counts(runner, max_num_seqs):
+    for num_rows in sampler_row_counts(runner, max_num_seqs, extra):
         logits = runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
         jax.block_until_ready(
             beam_candidates(logits, num_candidates=beam_candidate_width(max_num_seqs, logits.shape[-1])))

@@ -45,16 +45,23 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     num_pages = num_pages_for(config, model_config, params, attention_fn)
     if from_pool:
         config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config, on_gpu()))
-    return engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn)
+    draft_model = None
+    spec = config.speculative_config
+    if spec is not None and spec["method"] == "draft_model":  # the draft's pool is sized as the target's (DESIGN.md)
+        draft_config, draft_params, _ = load_model(spec["model"], dtype=config.dtype)
+        draft_model = (draft_config, draft_params)
+    return engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn,
+                             draft_model=draft_model)
 
 
 def engine_from_parts(model_config, params, tokenizer, config: EngineConfig, *, num_pages: int,
-                      attention_fn) -> EngineClient:
+                      attention_fn, draft_model=None) -> EngineClient:
     """One `LLMEngine`, or a `DataParallelEngine` of `config.data_parallel_size` of them, each on its
     own `tensor_parallel_size` devices (a model of your own, tests)."""
     meshes = replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
     engines = [
-        LLMEngine(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn, mesh=mesh)
+        LLMEngine(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn, mesh=mesh,
+                  draft_model=draft_model)
         for mesh in meshes
     ]
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

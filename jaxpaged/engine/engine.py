@@ -50,11 +50,11 @@ from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine import weights
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.prefix_cache import versioned_salt
-from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_fits, check_token_ids_in_vocab
+from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, check_token_ids_in_vocab
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.spec_decode.speculator import Speculator, commit_step
+from jaxpaged.spec_decode.speculator import Speculator, commit_step, verification_buckets
 
 logger = logging.getLogger("jaxpaged")
 
@@ -66,7 +66,7 @@ class LLMEngine:
     """
 
     def __init__(self, model_config, params, tokenizer, config: EngineConfig, *, num_pages: int, attention_fn,
-                 mesh=None):
+                 mesh=None, draft_model=None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -102,7 +102,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
-            attention_fn=attention_fn,
+            attention_fn=attention_fn, buckets=verification_buckets(config),  # None: the defaults
             mesh=mesh,  # tensor parallelism: jaxpaged/device/sharding.py
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
             per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
@@ -114,7 +114,8 @@ class LLMEngine:
         self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
         self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
         self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
-        self.spec = Speculator(config) if config.speculative_config else None  # steps synchronously while on
+        self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh,  # None when off
+                                      self.host_kv.num_host_pages)
         self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
         self._in_flight: Dispatched | None = None
         self._request_counter = itertools.count()
@@ -142,16 +143,7 @@ class LLMEngine:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """ValueError for a prompt this engine can never serve, RuntimeError while asleep; queues nothing."""
         self.weights.check_awake()
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt is empty; give at least one token or a non-empty string")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(
-                f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; "
-                "encode the text with this model's tokenizer"
-            )
-        check_prompt_fits(len(prompt_token_ids), self.config.max_model_len)
+        check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
 
     def add_request(
         self,
@@ -272,6 +264,8 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             log_step(logger, self._num_steps, out, self.block_manager.stats())
         t0 = time.perf_counter()
+        if self.spec is not None:  # the draft model's swaps, copies and proposals (before the input is read)
+            self.spec.before_step(out, self.processor.owner)
         plan = out.spec_plan  # speculative verification: several logits rows per sequence
         step_input = self.runner.prepare(out, self._block_table_rows, **(self.spec.logits_rows(plan) if plan else {}))
         targets, prompt_chunks = prompt_targets(out, self.processor.owner, step_input.num_tokens)
@@ -285,6 +279,8 @@ class LLMEngine:
         previous = self._in_flight
         prev_tokens = previous.tokens if previous is not None else None
         logits = self.runner.execute(step_input, prev_tokens)
+        if self.spec is not None:
+            self.spec.mirror(step_input, prev_tokens)  # the draft model computes the same tokens' K/V
         logits, routed = self.routed.plan(out, step_input.slot_mapping, logits) if self.routed else (logits, None)
         prompt_logprobs = None
         if targets is not None:
@@ -317,7 +313,7 @@ class LLMEngine:
         return Dispatched(
             idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
             next_can_read=(num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained
-                           and self.spec is None),
+                           and (self.spec is None or not self.spec.enabled(self.scheduler))),
             beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
             prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
             routed=routed,
@@ -361,7 +357,7 @@ class LLMEngine:
         warmup_sampler(self.runner, self.config.max_num_seqs)
         self.sampler.warmup(self.config.max_num_seqs)
         if self.spec is not None:
-            self.spec.warmup(self.runner)  # the verification steps' programs
+            self.spec.warmup(self.runner, self.sampler)  # the verification steps' programs
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

@@ -136,12 +136,12 @@ class StepSampler:
                     if slots:
                         self.slots.assign(child, slots[j])
 
-    def warmup(self, max_num_seqs: int) -> None:
+    def warmup(self, max_num_seqs: int, extra: tuple[int, ...] = ()) -> None:
         """Compiles sample_ext for every row count `warmup_sampler` compiles `sample` for, with and
         without penalties, and the slot write."""
         vocab_size = self.slots.vocab_size
         self.slots.state = init_slot(self.slots.state, np.int32(0), *host_slot_rows(vocab_size, [0], [], None, None))
-        for num_rows in sampler_row_counts(self.runner, max_num_seqs):
+        for num_rows in sampler_row_counts(self.runner, max_num_seqs, extra):
             logits = self.runner.zeros_logits(num_rows)
             arrays = make_sampling_arrays([RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9)], num_rows)
             for penalized in (False, True):

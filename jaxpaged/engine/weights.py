@@ -80,6 +80,9 @@ def sleep(engine, level: int) -> None:
         raise ValueError(f"the engine already sleeps at level {state.sleep_level}; call wake_up() first")
     engine.block_manager.reset_prefix_cache()  # the pool's contents are gone
     sleep_runner(engine.runner, level)
+    draft = engine.spec.draft if engine.spec is not None else None
+    if draft is not None:  # the draft model's weights stay on the host: update_params brings only the target's
+        sleep_runner(draft.runner, 1)
     state.sleep_level = level
     if level == 2:
         state.has_params = False
@@ -90,4 +93,6 @@ def wake_up(engine) -> None:
     if not state.sleep_level:
         return  # awake already: nothing to restore
     wake_runner(engine.runner)
+    if engine.spec is not None and engine.spec.draft is not None:
+        wake_runner(engine.spec.draft.runner)
     state.sleep_level = 0

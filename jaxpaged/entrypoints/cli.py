@@ -98,7 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep prefix-cache pages evicted from the device in this much host memory")
     e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\'')
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH_OR_ID, '
+                        '"num_speculative_tokens": 3}\' (optional "disable_by_batch_size": N)')
 
 
 def _json_object(text: str) -> dict:

@@ -190,6 +190,20 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_prompt_token_ids(prompt_token_ids, vocab_size: int, max_model_len: int) -> None:
+    """ValueError for a prompt no engine of this model can serve: empty, ids outside the vocabulary,
+    or too long for max_model_len."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt is empty; give at least one token or a non-empty string")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) or hasattr(t, "__index__")) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; "
+            "encode the text with this model's tokenizer"
+        )
+    check_prompt_fits(len(prompt_token_ids), max_model_len)
+
+
 def check_fits_pool(max_num_tokens: int, page_size: int, num_usable_pages: int) -> None:
     """The longest a request may grow to must fit the whole pool, so that it can always finish alone."""
     num_pages_needed = -(-max_num_tokens // page_size)

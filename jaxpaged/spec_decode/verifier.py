@@ -5,11 +5,13 @@ positions: position j predicts the token after d_{j-1} (position 0: after the la
 
     greedy (temperature 0):  keep d_j while d_j == argmax(target_j); then argmax at the first
                              mismatch, or at position m (the bonus token) if all were kept.
-    sampled:                 rejection sampling (Leviathan et al. 2023, Chen et al. 2023) with a
-                             deterministic proposal, q = point mass at d_j: keep d_j with probability
-                             min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j); at the first rejection draw from
-                             norm(max(0, p_j - q_j)) = p_j without d_j, renormalized; if all m were
-                             kept, draw the bonus token from p_m.
+    sampled:                 rejection sampling (Leviathan et al. 2023, Chen et al. 2023): keep d_j
+                             with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection
+                             draw from norm(max(0, p_j - q_j)); if all m were kept, draw the bonus
+                             token from p_m. q_j is the proposer's distribution: the draft model's
+                             (`draft_probs`, d_j was drawn from it), or for n-gram proposals a point
+                             mass at d_j, where the rule reads: keep d_j with probability p_j(d_j),
+                             else draw from p_j without d_j, renormalized.
 
 p_j is the distribution the non-speculative sampler draws from (temperature, top-k, top-p, min-p:
 `jaxpaged.device.sampler.sampling_logits`), so each output token is distributed exactly as without
@@ -67,7 +69,7 @@ def make_verify_arrays(rows: list[tuple], num_rows: int, k: int) -> VerifyArrays
     return out
 
 
-def _uniforms(seed, step, purpose: int, num: int) -> Float[Array, "S num"]:
+def uniforms(seed, step, purpose: int, num: int) -> Float[Array, "S num"]:
     """u(seed, step + j, purpose) in (0, 1) for j < num, per row."""
 
     def row(seed, step):
@@ -78,50 +80,66 @@ def _uniforms(seed, step, purpose: int, num: int) -> Float[Array, "S num"]:
     return jax.vmap(row)(seed, step)
 
 
-@functools.partial(jax.jit, static_argnames=("always_accept",))
-def verify(logits: Float[Array, "W V"], arrays: VerifyArrays, always_accept: bool = False):
+@functools.partial(jax.jit, static_argnames=("greedy_only", "always_accept"))
+def verify(logits: Float[Array, "W V"], arrays: VerifyArrays, draft_probs: Float[Array, "S K V"] | None = None,
+           *, greedy_only: bool = False, always_accept: bool = False):
     """Returns (tokens [S, K+1] int32: the kept proposals then the drawn token, padded with 0;
-    num_accepted [S] int32: kept proposals a, so tokens[:, : a + 1] are the new tokens;
-    logprobs [S, K+1] float32: log_softmax of the raw target logits at each new token).
+    num_accepted [S] int32: kept proposals a, so tokens[:, : a + 1] are the new tokens).
 
-    `always_accept` (static) keeps every proposal: a broken rule for the tests to catch.
+    `draft_probs`: q_j of each row's proposals (a draft model's, rows in `arrays` order, at least S
+    rows); None for point-mass proposals (n-gram). Greedy rows never read it.
+    `greedy_only` (static): every row is greedy, so no distribution is computed (argmax only); the
+    host sets it per step. `always_accept` (static) keeps every proposal: a broken rule for the tests.
     """
     num_rows, k = arrays.drafts.shape
     positions = jnp.arange(k + 1, dtype=jnp.int32)
     rows = jnp.minimum(arrays.first_row[:, None] + positions, logits.shape[0] - 1)  # [S, K+1]
-    flat = lambda x: jnp.repeat(x, k + 1)  # noqa: E731  per-row values at every position
-    params = SamplingArrays(
-        row_idx=rows.reshape(-1), temperature=flat(arrays.temperature), top_k=flat(arrays.top_k),
-        top_p=flat(arrays.top_p), min_p=flat(arrays.min_p), seed=flat(arrays.seed),
-        step=(arrays.step[:, None] + positions).reshape(-1), banned_ids=jnp.full((num_rows * (k + 1), 1), -1, jnp.int32),
-    )
-    raw = logits.astype(jnp.float32)[rows]  # [S, K+1, V]
-    vocab = raw.shape[-1]
-    probs = jax.nn.softmax(sampling_logits(logits, params).reshape(num_rows, k + 1, vocab), axis=-1)
-    greedy_ids = jnp.argmax(raw, axis=-1).astype(jnp.int32)  # [S, K+1]
-    is_random = (arrays.temperature >= GREEDY_TEMPERATURE)[:, None]  # [S, 1]
-
+    greedy_ids = jnp.argmax(logits[rows], axis=-1).astype(jnp.int32)  # [S, K+1]
     drafts = arrays.drafts
-    p_draft = jnp.take_along_axis(probs[:, :k], drafts[:, :, None], axis=-1)[:, :, 0]  # [S, K]
-    u_accept = _uniforms(arrays.seed, arrays.step, _ACCEPT, k)
-    accept = jnp.where(is_random, u_accept < p_draft, drafts == greedy_ids[:, :k])
+    if greedy_only:
+        accept = drafts == greedy_ids[:, :k]
+    else:
+        flat = lambda x: jnp.repeat(x, k + 1)  # noqa: E731  per-row values at every position
+        params = SamplingArrays(
+            row_idx=rows.reshape(-1), temperature=flat(arrays.temperature), top_k=flat(arrays.top_k),
+            top_p=flat(arrays.top_p), min_p=flat(arrays.min_p), seed=flat(arrays.seed),
+            step=(arrays.step[:, None] + positions).reshape(-1),
+            banned_ids=jnp.full((num_rows * (k + 1), 1), -1, jnp.int32),
+        )
+        vocab = logits.shape[-1]
+        probs = jax.nn.softmax(sampling_logits(logits, params).reshape(num_rows, k + 1, vocab), axis=-1)
+        is_random = (arrays.temperature >= GREEDY_TEMPERATURE)[:, None]  # [S, 1]
+        p_draft = jnp.take_along_axis(probs[:, :k], drafts[:, :, None], axis=-1)[:, :, 0]  # [S, K]
+        u_accept = uniforms(arrays.seed, arrays.step, _ACCEPT, k)
+        if draft_probs is None:  # q_j(d_j) = 1
+            keep = u_accept < p_draft
+        else:  # u < p / q  <=>  u * q < p  (q(d_j) > 0: d_j was drawn from q_j)
+            q_draft = jnp.take_along_axis(draft_probs[:num_rows], drafts[:, :, None], axis=-1)[:, :, 0]
+            keep = u_accept * q_draft < p_draft
+        accept = jnp.where(is_random, keep, drafts == greedy_ids[:, :k])
     if always_accept:
         accept = jnp.ones_like(accept)
     accept &= positions[None, :k] < arrays.num_drafts[:, None]
     num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [S]
+    final = jnp.take_along_axis(greedy_ids, num_accepted[:, None], axis=1)[:, 0]
 
-    # The final draw at position a: p_a without the rejected proposal (a < m), or p_a itself (a == m).
-    p_final = jnp.take_along_axis(probs, num_accepted[:, None, None], axis=1)[:, 0]  # [S, V]
-    rejected = jnp.take_along_axis(drafts, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]
-    was_rejected = num_accepted < arrays.num_drafts
-    p_final = jnp.where(was_rejected[:, None] & (jnp.arange(vocab)[None] == rejected[:, None]), 0.0, p_final)
-    cdf = jnp.cumsum(p_final, axis=-1)
-    u_draw = _uniforms(arrays.seed, arrays.step + num_accepted, _DRAW, 1)[:, 0]
-    drawn = jnp.minimum(jnp.sum(cdf < u_draw[:, None] * cdf[:, -1:], axis=-1), vocab - 1).astype(jnp.int32)
-    final = jnp.where(is_random[:, 0], drawn, jnp.take_along_axis(greedy_ids, num_accepted[:, None], axis=1)[:, 0])
+    if not greedy_only:  # the final draw at position a: norm(max(0, p_a - q_a)) after a rejection, else p_a
+        p_final = jnp.take_along_axis(probs, num_accepted[:, None, None], axis=1)[:, 0]  # [S, V]
+        was_rejected = num_accepted < arrays.num_drafts
+        if draft_probs is None:  # q_a = point mass at the rejected proposal: p_a without it
+            rejected = jnp.take_along_axis(drafts, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]
+            residual = jnp.where(jnp.arange(vocab)[None] == rejected[:, None], 0.0, p_final)
+        else:
+            q_final = jnp.take_along_axis(draft_probs[:num_rows], jnp.minimum(num_accepted, k - 1)[:, None, None],
+                                          axis=1)[:, 0]
+            residual = jnp.maximum(p_final - q_final, 0.0)
+        p_final = jnp.where(was_rejected[:, None], residual, p_final)
+        cdf = jnp.cumsum(p_final, axis=-1)
+        u_draw = uniforms(arrays.seed, arrays.step + num_accepted, _DRAW, 1)[:, 0]
+        drawn = jnp.minimum(jnp.sum(cdf < u_draw[:, None] * cdf[:, -1:], axis=-1), vocab - 1).astype(jnp.int32)
+        final = jnp.where(is_random[:, 0], drawn, final)
 
     padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(positions[None] < num_accepted[:, None], padded_drafts, 0)
     tokens = jnp.where(positions[None] == num_accepted[:, None], final[:, None], tokens)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, :, None], axis=-1)[:, :, 0]
-    return tokens, num_accepted.astype(jnp.int32), logprobs
+    return tokens, num_accepted.astype(jnp.int32)

@@ -140,6 +140,18 @@ class _EngineStateCollector:
             yield gauge("jaxpaged_spec_decode_acceptance_ratio", "Accepted / proposed tokens", s["spec_acceptance_rate"])
             yield gauge("jaxpaged_spec_decode_mean_accepted_length",
                         "New tokens per verified sequence per step (accepted + 1)", s["spec_mean_accepted_length"])
+            # vLLM's SpecDecodingProm names, so dashboards written for vLLM read these unchanged.
+            yield counter("vllm:spec_decode_num_drafts", "Proposals verified (a sequence in a step)",
+                          s["num_spec_verified"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", s["num_spec_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                          s["num_spec_accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens at each proposal position", labels=["position"])
+            prefix = "num_spec_accepted_tokens_pos"
+            for pos in sorted(int(k.removeprefix(prefix)) for k in s if k.startswith(prefix)):
+                per_pos.add_metric([str(pos)], s[f"{prefix}{pos}"])
+            yield per_pos
         yield gauge("jaxpaged_requests_running", "Sequences holding pages (vllm:num_requests_running)",
                     s.get("num_running", 0))
         yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission (vllm:num_requests_waiting)",
