@@ -83,14 +83,15 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
     pages_per_seq = math.ceil(case.context / PAGE_SIZE)
     num_tokens = case.num_seqs if case.decode else case.num_tokens
-    runner = ModelRunner(
+    runner = ModelRunner(  # decode: the runner's own GPU decode buckets (the smallest is 2 sequences)
         config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
-        max_num_seqs=case.num_seqs, max_num_batched_tokens=max(num_tokens, case.num_seqs),
+        max_num_seqs=max(case.num_seqs, 2), max_num_batched_tokens=max(num_tokens, case.num_seqs, 2),
         max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
-        buckets=(max(num_tokens, case.num_seqs),), decode_buckets=(case.num_seqs,) if case.decode else (),
+        buckets=(max(num_tokens, case.num_seqs, 2),), decode_buckets=None if case.decode else (),
         kv_cache_dtype=case.kv_cache_dtype,
     )
-    step_input = runner.dummy_step_input(num_tokens, decode_only=case.decode)
+    bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
+    step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
     if case.num_logits:  # a verification step: logits at every proposal position
         step_input = dataclasses.replace(step_input, logits_indices=np.zeros(case.num_logits, np.int32))
     packed, layout = pack_step_input(step_input)

@@ -111,12 +111,6 @@ class ModelRunner:
         self.buckets = tuple(sorted(buckets or default_buckets(max_num_batched_tokens)))
         if self.buckets[-1] < max_num_batched_tokens:
             raise ValueError(f"largest bucket {self.buckets[-1]} < {max_num_batched_tokens=}; add a bucket")
-        # Decode-only steps: buckets of 1, 2, 4, ... max_num_seqs sequences (no 16-row floor); `()`
-        # sends decode steps through the token buckets instead.
-        self.decode_buckets = tuple(sorted(
-            default_decode_buckets(max_num_seqs) if decode_buckets is None else decode_buckets))
-        if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):
-            raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
         enable_compilation_cache()
 
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
@@ -138,6 +132,12 @@ class ModelRunner:
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
+        # Decode-only steps: 1 (2 on a GPU: XLA makes one-row GEMMs multiply + reduce with weight-sized
+        # products), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
+        self.decode_buckets = tuple(sorted(default_decode_buckets(max_num_seqs, smallest=1 if platform == "cpu" else 2)
+                                           if decode_buckets is None else decode_buckets))
+        if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):
+            raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
         # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
         if self.abstract:  # compile-only: shapes and the params' sharding, no memory

@@ -171,9 +171,9 @@ def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[in
     return (*buckets, max_num_batched_tokens)
 
 
-def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Decode buckets: powers of two from 1 up to `max_num_seqs` (always included)."""
-    return default_buckets(max_num_seqs, smallest=1)
+def default_decode_buckets(max_num_seqs: int, smallest: int = 1) -> tuple[int, ...]:
+    """Decode buckets: powers of two from `smallest` up to `max_num_seqs` (always included)."""
+    return default_buckets(max_num_seqs, smallest=min(smallest, max_num_seqs))
 
 
 def prepare_step_input(
