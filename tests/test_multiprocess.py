@@ -3,25 +3,19 @@ serve one tensor-parallel engine over their 2 + 2 devices; the greedy tokens equ
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from serve_fixtures import free_port
 from tp_fixtures import greedy, prompts, tiny_params
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multidevice", "two_process_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_one_tensor_parallel_engine_equal_one_process():
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -53,7 +47,7 @@ def test_cli_three_processes_smollm2_tp3_equal_one_process():
             "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxpaged.generate", *args, "--tensor-parallel-size", "3",
          "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "3", "--process-id", str(i)],

@@ -7,15 +7,13 @@ from `LLM.generate` on the same engine, computed before the server's engine thre
 
 import asyncio
 import re
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.entrypoints.serve import build_server
+from serve_fixtures import running_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -26,12 +24,6 @@ SMALL = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello."]
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, n=2, logprobs=True)
 STOPPED = SamplingParams(temperature=0.0, max_tokens=24, stop=[" is"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chat_prompt(llm, question):
@@ -49,27 +41,8 @@ def served():
         "stopped": llm.generate(chats[0], STOPPED)[0].outputs[0],
         "plain": llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8))[0],
     }
-    app, bridge = build_server(llm.engine, served_model_name=MODEL, api_key=API_KEY, max_waiting_requests=80,
-                               max_body_bytes=64 * 1024)
-    bridge.start()
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        pytest.fail("the server did not come up in 30 s")
-    yield dict(llm=llm, base=base, bridge=bridge, expected=expected, chats=chats)
-    server.should_exit = True
-    thread.join(10)
-    bridge.shutdown()
+    with running_server(llm.engine, served_model_name=MODEL, api_key=API_KEY, max_waiting_requests=80, max_body_bytes=64 * 1024) as (base, bridge):
+        yield dict(llm=llm, base=base, bridge=bridge, expected=expected, chats=chats)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import io
 import json
 import logging
 import re
-import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,8 +18,8 @@ import pytest
 import jaxpaged.entrypoints.llm
 from jaxpaged import SamplingParams
 from jaxpaged.entrypoints.cli import main as cli_main
-from jaxpaged.entrypoints.serve import build_server
 from test_llm_inputs import tiny_llm
+from serve_fixtures import running_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -52,28 +50,8 @@ def served():
     llm = tiny_llm()
     expected = {seed: llm.generate(PROMPT, _sampled(seed))[0].outputs[0] for seed in SEEDS + [0, 2**32]}
     cli = {seed: _cli_token_ids(llm, seed) for seed in (-1, 2**40)}  # before the server takes the engine
-    app, bridge = build_server(llm.engine, served_model_name=MODEL)
-    bridge.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        pytest.fail("the server did not come up in 30 s")
-    yield dict(llm=llm, base=base, expected=expected, cli=cli, bridge=bridge)
-    server.should_exit = True
-    thread.join(10)
-    bridge.shutdown()
+    with running_server(llm.engine, served_model_name=MODEL) as (base, bridge):
+        yield dict(llm=llm, base=base, expected=expected, cli=cli, bridge=bridge)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,13 @@
 against a real server (127.0.0.1) over a tiny random checkpoint; expectations come from the Python
 API on the same engine, computed before the server's engine thread takes it over."""
 
-import threading
-import time
 
 import httpx
 import pytest
-from test_serve import _free_port
 from tiny_checkpoint import write_tiny_checkpoint
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.entrypoints.serve import build_server
+from serve_fixtures import running_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -40,26 +37,8 @@ def served(tmp_path_factory):
                                                        frequency_penalty=0.5, repetition_penalty=1.2))[0].outputs[0],
         "ids": llm.tokenizer.encode(TEXT),
     }
-    app, bridge = build_server(llm.engine, served_model_name=MODEL)
-    bridge.start()
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        pytest.fail("the server did not come up in 30 s")
-    yield dict(llm=llm, base=base, expected=expected)
-    server.should_exit = True
-    thread.join(10)
-    bridge.shutdown()
+    with running_server(llm.engine, served_model_name=MODEL) as (base, bridge):
+        yield dict(llm=llm, base=base, expected=expected)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ on 127.0.0.1, the `openai` client), over the tiny random checkpoint: every token
 is chosen by the grammar mask, so each check below is the constraint's doing, not the model's."""
 
 import json
-import socket
-import threading
 import time
 from typing import Literal
 
@@ -14,9 +12,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from jaxpaged import LLM
-from jaxpaged.entrypoints.serve import build_server
 from jaxpaged.entrypoints.serve.tools import parse_tool_calls, render_messages
 from tiny_checkpoint import write_tiny_checkpoint
+from serve_fixtures import running_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -48,26 +46,9 @@ def _long_context_checkpoint(directory) -> str:
 def served(tmp_path_factory):
     llm = LLM(_long_context_checkpoint(str(tmp_path_factory.mktemp("tiny"))), max_model_len=1536, max_num_seqs=4,
               max_num_batched_tokens=256, warmup=False)
-    app, bridge = build_server(llm.engine, served_model_name="tiny")
-    bridge.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield dict(llm=llm, base=base, bridge=bridge,
-               client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120))
-    server.should_exit = True
-    thread.join(10)
-    bridge.shutdown()
+    with running_server(llm.engine, served_model_name="tiny") as (base, bridge):
+        yield dict(llm=llm, base=base, bridge=bridge,
+                   client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120))
 
 
 def _idle(served):

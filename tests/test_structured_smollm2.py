@@ -6,15 +6,13 @@ test_serve_structured.py) covers every feature; these add depth on a real tokeni
 
 import json
 import os
-import socket
-import threading
 import time
 
-import httpx
 import jsonschema
 import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
+from serve_fixtures import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -66,27 +64,10 @@ def test_an_always_true_constraint_leaves_greedy_tokens_unchanged(llm):
 @pytest.fixture(scope="module")
 def client(llm):
     openai = pytest.importorskip("openai")
-    uvicorn = pytest.importorskip("uvicorn")
-    from jaxpaged.entrypoints.serve import build_server
+    pytest.importorskip("uvicorn")
 
-    app, bridge = build_server(llm.engine, served_model_name="smollm2")
-    bridge.start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
-    server.should_exit = True
-    thread.join(10)
-    bridge.shutdown()
+    with running_server(llm.engine, served_model_name="smollm2") as (base, bridge):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
