@@ -39,7 +39,7 @@ def no_load(monkeypatch):
     (["--max-tokens", "8", "--max-model-len", "20"], "max_model_len=20 leaves no room"),  # a 31-token chat prompt
     (["--max-model-len", "100000"], "exceeds the model's context of 8192"),
     (["--beam-width", "17"], "max_num_seqs=16"),  # the CPU default
-    (["--preemption-mode", "recompute", "--swap-space", "1024"], "used only with preemption_mode='swap'"),
+    (["--preemption-mode", "recompute", "--swap-space", "1"], "used only with preemption_mode='swap'"),
     (["--no-chat", "--system", "Be brief."], "--system is a chat message"),
     (["--process-id", "1"], "need --coordinator-address"),
     (["--top-p", "0"], "top_p"),

@@ -88,7 +88,7 @@ def test_cli_flags_reach_the_engine_config():
     from jaxpaged.entrypoints.cli import build_parser, engine_args
 
     args = build_parser().parse_args(
-        ["--preemption-mode", "swap", "--swap-space", "1048576", "--host-cache-bytes", "2097152"])
+        ["--preemption-mode", "swap", "--swap-space", "0.0009765625", "--host-cache-bytes", "2097152"])  # GiB, as vLLM
     config = EngineConfig(**engine_args(args))
     assert (config.preemption_mode, config.swap_space_bytes, config.host_cache_bytes) == ("swap", 1 << 20, 2 << 20)
     assert EngineConfig(**engine_args(build_parser().parse_args([]))).preemption_mode == "recompute"

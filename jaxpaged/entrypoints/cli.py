@@ -91,9 +91,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--data-parallel-size", type=int, default=1, help="whole-engine replicas, requests balanced")
     e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="out of KV pages: recompute a victim later, or swap its pages to host memory and back")
-    e.add_argument("--swap-space", type=int, default=None, metavar="BYTES",
-                   help="host memory for swapped pages (with --preemption-mode swap; default 4 GiB, at most 40%% "
-                        "of host memory)")
+    e.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="host memory for swapped pages in GiB, as vLLM's flag (with --preemption-mode swap; "
+                        "default 4, at most 40%% of host memory)")
     e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="keep prefix-cache pages evicted from the device in this much host memory")
     e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -120,7 +120,7 @@ def engine_args(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, async_scheduling=not args.no_async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        preemption_mode=args.preemption_mode, swap_space_bytes=args.swap_space, host_cache_bytes=args.host_cache_bytes,
+        preemption_mode=args.preemption_mode, swap_space_bytes=None if args.swap_space is None else int(args.swap_space * (1 << 30)), host_cache_bytes=args.host_cache_bytes,
         logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config,
     )
