@@ -7,7 +7,6 @@ fails the test, so a check that still ran after loading would show up as that fa
 """
 
 import json
-import logging
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 import jaxpaged.entrypoints.llm
 from jaxpaged import SamplingParams
 from jaxpaged.entrypoints.cli import main
-from test_llm_inputs import tiny_llm
+from test_cli_output import cli, tiny  # noqa: F401 (fixtures)
 
 
 def _never_load(*args, **kwargs):
@@ -67,20 +66,7 @@ def test_bad_flags_exit_in_seconds_in_a_subprocess():
 
 # ------------------------------------------------------------------ item 4: --stream
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_llm()
-
-
-@pytest.fixture
-def cli(tiny, monkeypatch):
-    monkeypatch.setattr(jaxpaged.entrypoints.llm, "LLM", lambda *args, **kwargs: tiny)
-    root = logging.getLogger()
-    saved = root.level, root.handlers[:]
-    root.handlers = []
-    yield main
-    root.setLevel(saved[0])
-    root.handlers = saved[1]
+# `tiny` and `cli` (main over the tiny model, logging restored): test_cli_output.py
 
 
 def test_stream_json_prints_json_lines_as_they_come(cli, tiny, capsys):

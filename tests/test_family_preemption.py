@@ -10,7 +10,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models import ModelConfig, params_from_hf
 from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
-from jaxpaged.planner.request import SamplingParams
+from test_sliding_window import _run as run_greedy
 from tp_fixtures import SilentTokenizer
 
 MAX_TOKENS = 24
@@ -42,16 +42,10 @@ def test_greedy_equals_hf_under_preemption(name, mode, tiny_hf_model):
     ).resolved(on_gpu=False, model_max_len=config.max_position_embeddings)
     engine = LLMEngine(config, params_from_hf(config, state_dict), SilentTokenizer(), engine_config,
                        num_pages=num_pages, attention_fn=chunked_paged_attention_from_buffer)
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-           for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+    outputs = run_greedy(engine, prompts, MAX_TOKENS)
     stats = engine.scheduler.stats()
     assert stats["num_preemptions"] > 0
     if mode == "swap":
         assert stats["num_swaps_out"] > 0
-    assert [done[i] for i in ids] == expected
+    assert outputs == expected
     assert engine.block_manager.stats()["num_used_pages"] == 0  # nothing leaked
