@@ -115,13 +115,14 @@ def plot(rows: list[dict], systems: list[str], path: str, title: str) -> None:
 
 # The vLLM configurations run beside jaxpaged. vLLM's CPU backend by default ("auto") binds its
 # compute threads to all cores but one, which it reserves for its scheduler process: on 2 cores it
-# computes on one. jaxpaged's XLA uses both, so vLLM is also run with both cores bound to compute;
-# that one (faster on a quiet machine) is the peer of W2, W3 and S1.
+# computes on one. jaxpaged's XLA uses both, so vLLM is also run with both cores bound to compute.
+# W2, W3 and S1 run one of them (--peer-binding): both cores by default, the faster on a quiet machine;
+# on a machine loaded by other processes its bound threads spin-wait and the default binding wins.
 VLLM_CONFIGS = {
     "vllm (2 compute threads)": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
     "vllm (default binding)": {},
 }
-PEER = "vllm (2 compute threads)"
+PEER_BINDINGS = {"0-1": "vllm (2 compute threads)", "auto": "vllm (default binding)"}
 CACHE_OFF_ARGS = {"max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False}  # jaxpaged's first phase
 
 
@@ -135,7 +136,7 @@ class Phase:
     workloads: list[Workload]
 
 
-def phases(tokenizer) -> list[Phase]:
+def phases(tokenizer, peer: str) -> list[Phase]:
     """Prefix caching off (chat, W1, W2 uncached), on (W2), and a small KV pool (W3)."""
     jax_pages, vllm_blocks = same_pool(W3_POOL_TOKENS, 16, VLLM_W3_BLOCK_SIZE)
     base = {"max_model_len": MAX_MODEL_LEN}
@@ -144,13 +145,13 @@ def phases(tokenizer) -> list[Phase]:
               {**base, "enable_prefix_caching": False, "seed": 0}, list(VLLM_CONFIGS),
               [chat_workload(tokenizer), *w1_workloads(), w2_workload("w2-cache-off")]),
         Phase("prefix caching on", {**base, "enable_prefix_caching": True},
-              {**base, "enable_prefix_caching": True, "seed": 0}, [PEER], [w2_workload("w2-cache-on")]),
+              {**base, "enable_prefix_caching": True, "seed": 0}, [peer], [w2_workload("w2-cache-on")]),
         Phase(f"KV pool of {W3_POOL_TOKENS} tokens",
               {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "num_pages": jax_pages,
                "page_size": 16},
               {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "seed": 0,
                "block_size": VLLM_W3_BLOCK_SIZE, "num_gpu_blocks_override": vllm_blocks, "disable_log_stats": False},
-              [PEER], [w3_workload()]),
+              [peer], [w3_workload()]),
     ]
 
 
@@ -205,6 +206,8 @@ def main() -> None:
                         help="where setup_vllm.sh put the venv (default $JAXPAGED_PEERS_DIR or <repo>/.peers)")
     parser.add_argument("--no-serving", action="store_true", help="skip S1 (bench_serving with jaxpaged and vLLM)")
     parser.add_argument("--serving-rates", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--peer-binding", choices=list(PEER_BINDINGS), default="0-1",
+                        help="vLLM's thread binding in W2, W3 and S1: both cores computing (0-1) or its default (auto)")
     args = parser.parse_args()
 
     from benchmarks.peers.vllm_peer import VllmWorker, find_vllm
@@ -217,7 +220,7 @@ def main() -> None:
     results, rows, vllm_info, jaxpaged_info = {}, [], {}, {}
     llm = LLM(**CACHE_OFF_ARGS)
     load_s = time.perf_counter() - t_start
-    phase_list = phases(llm.tokenizer)  # the chat workload needs jaxpaged's tokenizer (its chat template)
+    phase_list = phases(llm.tokenizer, PEER_BINDINGS[args.peer_binding])  # the chat workload needs jaxpaged's tokenizer (its chat template)
     for i, phase in enumerate(phase_list):
         if i:
             del llm
@@ -253,7 +256,7 @@ def main() -> None:
         "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
                      "reported": "best of repeats", "offline_wall_s": round(offline_s, 1),
                      "w2": "one shared prefix per call, redrawn every call: hits only within a call",
-                     "w3_pool_tokens": W3_POOL_TOKENS,
+                     "w3_pool_tokens": W3_POOL_TOKENS, "w2_w3_s1_vllm": PEER_BINDINGS[args.peer_binding],
                      "loadavg": "os.getloadavg() before every timed call (1, 5, 15 min)"},
         "workloads": {w.name: {"num_requests": len(w.prompts), "prompt_lens": [len(p) for p in w.prompts],
                                "params": w.params, "fresh_prefix_len": w.fresh_prefix_len} for w in workloads},
@@ -274,6 +277,7 @@ def main() -> None:
         from benchmarks import bench_serving
 
         bench_serving.main(["--systems", "jaxpaged", "vllm", "--rates", *map(str, args.serving_rates),
+                            "--vllm-threads-bind", args.peer_binding,
                             "--out", os.path.join(args.out, "serving_vs_vllm_cpu"),
                             *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
     print(f"[bench_vs_vllm] whole comparison {time.perf_counter() - t_start:.0f} s")
