@@ -37,6 +37,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 from benchmarks.common import CompileCounter, environment, format_table
 from benchmarks.peers.peer_workloads import (
@@ -123,46 +124,47 @@ VLLM_CONFIGS = {
     "vllm (default binding)": {},
 }
 PEER_BINDINGS = {"0-1": "vllm (2 compute threads)", "auto": "vllm (default binding)"}
-CACHE_OFF_ARGS = {"max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False}  # jaxpaged's first phase
 
 
 @dataclasses.dataclass
 class Phase:
     """Engines built alike for a group of workloads, run, then closed before the next phase's."""
+    key: str  # --phases
     name: str
     jaxpaged_args: dict
     vllm_args: dict
     vllm_configs: list[str]
-    workloads: list[Workload]
+    make_workloads: Callable[..., list[Workload]]  # from jaxpaged's tokenizer (the chat template)
 
 
-def phases(tokenizer, peer: str) -> list[Phase]:
+def phases(peer: str) -> list[Phase]:
     """Prefix caching off (chat, W1, W2 uncached), on (W2), and a small KV pool (W3)."""
     jax_pages, vllm_blocks = same_pool(W3_POOL_TOKENS, 16, VLLM_W3_BLOCK_SIZE)
     base = {"max_model_len": MAX_MODEL_LEN}
     return [
-        Phase("prefix caching off", CACHE_OFF_ARGS,
+        Phase("off", "prefix caching off", {**base, "enable_prefix_caching": False},
               {**base, "enable_prefix_caching": False, "seed": 0}, list(VLLM_CONFIGS),
-              [chat_workload(tokenizer), *w1_workloads(), w2_workload("w2-cache-off")]),
-        Phase("prefix caching on", {**base, "enable_prefix_caching": True},
-              {**base, "enable_prefix_caching": True, "seed": 0}, [peer], [w2_workload("w2-cache-on")]),
-        Phase(f"KV pool of {W3_POOL_TOKENS} tokens",
+              lambda tok: [chat_workload(tok), *w1_workloads(), w2_workload("w2-cache-off")]),
+        Phase("on", "prefix caching on", {**base, "enable_prefix_caching": True},
+              {**base, "enable_prefix_caching": True, "seed": 0}, [peer], lambda tok: [w2_workload("w2-cache-on")]),
+        Phase("pool", f"KV pool of {W3_POOL_TOKENS} tokens",
               {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "num_pages": jax_pages,
                "page_size": 16},
               {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "seed": 0,
                "block_size": VLLM_W3_BLOCK_SIZE, "num_gpu_blocks_override": vllm_blocks, "disable_log_stats": False},
-              [peer], [w3_workload()]),
+              [peer], lambda tok: [w3_workload()]),
     ]
 
 
-def run_phase(phase: Phase, llm, workers: dict, repeats: int, results: dict, rows: list[dict]) -> None:
+def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repeats: int, results: dict,
+              rows: list[dict]) -> None:
     """Every workload of the phase: one warm-up call per system, then `repeats` timed calls per
     system in rotated order; the summary, ratios and greedy checks go into `results` and `rows`."""
     # An idle vLLM worker uses ~1% of a core (measured), so the ones not running do not slow the one that is.
     systems = {"jaxpaged": lambda w, call: run_jaxpaged(llm, w, call)}
     systems.update({name: (lambda w, call, v=v: v.generate(w.prompts_for(call), w.params))
                     for name, v in workers.items()})
-    for workload in phase.workloads:
+    for workload in workloads:
         for run in systems.values():
             run(workload, 0)  # warm-up, not timed
         timed = {name: [] for name in systems}
@@ -204,6 +206,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--peers-dir", default=None,
                         help="where setup_vllm.sh put the venv (default $JAXPAGED_PEERS_DIR or <repo>/.peers)")
+    parser.add_argument("--phases", nargs="*", choices=["off", "on", "pool"], default=["off", "on", "pool"],
+                        help="offline phases: prefix caching off (chat, W1, W2), on (W2), small KV pool (W3)")
+    parser.add_argument("--name", default="vs_vllm_cpu", help="results/<name>.json/.png, results/serving_<name>")
     parser.add_argument("--no-serving", action="store_true", help="skip S1 (bench_serving with jaxpaged and vLLM)")
     parser.add_argument("--serving-rates", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--peer-binding", choices=list(PEER_BINDINGS), default="0-1",
@@ -217,16 +222,15 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
-    results, rows, vllm_info, jaxpaged_info = {}, [], {}, {}
-    llm = LLM(**CACHE_OFF_ARGS)
-    load_s = time.perf_counter() - t_start
-    phase_list = phases(llm.tokenizer, PEER_BINDINGS[args.peer_binding])  # the chat workload needs jaxpaged's tokenizer (its chat template)
-    for i, phase in enumerate(phase_list):
-        if i:
-            del llm
-            t0 = time.perf_counter()
-            llm = LLM(**phase.jaxpaged_args)
-            load_s = time.perf_counter() - t0
+    results, rows, vllm_info, jaxpaged_info, workloads = {}, [], {}, {}, []
+    llm = None
+    for i, phase in enumerate(p for p in phases(PEER_BINDINGS[args.peer_binding]) if p.key in args.phases):
+        del llm  # one jaxpaged engine at a time
+        t0 = time.perf_counter()
+        llm = LLM(**phase.jaxpaged_args)
+        load_s = time.perf_counter() - t0
+        phase_workloads = phase.make_workloads(llm.tokenizer)
+        workloads += phase_workloads
         jaxpaged_info[phase.name] = {
             "args": phase.jaxpaged_args, "load_s": round(load_s, 2),
             "config": {k: v for k, v in dataclasses.asdict(llm.config).items()
@@ -241,44 +245,44 @@ def main() -> None:
                 vllm_info[f"{name}, {phase.name}"] = {
                     "version": w.vllm_version, "engine": w.engine, "load_s": round(w.load_s, 2),
                     "engine_args": phase.vllm_args, "extra_env": env, "log": log_path}
-            run_phase(phase, llm, workers, args.repeats, results, rows)
+            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows)
         finally:
             for w in workers.values():
                 w.close()
     del llm
-    workloads = [w for phase in phase_list for w in phase.workloads]
     offline_s = time.perf_counter() - t_start
 
-    env = environment()
-    systems = ["jaxpaged", *VLLM_CONFIGS]
-    report = {
-        "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info, "jaxpaged": jaxpaged_info,
-        "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
-                     "reported": "best of repeats", "offline_wall_s": round(offline_s, 1),
-                     "w2": "one shared prefix per call, redrawn every call: hits only within a call",
-                     "w3_pool_tokens": W3_POOL_TOKENS, "w2_w3_s1_vllm": PEER_BINDINGS[args.peer_binding],
-                     "loadavg": "os.getloadavg() before every timed call (1, 5, 15 min)"},
-        "workloads": {w.name: {"num_requests": len(w.prompts), "prompt_lens": [len(p) for p in w.prompts],
-                               "params": w.params, "fresh_prefix_len": w.fresh_prefix_len} for w in workloads},
-        "results": results,
-    }
-    with open(os.path.join(args.out, "vs_vllm_cpu.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    version = next(iter(vllm_info.values()))["version"]
-    plot(rows, systems, os.path.join(args.out, "vs_vllm_cpu.png"),
-         f"SmolLM2-135M float32 on {env['cpu_count']} CPU cores: jaxpaged vs vLLM {version} (vllm-cpu)")
-    print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
-                              ("jaxpaged/this", "ratio"), ("out tokens", "out_tokens"), ("walls s", "walls"),
-                              ("load 1m", "load"), ("hit rate", "hit"), ("preemptions", "preempt"),
-                              ("greedy match", "match"), ("prompts identical", "identical")]))
-    print(f"jax {env['jax_version']}, vllm {version}, commit {env['git_commit']}, {env['date_utc']}; "
-          f"offline part {offline_s:.0f} s")
+    if results:  # --phases may select none (S1 only)
+        env = environment()
+        systems = ["jaxpaged", *VLLM_CONFIGS]
+        report = {
+            "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info, "jaxpaged": jaxpaged_info,
+            "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
+                         "reported": "best of repeats", "offline_wall_s": round(offline_s, 1),
+                         "w2": "one shared prefix per call, redrawn every call: hits only within a call",
+                         "w3_pool_tokens": W3_POOL_TOKENS, "w2_w3_s1_vllm": PEER_BINDINGS[args.peer_binding],
+                         "loadavg": "os.getloadavg() before every timed call (1, 5, 15 min)"},
+            "workloads": {w.name: {"num_requests": len(w.prompts), "prompt_lens": [len(p) for p in w.prompts],
+                                   "params": w.params, "fresh_prefix_len": w.fresh_prefix_len} for w in workloads},
+            "results": results,
+        }
+        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        version = next(iter(vllm_info.values()))["version"]
+        plot(rows, systems, os.path.join(args.out, f"{args.name}.png"),
+             f"SmolLM2-135M float32 on {env['cpu_count']} CPU cores: jaxpaged vs vLLM {version} (vllm-cpu)")
+        print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
+                                  ("jaxpaged/this", "ratio"), ("out tokens", "out_tokens"), ("walls s", "walls"),
+                                  ("load 1m", "load"), ("hit rate", "hit"), ("preemptions", "preempt"),
+                                  ("greedy match", "match"), ("prompts identical", "identical")]))
+        print(f"jax {env['jax_version']}, vllm {version}, commit {env['git_commit']}, {env['date_utc']}; "
+              f"offline part {offline_s:.0f} s")
     if not args.no_serving:
         from benchmarks import bench_serving
 
         bench_serving.main(["--systems", "jaxpaged", "vllm", "--rates", *map(str, args.serving_rates),
                             "--vllm-threads-bind", args.peer_binding,
-                            "--out", os.path.join(args.out, "serving_vs_vllm_cpu"),
+                            "--out", os.path.join(args.out, f"serving_{args.name}"),
                             *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
     print(f"[bench_vs_vllm] whole comparison {time.perf_counter() - t_start:.0f} s")
 
