@@ -41,7 +41,14 @@ from collections.abc import Callable
 
 from benchmarks.common import CompileCounter, environment, format_table
 from benchmarks.peers.peer_workloads import (
-    Workload, chat_workload, compare_greedy, prefix_hit_rate, same_pool, w1_workloads, w2_workload, w3_workload,
+    Workload,
+    chat_workload,
+    compare_greedy,
+    prefix_hit_rate,
+    same_pool,
+    w1_workloads,
+    w2_workload,
+    w3_workload,
 )
 
 REPEATS = 3

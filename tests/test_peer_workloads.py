@@ -5,7 +5,12 @@ import pytest
 
 from benchmarks.bench_serving import compare_texts
 from benchmarks.peers.peer_workloads import (
-    compare_greedy, prefix_hit_rate, same_pool, w1_workloads, w2_workload, w3_workload,
+    compare_greedy,
+    prefix_hit_rate,
+    same_pool,
+    w1_workloads,
+    w2_workload,
+    w3_workload,
 )
 
 
