@@ -76,8 +76,9 @@ class Speculator:
         self.lookup_max = spec_config.get("prompt_lookup_max")
         self.max_num_seqs = max_num_seqs
         disable = spec_config.get("disable_by_batch_size")
-        # Default: 1 on the CPU (bench_spec_decode: batch 1 gains, batch 4 lost 0.7x: batching amortises
-        # the weight reads there, and a verification step's extra tokens cost compute); 32 elsewhere, not measured.
+        # Default: 1 on the CPU (bench_spec_decode, k = 5: batch 1 gains 1.6-1.75x, batch 4 ~1.05x, batch
+        # 16 0.87x: batching amortises the weight reads there, and a verification step's extra tokens
+        # cost compute); 32 elsewhere, not measured.
         self.disable_by_batch_size = disable or (1 if jax.default_backend() == "cpu" else 32)
         self.max_num_logits = max_num_seqs * (1 + self.k)  # logits rows of a verification step, at most
         self.num_draft_tokens = 0  # proposals verified

@@ -94,7 +94,9 @@ def verify(logits: Float[Array, "W V"], arrays: VerifyArrays, draft_probs: Float
     num_rows, k = arrays.drafts.shape
     positions = jnp.arange(k + 1, dtype=jnp.int32)
     rows = jnp.minimum(arrays.first_row[:, None] + positions, logits.shape[0] - 1)  # [S, K+1]
-    greedy_ids = jnp.argmax(logits[rows], axis=-1).astype(jnp.int32)  # [S, K+1]
+    # argmax of each logits row once, then gathered: the rows of padded verification rows repeat
+    # real ones, so gathering [S, K+1, V] first would read the logits (K+1) x S / W times over.
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)[rows]  # [S, K+1]
     drafts = arrays.drafts
     if greedy_only:
         accept = drafts == greedy_ids[:, :k]
