@@ -61,6 +61,7 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     inflate). gap_ms None: masks at dispatch, else prefetched with a gap."""
     vocab = tokenizer.vocab_size
     state = StructuredState(vocab, tokenizer.eos_token_id)
+    state.sample_first = False  # every row's full mask: what this synthetic run times
     state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
     seqs = [_running_sequence() for _ in range(num_rows)]
     times, cpu_times = [], []

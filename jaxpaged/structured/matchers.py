@@ -16,11 +16,23 @@ dispatch every output token of a constrained sequence has landed. A sample of an
 starts from its own copy of the template (forked children included); preemption keeps the matcher,
 since a preempted sequence keeps its output tokens. Thread rule: only one thread touches the
 matchers at a time; every method here first waits for the worker (`_join`). Pure host code, no jax.
+
+Sample first (step_mask; rows of greedy or plain-temperature requests, `samples_first`): such a row
+draws without its mask and only a rejected token costs a mask. The checks that replace the mask
+are llguidance's own, and equal to its mask (test_structured_sample_first.py walks grammars token
+by token against it):
+    forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
+                ──► the row's mask is that token's bit, set before the draw; nothing to check
+    otherwise   ──► drawn token t allowed  <=>  validate_tokens([t]) == 1, and eos <=> is_accepting()
+                    StepMask.check(drawn) computes masks for the rejected rows only
+At commit, prefetch() consumes the step's tokens and computes the forced token of these rows on the
+worker (~8 us each against ~40 us for a mask), instead of their masks.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import llguidance
@@ -33,6 +45,52 @@ from jaxpaged.planner.sequence import SequenceStatus
 # Fewer running constrained sequences than this: their masks are computed at dispatch. The hand-off
 # to the worker and back costs ~0.05 ms (bench_structured_host: 1 row, 0.02 ms at dispatch).
 MIN_PREFETCH_ROWS = 4
+GREEDY_TEMPERATURE = 1e-5  # device/sampler.py's: below it a row draws its argmax
+
+
+def samples_first(params) -> bool:
+    """Whether a constrained row of these SamplingParams may draw before its mask: greedy, or a
+    temperature with no top-k, top-p or min-p (those rank the allowed tokens, so the mask comes
+    first). Exact: greedy draws the argmax over the allowed tokens either way, and drawing from p,
+    then from p restricted to the allowed set A on rejection, gives p(t) / p(A) for every t in A."""
+    return params.temperature < GREEDY_TEMPERATURE or (
+        params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+
+
+@dataclasses.dataclass
+class StepMask:
+    """A step's grammar rows, from StructuredState.step_mask."""
+
+    mask: np.ndarray | None  # the draw's int32 mask; None: no row needs one (the unmasked sampler)
+    checks: list  # (sampler row, matcher): rows drawn without a mask, checked after the draw
+    num_rows: int
+    state: "StructuredState"
+
+    def check(self, drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The drawn tokens of the rows drawn unmasked, checked: None if every one is allowed, else
+        (mask with the rejected rows' masks, other rows all ones; bool [num_rows]: rejected)."""
+        t0 = time.perf_counter()
+        state, eos = self.state, self.state.eos_token_id
+        rejected: dict[int, list] = {}  # id(matcher) -> [matcher, its rejected rows] (n > 1 rows share one)
+        for row, matcher in self.checks:
+            token = int(drawn[row])
+            if not (matcher.is_accepting() if token == eos else matcher.validate_tokens([token]) == 1):
+                rejected.setdefault(id(matcher), [matcher]).append(row)
+        rows = [row for _, *matcher_rows in rejected.values() for row in matcher_rows]
+        state.num_rows_checked += len(self.checks)
+        state.num_rows_rejected += len(rows)
+        fix = None
+        if rows:
+            mask = np.full((self.num_rows, state.num_words), -1, np.int32)
+            llnp.fill_next_token_bitmask_par(state._executor, [(m, first) for m, first, *_ in rejected.values()], mask)
+            state.allow_eos_where_empty(mask, [first for _, first, *_ in rejected.values()])
+            for _, first, *others in rejected.values():
+                mask[others] = mask[first]
+            flags = np.zeros(self.num_rows, np.bool_)
+            flags[rows] = True
+            fix = mask, flags
+        state.seconds["check"] += time.perf_counter() - t0
+        return fix
 
 
 class StructuredState:
@@ -46,9 +104,14 @@ class StructuredState:
         self._ahead: concurrent.futures.Future | None = None  # prefetch() in flight
         self._ahead_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (row of _ahead_mask, outputs consumed)
         self._ahead_mask = np.empty((0, self.num_words), np.int32)  # grows to the most rows prefetched
-        # Engine-thread seconds: in bitmask() (of which waiting for the worker) and in prefetch()
-        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0}
+        self._forced: dict[int, tuple[int, int]] = {}  # seq_id -> (outputs consumed, forced token or -1)
+        self.sample_first = True  # False: every constrained row draws under its full mask (the old way)
+        # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
+        # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
+        # engine/step_sampler.py) and waiting there for the device's first draw
+        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0}
         self.num_rows_ahead = self.num_rows_now = 0  # rows whose mask came from prefetch / was computed at dispatch
+        self.num_rows_checked = self.num_rows_rejected = self.num_rows_forced = 0  # sample-first rows
 
     def __len__(self) -> int:
         """Matchers and templates held (0 once every constrained request finished: no leak)."""
@@ -76,35 +139,60 @@ class StructuredState:
 
     def _start_prefetch(self) -> None:
         self._join()
-        self._ahead_rows = {}
-        pairs = []
+        self._ahead_rows, self._forced = {}, {}
+        masked, forced = [], []  # (seq_id, entry, its new tokens)
         for seq_id, entry in self._matchers.items():
             seq = entry[0]
             if seq.status is not SequenceStatus.RUNNING or seq.num_placeholders:
                 continue  # not in the next step, or its last token is still on the device
-            self._ahead_rows[seq_id] = (len(pairs), len(seq.output_token_ids))
-            pairs.append((_catch_up(entry), len(pairs)))
-        if len(pairs) < MIN_PREFETCH_ROWS:  # a thread hand-off costs more than these few masks
-            self._ahead_rows = {}
+            first = self.sample_first and samples_first(seq.sampling_params)
+            (forced if first else masked).append((seq_id, entry, seq.output_token_ids[entry[2]:]))
+        if len(masked) + len(forced) < MIN_PREFETCH_ROWS:  # a thread hand-off costs more than these few
             return
-        if self._ahead_mask.shape[0] < len(pairs):
-            self._ahead_mask = np.empty((max(len(pairs), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
-        self._ahead = self._worker.submit(llnp.fill_next_token_bitmask_par, self._executor, pairs, self._ahead_mask)
+        for i, (seq_id, entry, new) in enumerate(masked):
+            entry[2] += len(new)  # consumed on the worker, before anything else touches the matcher
+            self._ahead_rows[seq_id] = (i, entry[2])
+        for seq_id, entry, new in forced:
+            entry[2] += len(new)
+        if self._ahead_mask.shape[0] < len(masked):
+            self._ahead_mask = np.empty((max(len(masked), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
+        self._ahead = self._worker.submit(self._work_ahead, masked, forced, self._forced)
+
+    def _work_ahead(self, masked: list, forced: list, forced_out: dict) -> None:
+        """The worker's part of prefetch(): the step's tokens consumed, then the masked rows' masks
+        and the sample-first rows' forced tokens."""
+        for _, entry, new in masked + forced:
+            if new:
+                entry[1].consume_tokens(new)
+        if masked:
+            llnp.fill_next_token_bitmask_par(
+                self._executor, [(entry[1], i) for i, (_, entry, _) in enumerate(masked)], self._ahead_mask)
+        for seq_id, entry, _ in forced:
+            forced_out[seq_id] = (entry[2], _forced_token(entry[1]))
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
-        """The step's mask: each (sampler row, sequence, request id) of `rows` gets its sequence's
-        allowed tokens; a row whose matcher allows nothing (it ended under ignore_eos) gets eos."""
-        t0 = time.perf_counter()
-        mask = self._bitmask(rows, num_rows)
-        self.seconds["bitmask"] += time.perf_counter() - t0
-        return mask
+        """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
+        `rows` gets its sequence's allowed tokens; a row whose matcher allows nothing (it ended
+        under ignore_eos) gets eos."""
+        return self.step_mask([(row, seq, request_id, False) for row, seq, request_id in rows], num_rows).mask
 
-    def _bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
+    def step_mask(self, rows: list[tuple[int, object, str, bool]], num_rows: int) -> StepMask:
+        """The step's StepMask: (sampler row, sequence, request id, sample first) for each row of
+        `rows`. A row sampled first is checked after the draw unless its grammar forces one token."""
+        t0 = time.perf_counter()
         self._join()
-        mask = np.full((num_rows, self.num_words), -1, np.int32)
         first_row: dict[int, int] = {}  # seq_id -> its first row (n > 1 first tokens share a state)
-        pairs, copies, ahead_dst, ahead_src = [], [], [], []
-        for row, seq, request_id in rows:
+        pairs, copies, ahead_dst, ahead_src, checks, forced = [], [], [], [], [], []
+        forced_of: dict[int, int] = {}  # seq_id -> its forced token (-1: none), this step
+        for row, seq, request_id, first in rows:
+            if first:
+                if seq.seq_id not in forced_of:
+                    forced_of[seq.seq_id] = self._forced_now(seq, request_id)
+                if forced_of[seq.seq_id] >= 0:
+                    forced.append((row, forced_of[seq.seq_id]))
+                else:
+                    checks.append((row, self._matchers[seq.seq_id][1]))
+                continue
             if seq.seq_id in first_row:
                 copies.append((row, first_row[seq.seq_id]))
                 continue
@@ -115,20 +203,38 @@ class StructuredState:
                 ahead_src.append(ahead[0])
             else:
                 pairs.append((self._matcher(seq, request_id), row))
-        self._ahead_rows = {}  # good for one step only: the buffer is refilled at the next commit
-        if ahead_dst:
-            mask[ahead_dst] = self._ahead_mask[ahead_src]
-        if pairs:
-            llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
-        for row, source in copies:
-            mask[row] = mask[source]
+        self._ahead_rows, self._forced = {}, {}  # good for one step only: refilled at the next commit
+        mask = None  # no row needs one: the step draws with the unmasked sampler
+        if len(checks) < len(rows):
+            mask = np.full((num_rows, self.num_words), -1, np.int32)
+            if ahead_dst:
+                mask[ahead_dst] = self._ahead_mask[ahead_src]
+            if pairs:
+                llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            self.allow_eos_where_empty(mask, list(first_row.values()))
+            for row, source in copies:
+                mask[row] = mask[source]
+            for row, token in forced:  # the grammar forces this token: llguidance's mask is its bit alone
+                mask[row] = 0
+                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
         self.num_rows_ahead += len(ahead_dst)
         self.num_rows_now += len(pairs)
-        if self.eos_token_id is not None:
-            constrained = [row for row, _, _ in rows]
-            for row in np.asarray(constrained)[~mask[constrained].any(axis=1)]:
+        self.num_rows_forced += len(forced)
+        self.seconds["bitmask"] += time.perf_counter() - t0
+        return StepMask(mask, checks, num_rows, self)
+
+    def _forced_now(self, seq, request_id: str) -> int:
+        """A sample-first row's forced token (-1: none), from prefetch() if it is for this state."""
+        ahead = self._forced.get(seq.seq_id)
+        if ahead is not None and ahead[0] == len(seq.output_token_ids):
+            return ahead[1]
+        return _forced_token(self._matcher(seq, request_id))
+
+    def allow_eos_where_empty(self, mask: np.ndarray, rows: list[int]) -> None:
+        """Rows of `rows` whose matcher allows nothing (it ended under ignore_eos) get eos."""
+        if self.eos_token_id is not None and rows:
+            for row in np.asarray(rows)[~mask[rows].any(axis=1)]:
                 mask[row, self.eos_token_id // 32] = np.uint32(1 << (self.eos_token_id % 32)).view(np.int32)
-        return mask
 
     def release(self, live_request_ids) -> None:
         """Drops the matchers of finished sequences and the templates of requests not in live_request_ids."""
@@ -138,6 +244,12 @@ class StructuredState:
             self._ahead_rows.pop(seq_id, None)
         for request_id in [r for r in self.templates if r not in live_request_ids]:
             del self.templates[request_id]
+
+
+def _forced_token(matcher) -> int:
+    """The one token the matcher's mask allows where the grammar forces bytes, else -1."""
+    tokens = matcher.compute_ff_tokens()
+    return tokens[0] if tokens else -1
 
 
 def _catch_up(entry: list):
