@@ -74,7 +74,7 @@ class StepMask:
         rejected: dict[int, list] = {}  # id(matcher) -> [matcher, its rejected rows] (n > 1 rows share one)
         for row, matcher in self.checks:
             token = int(drawn[row])
-            if not (matcher.is_accepting() if token == eos else matcher.validate_tokens([token]) == 1):
+            if not drawn_allowed(matcher, token, eos):
                 rejected.setdefault(id(matcher), [matcher]).append(row)
         rows = [row for _, *matcher_rows in rejected.values() for row in matcher_rows]
         state.num_rows_checked += len(self.checks)
@@ -168,7 +168,7 @@ class StructuredState:
             llnp.fill_next_token_bitmask_par(
                 self._executor, [(entry[1], i) for i, (_, entry, _) in enumerate(masked)], self._ahead_mask)
         for seq_id, entry, _ in forced:
-            forced_out[seq_id] = (entry[2], _forced_token(entry[1]))
+            forced_out[seq_id] = (entry[2], forced_token(entry[1]))
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
@@ -228,7 +228,7 @@ class StructuredState:
         ahead = self._forced.get(seq.seq_id)
         if ahead is not None and ahead[0] == len(seq.output_token_ids):
             return ahead[1]
-        return _forced_token(self._matcher(seq, request_id))
+        return forced_token(self._matcher(seq, request_id))
 
     def allow_eos_where_empty(self, mask: np.ndarray, rows: list[int]) -> None:
         """Rows of `rows` whose matcher allows nothing (it ended under ignore_eos) get eos."""
@@ -246,7 +246,12 @@ class StructuredState:
             del self.templates[request_id]
 
 
-def _forced_token(matcher) -> int:
+def drawn_allowed(matcher, token: int, eos_token_id: int | None) -> bool:
+    """Whether the matcher's mask allows `token`, where it forces no token (see the module's doc)."""
+    return matcher.is_accepting() if token == eos_token_id else matcher.validate_tokens([token]) == 1
+
+
+def forced_token(matcher) -> int:
     """The one token the matcher's mask allows where the grammar forces bytes, else -1."""
     tokens = matcher.compute_ff_tokens()
     return tokens[0] if tokens else -1
