@@ -90,4 +90,4 @@ def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> No
         for token_bitmask in (None, all_allowed):
             tokens = sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)[0]
         rejected = np.zeros(num_rows, np.bool_)  # and the grammar's redraw of rejected rows
-        jax.block_until_ready(resample_padded(logits, arrays, tokens, all_allowed, rejected, max(num_rows, num_out)))
+        jax.block_until_ready(resample_padded(logits, arrays, tokens, all_allowed, rejected, num_out=max(num_rows, num_out)))
