@@ -15,17 +15,28 @@ case), sequences restart when they finish. Two ways, each timed on the engine's 
 
 An unconstrained step does none of this: bitmask() returns None before touching llguidance.
 
-`--engine`: the same cost inside the real engine (bundled SmolLM2 on this machine's CPU, 64 JSON
-requests decoding together at temperature 1), masks ahead and at dispatch: the engine thread's ms
-per step in bitmask() (of which waiting for the worker) and in prefetch(), beside the step's wall
-time. On a CPU device the forward pass is long, so the masks ahead are always ready at dispatch.
+The synthetic run times full masks only (sample first off): what a row costs when its mask is needed.
 
-    python -m benchmarks.bench_structured_host [--steps 200] [--gaps-ms 0.5 1 2] [--engine]
+`--engine`: the cost inside the real engine (bundled SmolLM2 on this machine's CPU, 64 JSON requests
+decoding together, greedy and at temperature 1), two ways side by side, each twice in both orders:
+
+    always masked   every constrained row's full mask before the draw (prefetched at commit)
+    sample first    the engine's way for greedy / plain-temperature rows (structured/matchers.py):
+                    the forced token's one-bit mask where the grammar forces one, else draw, check
+                    the token (validate_tokens), and mask and redraw only the rejected rows
+
+Per step: the engine thread's host ms of structured work (step_mask(), prefetch(), checking and the
+redraw's dispatch; not the wait for the device's first draw) and, of it, the wait for the mask
+worker; the share of constrained rows rejected, forced, checked (accepted or rejected) and masked.
+Written to benchmarks/results/structured_host_cpu.json (--out).
+
+    python -m benchmarks.bench_structured_host [--steps 200] [--gaps-ms 0.5 1 2] [--engine | --engine-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -94,33 +105,60 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     return times, cpu_times
 
 
-def run_engine(num_requests: int, max_tokens: int) -> None:
-    import jaxpaged.structured.matchers as matchers
+def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) -> list[dict]:
+    """The real engine, each way twice in both orders (load drifts), greedy and temperature 1."""
     from jaxpaged import LLM
 
     llm = LLM(max_model_len=256, max_num_seqs=num_requests, max_num_batched_tokens=1024, warmup=False)
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Invent a person as JSON."}], add_generation_prompt=True)
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                             structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(num_requests)]
-    llm.generate([prompt] * num_requests, params)  # compiles the step buckets and the grammar
+
+    def params(temperature: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                               structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(num_requests)]
+
+    for temperature in (0.0, 1.0):  # compiles the step buckets, the samplers and the grammar
+        llm.generate([prompt] * num_requests, params(temperature))
+    engine, state = llm.engine, llm.engine.structured.state
     print(f"engine: SmolLM2 on the CPU, {num_requests} constrained rows, {max_tokens} tokens each, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'way':>12} {'steps':>6} {'step ms':>9} {'bitmask ms':>11} {'(wait ms)':>10} {'prefetch ms':>12} "
-          f"{'rows ahead':>11}")
-    ways = (("ahead", matchers.MIN_PREFETCH_ROWS), ("at dispatch", 1 << 30))
-    for way, min_rows in ways + ways[::-1]:  # each way twice, in both orders: load drifts
-        matchers.MIN_PREFETCH_ROWS = min_rows
-        state, engine = llm.engine.structured.state, llm.engine
-        before, steps0, ahead0, now0 = dict(state.seconds), engine.stats()["num_steps"], state.num_rows_ahead, state.num_rows_now
-        t0 = time.perf_counter()
-        llm.generate([prompt] * num_requests, params)
-        wall = time.perf_counter() - t0
-        steps = engine.stats()["num_steps"] - steps0
-        per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
-        ahead, now = state.num_rows_ahead - ahead0, state.num_rows_now - now0
-        print(f"{way:>12} {steps:>6} {wall * 1e3 / steps:>9.1f} {per['bitmask']:>11.3f} {per['wait']:>10.3f} "
-              f"{per['prefetch']:>12.3f} {ahead / max(ahead + now, 1):>11.0%}")
+          f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
+    print("host ms: the engine thread's structured work per step (mask or forced token, the worker's hand-off, "
+          "checking the drawn tokens and the redraw's dispatch); wait: of it, waiting for the mask worker")
+    print(f"{'way':>22} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'rejected':>9} {'forced':>7} "
+          f"{'checked':>8} {'masked':>7}")
+    ways = (("always masked", False), ("sample first", True))
+    results = []
+    for temperature in (0.0, 1.0):
+        for way, sample_first in ways + ways[::-1]:
+            state.sample_first = sample_first
+            counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced")
+            before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
+            counts0 = [getattr(state, c) for c in counters]
+            t0 = time.perf_counter()
+            llm.generate([prompt] * num_requests, params(temperature))
+            wall = time.perf_counter() - t0
+            steps = engine.stats()["num_steps"] - steps0
+            per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
+            ahead, now, checked, rejected, forced = (getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
+            rows = ahead + now + checked + forced  # constrained rows drawn
+            host = per["bitmask"] + per["prefetch"] + per["redraw"]
+            row = {"way": way, "temperature": temperature, "steps": steps, "step_ms": wall * 1e3 / steps,
+                   "host_ms": host, "wait_ms": per["wait"], "device_wait_ms": per["device"],
+                   "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
+                   "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
+                   "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
+            results.append(row)
+            print(f"{way + f', T={temperature:g}':>22} {steps:>6} {row['step_ms']:>8.1f} {host:>8.3f} "
+                  f"{per['wait']:>7.3f} {row['rejected_share']:>9.1%} {row['forced_share']:>7.1%} "
+                  f"{row['checked_share']:>8.1%} {row['masked_share']:>7.1%}")
+    state.sample_first = True
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"benchmark": "bench_structured_host --engine", "model": "bundled SmolLM2-135M Q4_1 GGUF",
+                       "device": "cpu", "cpus": os.cpu_count(), "num_requests": num_requests,
+                       "max_tokens": max_tokens, "schema": SCHEMA, "results": results}, f, indent=1)
+        print(f"wrote {out_path}")
+    return results
 
 
 def main() -> None:
@@ -129,9 +167,12 @@ def main() -> None:
     parser.add_argument("--gaps-ms", type=float, nargs="*", default=[0.5, 1.0, 2.0])
     parser.add_argument("--engine", action="store_true", help="also time the real engine (SmolLM2, CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the real engine")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "structured_host_cpu.json"),
+                        help="the engine run's JSON")
     args = parser.parse_args()
     if args.engine_only:
-        return run_engine(64, 32)
+        run_engine(64, 32, args.out)
+        return
     tokenizer = Tokenizer.from_gguf(default_model_path())
     compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_id))
     rng = np.random.default_rng(0)
@@ -148,7 +189,7 @@ def main() -> None:
             print(f"{way:>14} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     if args.engine:
-        run_engine(64, 32)
+        run_engine(64, 32, args.out)
 
 
 if __name__ == "__main__":

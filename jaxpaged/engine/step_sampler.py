@@ -123,7 +123,7 @@ class StepSampler:
                 logprobs = None
         else:
             tokens, _ = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
-            if step_mask is not None and step_mask.checks:
+            if step_mask is not None and step_mask.deferred:
                 tokens = _redraw_rejected(logits, rows, tokens, step_mask)
         tokens.copy_to_host_async()  # lands while the host plans the next step
         return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, step_mask is not None), beam_seqs

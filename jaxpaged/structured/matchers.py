@@ -18,15 +18,15 @@ since a preempted sequence keeps its output tokens. Thread rule: only one thread
 matchers at a time; every method here first waits for the worker (`_join`). Pure host code, no jax.
 
 Sample first (step_mask; rows of greedy or plain-temperature requests, `samples_first`): such a row
-draws without its mask and only a rejected token costs a mask. The checks that replace the mask
-are llguidance's own, and equal to its mask (test_structured_sample_first.py walks grammars token
-by token against it):
+draws without its mask, and StepMask.check(drawn) decides, after the draw, with llguidance's own
+checks, which equal its mask (test_structured_sample_first.py walks grammars token by token):
     forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
-                ──► the row's mask is that token's bit, set before the draw; nothing to check
-    otherwise   ──► drawn token t allowed  <=>  validate_tokens([t]) == 1, and eos <=> is_accepting()
-                    StepMask.check(drawn) computes masks for the rejected rows only
-At commit, prefetch() consumes the step's tokens and computes the forced token of these rows on the
-worker (~8 us each against ~40 us for a mask), instead of their masks.
+                ──► allowed  <=>  t is that token; a rejected row's mask is its bit
+    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()); a rejected
+                    row's mask is computed, the only masks these rows cost
+At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
+worker (~8 us each against ~40 us for a mask); the engine joins it after the device's draw, so on a
+GPU host it overlaps the forward pass (a step of only such rows does not wait before its draw).
 """
 
 from __future__ import annotations
@@ -62,30 +62,49 @@ class StepMask:
     """A step's grammar rows, from StructuredState.step_mask."""
 
     mask: np.ndarray | None  # the draw's int32 mask; None: no row needs one (the unmasked sampler)
-    checks: list  # (sampler row, matcher): rows drawn without a mask, checked after the draw
+    deferred: list  # (sampler row, sequence, request id): rows drawn without a mask, checked after
     num_rows: int
     state: "StructuredState"
 
     def check(self, drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The drawn tokens of the rows drawn unmasked, checked: None if every one is allowed, else
-        (mask with the rejected rows' masks, other rows all ones; bool [num_rows]: rejected)."""
+        """The tokens drawn by the deferred rows, checked: None if every one is allowed, else (mask
+        with the rejected rows' masks, other rows all ones; bool [num_rows]: rejected). The worker's
+        forced tokens are joined here, after the device's draw, not before the draw."""
         t0 = time.perf_counter()
         state, eos = self.state, self.state.eos_token_id
-        rejected: dict[int, list] = {}  # id(matcher) -> [matcher, its rejected rows] (n > 1 rows share one)
-        for row, matcher in self.checks:
+        state._join()
+        forced_of: dict[int, int] = {}  # seq_id -> its forced token (-1: none)
+        free: dict[int, list] = {}  # seq_id -> [matcher, its rejected rows] (n > 1 rows share one)
+        one_bit = []  # (row, forced token): rejected rows whose grammar forces one token
+        num_forced = 0
+        for row, seq, request_id in self.deferred:
+            forced = forced_of.get(seq.seq_id)
+            if forced is None:
+                forced = forced_of[seq.seq_id] = state._forced_now(seq, request_id)
             token = int(drawn[row])
-            if not drawn_allowed(matcher, token, eos):
-                rejected.setdefault(id(matcher), [matcher]).append(row)
-        rows = [row for _, *matcher_rows in rejected.values() for row in matcher_rows]
-        state.num_rows_checked += len(self.checks)
+            if forced >= 0:
+                num_forced += 1
+                if token != forced:
+                    one_bit.append((row, forced))
+            else:
+                matcher = state._matchers[seq.seq_id][1]
+                if not drawn_allowed(matcher, token, eos):
+                    free.setdefault(seq.seq_id, [matcher]).append(row)
+        rows = [row for _, *seq_rows in free.values() for row in seq_rows] + [row for row, _ in one_bit]
+        state.num_rows_checked += len(self.deferred) - num_forced
+        state.num_rows_forced += num_forced
         state.num_rows_rejected += len(rows)
         fix = None
         if rows:
             mask = np.full((self.num_rows, state.num_words), -1, np.int32)
-            llnp.fill_next_token_bitmask_par(state._executor, [(m, first) for m, first, *_ in rejected.values()], mask)
-            state.allow_eos_where_empty(mask, [first for _, first, *_ in rejected.values()])
-            for _, first, *others in rejected.values():
-                mask[others] = mask[first]
+            if free:
+                llnp.fill_next_token_bitmask_par(state._executor, [(m, first) for m, first, *_ in free.values()], mask)
+                state.allow_eos_where_empty(mask, [first for _, first, *_ in free.values()])
+                for _, first, *others in free.values():
+                    mask[others] = mask[first]
+            for row, token in one_bit:  # the grammar forces this token: llguidance's mask is its bit alone
+                mask[row] = 0
+                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
             flags = np.zeros(self.num_rows, np.bool_)
             flags[rows] = True
             fix = mask, flags
@@ -178,21 +197,22 @@ class StructuredState:
 
     def step_mask(self, rows: list[tuple[int, object, str, bool]], num_rows: int) -> StepMask:
         """The step's StepMask: (sampler row, sequence, request id, sample first) for each row of
-        `rows`. A row sampled first is checked after the draw unless its grammar forces one token."""
+        `rows`. Rows sampled first are deferred to StepMask.check, after the draw: a step of only
+        those touches no matcher here and does not wait for the worker."""
         t0 = time.perf_counter()
-        self._join()
+        deferred = [(row, seq, request_id) for row, seq, request_id, first in rows if first]
+        mask = None  # no row needs one: the step draws with the unmasked sampler
+        if len(deferred) < len(rows):
+            self._join()
+            mask = self._full_masks([r for r in rows if not r[3]], num_rows)
+        self.seconds["bitmask"] += time.perf_counter() - t0
+        return StepMask(mask, deferred, num_rows, self)
+
+    def _full_masks(self, rows: list, num_rows: int) -> np.ndarray:
+        mask = np.full((num_rows, self.num_words), -1, np.int32)
         first_row: dict[int, int] = {}  # seq_id -> its first row (n > 1 first tokens share a state)
-        pairs, copies, ahead_dst, ahead_src, checks, forced = [], [], [], [], [], []
-        forced_of: dict[int, int] = {}  # seq_id -> its forced token (-1: none), this step
-        for row, seq, request_id, first in rows:
-            if first:
-                if seq.seq_id not in forced_of:
-                    forced_of[seq.seq_id] = self._forced_now(seq, request_id)
-                if forced_of[seq.seq_id] >= 0:
-                    forced.append((row, forced_of[seq.seq_id]))
-                else:
-                    checks.append((row, self._matchers[seq.seq_id][1]))
-                continue
+        pairs, copies, ahead_dst, ahead_src = [], [], [], []
+        for row, seq, request_id, _ in rows:
             if seq.seq_id in first_row:
                 copies.append((row, first_row[seq.seq_id]))
                 continue
@@ -203,25 +223,17 @@ class StructuredState:
                 ahead_src.append(ahead[0])
             else:
                 pairs.append((self._matcher(seq, request_id), row))
-        self._ahead_rows, self._forced = {}, {}  # good for one step only: refilled at the next commit
-        mask = None  # no row needs one: the step draws with the unmasked sampler
-        if len(checks) < len(rows):
-            mask = np.full((num_rows, self.num_words), -1, np.int32)
-            if ahead_dst:
-                mask[ahead_dst] = self._ahead_mask[ahead_src]
-            if pairs:
-                llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
-            self.allow_eos_where_empty(mask, list(first_row.values()))
-            for row, source in copies:
-                mask[row] = mask[source]
-            for row, token in forced:  # the grammar forces this token: llguidance's mask is its bit alone
-                mask[row] = 0
-                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+        self._ahead_rows = {}  # good for one step only: the buffer is refilled at the next commit
+        if ahead_dst:
+            mask[ahead_dst] = self._ahead_mask[ahead_src]
+        if pairs:
+            llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
+        self.allow_eos_where_empty(mask, list(first_row.values()))
+        for row, source in copies:
+            mask[row] = mask[source]
         self.num_rows_ahead += len(ahead_dst)
         self.num_rows_now += len(pairs)
-        self.num_rows_forced += len(forced)
-        self.seconds["bitmask"] += time.perf_counter() - t0
-        return StepMask(mask, checks, num_rows, self)
+        return mask
 
     def _forced_now(self, seq, request_id: str) -> int:
         """A sample-first row's forced token (-1: none), from prefetch() if it is for this state."""
