@@ -124,8 +124,10 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) 
           f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
     print("host ms: the engine thread's structured work per step (mask or forced token, the worker's hand-off, "
           "checking the drawn tokens and the redraw's dispatch); wait: of it, waiting for the mask worker")
-    print(f"{'way':>22} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'rejected':>9} {'forced':>7} "
-          f"{'checked':>8} {'masked':>7}")
+    print("of it: step_mask() (masks before the draw), prefetch() (hand-off), check (with the rejected rows' "
+          "masks), dispatch (the redraw's arrays and call)")
+    print(f"{'way':>22} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
+          f"{'disp':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7}")
     ways = (("always masked", False), ("sample first", True))
     results = []
     for temperature in (0.0, 1.0):
@@ -144,12 +146,15 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) 
             host = per["bitmask"] + per["prefetch"] + per["redraw"]
             row = {"way": way, "temperature": temperature, "steps": steps, "step_ms": wall * 1e3 / steps,
                    "host_ms": host, "wait_ms": per["wait"], "device_wait_ms": per["device"],
+                   "step_mask_ms": per["bitmask"], "prefetch_ms": per["prefetch"], "check_ms": per["check"],
+                   "redraw_dispatch_ms": per["redraw"] - per["check"],
                    "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
                    "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
                    "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
             results.append(row)
             print(f"{way + f', T={temperature:g}':>22} {steps:>6} {row['step_ms']:>8.1f} {host:>8.3f} "
-                  f"{per['wait']:>7.3f} {row['rejected_share']:>9.1%} {row['forced_share']:>7.1%} "
+                  f"{per['wait']:>7.3f} {per['bitmask']:>6.2f} {per['prefetch']:>6.2f} {per['check']:>6.2f} "
+                  f"{row['redraw_dispatch_ms']:>6.2f} {row['rejected_share']:>9.1%} {row['forced_share']:>7.1%} "
                   f"{row['checked_share']:>8.1%} {row['masked_share']:>7.1%}")
     state.sample_first = True
     if out_path:

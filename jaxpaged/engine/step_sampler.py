@@ -124,7 +124,7 @@ class StepSampler:
         else:
             tokens, _ = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
             if step_mask is not None and step_mask.deferred:
-                tokens = _redraw_rejected(logits, rows, tokens, step_mask)
+                tokens = _redraw_rejected(logits, rows, arrays, tokens, step_mask)
         tokens.copy_to_host_async()  # lands while the host plans the next step
         return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, step_mask is not None), beam_seqs
 
@@ -161,7 +161,7 @@ class StepSampler:
                 jax.block_until_ready((tokens, logprobs))
 
 
-def _redraw_rejected(logits, rows: list[RowSpec], tokens, step_mask):
+def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask):
     """Structured outputs' sample first: the rows drawn without their grammar mask are checked on the
     host (waiting for the step's tokens: a constrained step commits in this engine step anyway); the
     rejected ones draw again from the same logits under their mask, with an independent uniform.
@@ -173,10 +173,12 @@ def _redraw_rejected(logits, rows: list[RowSpec], tokens, step_mask):
     fix = step_mask.check(drawn)
     if fix is not None:
         mask, rejected = fix
-        rows = [r._replace(banned_ids=()) if rejected[i] and r.banned_ids and _only_banned_allowed(mask[i], r.banned_ids)
-                else r for i, r in enumerate(rows)]
-        tokens = resample_padded(logits, make_sampling_arrays(rows, step_mask.num_rows), tokens, mask, rejected,
-                                 num_out=tokens.shape[0])
+        lifted = [i for i in np.flatnonzero(rejected)
+                  if i < len(rows) and rows[i].banned_ids and _only_banned_allowed(mask[i], rows[i].banned_ids)]
+        if lifted:  # the grammar allows only the banned stop tokens: the ban yields (as with the mask first)
+            rows = [r._replace(banned_ids=()) if i in lifted else r for i, r in enumerate(rows)]
+            arrays = make_sampling_arrays(rows, step_mask.num_rows)
+        tokens = resample_padded(logits, arrays, tokens, mask, rejected, num_out=tokens.shape[0])
     step_mask.state.seconds["device"] += t1 - t0
     step_mask.state.seconds["redraw"] += time.perf_counter() - t1  # the check's seconds included
     return tokens
