@@ -15,17 +15,28 @@ case), sequences restart when they finish. Two ways, each timed on the engine's 
 
 An unconstrained step does none of this: bitmask() returns None before touching llguidance.
 
-`--engine`: the same cost inside the real engine (bundled SmolLM2 on this machine's CPU, 64 JSON
-requests decoding together at temperature 1), masks ahead and at dispatch: the engine thread's ms
-per step in bitmask() (of which waiting for the worker) and in prefetch(), beside the step's wall
-time. On a CPU device the forward pass is long, so the masks ahead are always ready at dispatch.
+The synthetic run times full masks only (sample first off): what a row costs when its mask is needed.
 
-    python -m benchmarks.bench_structured_host [--steps 200] [--gaps-ms 0.5 1 2] [--engine]
+`--engine`: the cost inside the real engine (bundled SmolLM2 on this machine's CPU, 64 JSON requests
+decoding together, greedy and at temperature 1), two ways side by side, each twice in both orders:
+
+    always masked   every constrained row's full mask before the draw (prefetched at commit)
+    sample first    the engine's way for greedy / plain-temperature rows (structured/matchers.py):
+                    the forced token's one-bit mask where the grammar forces one, else draw, check
+                    the token (validate_tokens), and mask and redraw only the rejected rows
+
+Per step: the engine thread's host ms of structured work (step_mask(), prefetch(), checking and the
+redraw's dispatch; not the wait for the device's first draw) and, of it, the wait for the mask
+worker; the share of constrained rows rejected, forced, checked (accepted or rejected) and masked.
+Written to benchmarks/results/structured_host_cpu.json (--out).
+
+    python -m benchmarks.bench_structured_host [--steps 200] [--gaps-ms 0.5 1 2] [--engine | --engine-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -61,6 +72,7 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     inflate). gap_ms None: masks at dispatch, else prefetched with a gap."""
     vocab = tokenizer.vocab_size
     state = StructuredState(vocab, tokenizer.eos_token_id)
+    state.sample_first = False  # every row's full mask: what this synthetic run times
     state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
     seqs = [_running_sequence() for _ in range(num_rows)]
     times, cpu_times = [], []
@@ -93,33 +105,115 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     return times, cpu_times
 
 
-def run_engine(num_requests: int, max_tokens: int) -> None:
-    import jaxpaged.structured.matchers as matchers
+def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float, reject: float):
+    """Sample first, synthetic: per step the engine thread's wall ms (step_mask() + check() +
+    prefetch()) and the CPU ms of all threads from the prefetch to the checked tokens in hand (the
+    worker's catch-up and forced tokens, llguidance's masks of rejected rows), less the untimed
+    draw. The draw: each row's token is a disallowed one with probability `reject` (what
+    the engine measures: 22% greedy, 29% at temperature 1), else an allowed one; rejected rows take
+    an allowed token from check()'s mask. Not counted: the device's redraw call."""
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_id
+    state = StructuredState(vocab, eos)
+    state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
+    seqs = [_running_sequence() for _ in range(num_rows)]
+    times, cpu_times = [], []
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        time.sleep(gap_ms / 1e3)
+        t0 = time.perf_counter()
+        step = state.step_mask([(r, seq, "r", True) for r, seq in enumerate(seqs)], num_rows)
+        wall = time.perf_counter() - t0
+        state._join()  # the device's draw, untimed (its matcher use must not race the worker)
+        u0 = time.process_time()
+        drawn = np.empty(num_rows, np.int64)
+        for r, seq in enumerate(seqs):
+            words = np.zeros(state.num_words, np.int32)
+            matcher = state._matcher(seq, "r")
+            matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            state.allow_eos_where_empty(words[None], [0])
+            allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            drawn[r] = rng.choice(np.flatnonzero(~allowed if rng.random() < reject else allowed))
+        untimed = time.process_time() - u0
+        t0 = time.perf_counter()
+        fix = step.check(drawn)
+        wall += time.perf_counter() - t0
+        cpu_times.append((time.process_time() - cpu0 - untimed) * 1e3)
+        for r, seq in enumerate(seqs):
+            token = int(drawn[r])
+            if fix is not None and fix[1][r]:
+                token = int(rng.choice(np.flatnonzero(np.unpackbits(fix[0][r].view(np.uint8), bitorder="little")[:vocab])))
+            if token == eos:
+                seq.status = SequenceStatus.FINISHED
+                state.release({"r"})
+                seqs[r] = _running_sequence()
+            else:
+                seq.output_token_ids.append(token)
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        state.prefetch()
+        times.append((wall + time.perf_counter() - t0) * 1e3)
+    return times, cpu_times, state.num_rows_rejected / max(state.num_rows_checked + state.num_rows_forced, 1)
+
+
+def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) -> list[dict]:
+    """The real engine, each way twice in both orders (load drifts), greedy and temperature 1."""
     from jaxpaged import LLM
 
     llm = LLM(max_model_len=256, max_num_seqs=num_requests, max_num_batched_tokens=1024, warmup=False)
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Invent a person as JSON."}], add_generation_prompt=True)
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                             structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(num_requests)]
-    llm.generate([prompt] * num_requests, params)  # compiles the step buckets and the grammar
+
+    def params(temperature: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                               structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(num_requests)]
+
+    for temperature in (0.0, 1.0):  # compiles the step buckets, the samplers and the grammar
+        llm.generate([prompt] * num_requests, params(temperature))
+    engine, state = llm.engine, llm.engine.structured.state
     print(f"engine: SmolLM2 on the CPU, {num_requests} constrained rows, {max_tokens} tokens each, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'way':>12} {'steps':>6} {'step ms':>9} {'bitmask ms':>11} {'(wait ms)':>10} {'prefetch ms':>12} "
-          f"{'rows ahead':>11}")
-    ways = (("ahead", matchers.MIN_PREFETCH_ROWS), ("at dispatch", 1 << 30))
-    for way, min_rows in ways + ways[::-1]:  # each way twice, in both orders: load drifts
-        matchers.MIN_PREFETCH_ROWS = min_rows
-        state, engine = llm.engine.structured.state, llm.engine
-        before, steps0, ahead0, now0 = dict(state.seconds), engine.stats()["num_steps"], state.num_rows_ahead, state.num_rows_now
-        t0 = time.perf_counter()
-        llm.generate([prompt] * num_requests, params)
-        wall = time.perf_counter() - t0
-        steps = engine.stats()["num_steps"] - steps0
-        per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
-        ahead, now = state.num_rows_ahead - ahead0, state.num_rows_now - now0
-        print(f"{way:>12} {steps:>6} {wall * 1e3 / steps:>9.1f} {per['bitmask']:>11.3f} {per['wait']:>10.3f} "
-              f"{per['prefetch']:>12.3f} {ahead / max(ahead + now, 1):>11.0%}")
+          f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
+    print("host ms: the engine thread's structured work per step (mask or forced token, the worker's hand-off, "
+          "checking the drawn tokens and the redraw's dispatch); wait: of it, waiting for the mask worker")
+    print("of it: step_mask() (masks before the draw), prefetch() (hand-off), check (with the rejected rows' "
+          "masks), dispatch (the redraw's arrays and call)")
+    print(f"{'way':>22} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
+          f"{'disp':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7}")
+    ways = (("always masked", False), ("sample first", True))
+    results = []
+    for temperature in (0.0, 1.0):
+        for way, sample_first in ways + ways[::-1]:
+            state.sample_first = sample_first
+            counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced")
+            before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
+            counts0 = [getattr(state, c) for c in counters]
+            t0 = time.perf_counter()
+            llm.generate([prompt] * num_requests, params(temperature))
+            wall = time.perf_counter() - t0
+            steps = engine.stats()["num_steps"] - steps0
+            per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
+            ahead, now, checked, rejected, forced = (getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
+            rows = ahead + now + checked + forced  # constrained rows drawn
+            host = per["bitmask"] + per["prefetch"] + per["redraw"]
+            row = {"way": way, "temperature": temperature, "steps": steps, "step_ms": wall * 1e3 / steps,
+                   "host_ms": host, "wait_ms": per["wait"], "device_wait_ms": per["device"],
+                   "step_mask_ms": per["bitmask"], "prefetch_ms": per["prefetch"], "check_ms": per["check"],
+                   "redraw_dispatch_ms": per["redraw"] - per["check"],
+                   "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
+                   "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
+                   "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
+            results.append(row)
+            print(f"{way + f', T={temperature:g}':>22} {steps:>6} {row['step_ms']:>8.1f} {host:>8.3f} "
+                  f"{per['wait']:>7.3f} {per['bitmask']:>6.2f} {per['prefetch']:>6.2f} {per['check']:>6.2f} "
+                  f"{row['redraw_dispatch_ms']:>6.2f} {row['rejected_share']:>9.1%} {row['forced_share']:>7.1%} "
+                  f"{row['checked_share']:>8.1%} {row['masked_share']:>7.1%}")
+    state.sample_first = True
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"benchmark": "bench_structured_host --engine", "model": "bundled SmolLM2-135M Q4_1 GGUF",
+                       "device": "cpu", "cpus": os.cpu_count(), "num_requests": num_requests,
+                       "max_tokens": max_tokens, "schema": SCHEMA, "results": results}, f, indent=1)
+        print(f"wrote {out_path}")
+    return results
 
 
 def main() -> None:
@@ -128,9 +222,13 @@ def main() -> None:
     parser.add_argument("--gaps-ms", type=float, nargs="*", default=[0.5, 1.0, 2.0])
     parser.add_argument("--engine", action="store_true", help="also time the real engine (SmolLM2, CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the real engine")
+    parser.add_argument("--first-only", action="store_true", help="only the synthetic sample-first rows")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "structured_host_cpu.json"),
+                        help="the engine run's JSON")
     args = parser.parse_args()
     if args.engine_only:
-        return run_engine(64, 32)
+        run_engine(64, 32, args.out)
+        return
     tokenizer = Tokenizer.from_gguf(default_model_path())
     compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_id))
     rng = np.random.default_rng(0)
@@ -138,16 +236,21 @@ def main() -> None:
           f"{args.steps} steps, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
     print("wall: the engine thread's time in bitmask() + prefetch(); cpu: the masks' CPU time, all threads")
     print(f"{'way':>14} {'rows':>5} {'wall p50 ms':>12} {'wall p90 ms':>12} {'cpu p50 ms':>11} {'cpu/row us':>11}")
-    for gap_ms in [None] + args.gaps_ms:
+    for gap_ms in [] if args.first_only else [None] + args.gaps_ms:
         way = "at dispatch" if gap_ms is None else f"ahead, gap {gap_ms:g}"
         for num_rows in (0, 1, 16, 64):
             times, cpu_times = run(num_rows, args.steps, tokenizer, compiler, rng, gap_ms)
             med, cpu = statistics.median(times), statistics.median(cpu_times)
             p90 = sorted(times)[int(0.9 * len(times))]
             print(f"{way:>14} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
+    for reject in (0.22, 0.29):
+        times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject)
+        med, cpu = statistics.median(times), statistics.median(cpu_times)
+        print(f"{f'first, {share:.0%} rej':>14} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
+              f"{cpu:>11.3f} {cpu * 1e3 / 64:>11.1f}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     if args.engine:
-        run_engine(64, 32)
+        run_engine(64, 32, args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
@@ -46,6 +47,7 @@ def test_every_schema_output_parses_and_validates(llm, mode):
     assert len(SCHEMAS) >= 50
     kw = dict(temperature=0.0) if mode == "greedy" else dict(temperature=1.0, top_p=0.95, seed=7)
     params = [_json_params(s, **kw) for s in SCHEMAS]
+    before = _counts(_engine(llm).structured.state)
     # One free row in the batch: constrained and unconstrained rows mixed.
     outputs = llm.generate([PROMPT] * len(SCHEMAS) + ["free"], params + [SamplingParams(temperature=0, max_tokens=8)])
     for schema, out in zip(SCHEMAS, outputs):
@@ -53,25 +55,82 @@ def test_every_schema_output_parses_and_validates(llm, mode):
         assert reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
     assert outputs[-1].outputs[0].finish_reason == "length"
-    state = _engine(llm).structured.state  # most masks were computed ahead, at the previous commit
-    assert state.num_rows_ahead > state.num_rows_now > 0
+    ahead, now, checked, rejected, forced = (b - a for a, b in zip(before, _counts(_engine(llm).structured.state)))
+    if mode == "greedy":  # drawn first, then checked (the random model's token is often rejected) or forced
+        assert checked + forced > rejected > 0 and forced > 0 and checked > 0 and ahead == 0
+    else:  # top_p: the mask comes first, most computed ahead, at the previous commit
+        assert ahead > now > 0 and checked == forced == 0
     _assert_idle(llm)
 
 
-def _num_compiles(llm) -> tuple[int, int]:
-    """(step programs compiled, sampler programs compiled: both variants, every row count)."""
-    from jaxpaged.device.sampling import sample_padded
+def _counts(state):
+    if state is None:
+        return (0,) * 5
+    return (state.num_rows_ahead, state.num_rows_now, state.num_rows_checked, state.num_rows_rejected,
+            state.num_rows_forced)
 
-    return _engine(llm).stats()["num_compiles"], sample_padded._cache_size()
+
+def _num_compiles(llm) -> tuple[int, int, int]:
+    """(step programs compiled, sampler programs compiled: both variants, every row count, and the
+    grammar's redraw programs)."""
+    from jaxpaged.device.sampling import resample_padded, sample_padded
+
+    return _engine(llm).stats()["num_compiles"], sample_padded._cache_size(), resample_padded._cache_size()
 
 
 def test_zero_compiles_after_warmup_with_mixed_rows(llm):
     before = _num_compiles(llm)
     schema = SCHEMAS[0]
-    llm.generate(["a", "bb", "ccc"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
-                                       _json_params(schema, temperature=0.9, seed=3, n=3)])
+    # Rows drawn first (greedy, n = 3 at a temperature) beside a top-k row masked first and a free row.
+    llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
+                                            _json_params(schema, temperature=0.9, seed=3, n=3),
+                                            _json_params(schema, temperature=0.8, top_k=5, seed=4)])
     llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
     assert _num_compiles(llm) == before
+
+
+def _generate_sample_first(llm, prompts, params, sample_first: bool):
+    """llm.generate with constrained rows drawn first (the default) or always under their full mask."""
+    llm.generate(["w"], _json_params({"type": "boolean"}, temperature=0.0))  # the engine's grammar state exists
+    state = _engine(llm).structured.state
+    state.sample_first = sample_first
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        state.sample_first = True
+
+
+def test_sample_first_equals_the_always_masked_path(llm):
+    """Greedy tokens identical to the always-masked path; seeded sampled tokens the same run twice;
+    the first token of a regex the random model almost never draws by itself (~99% rejected),
+    distributed alike over 512 seeds both ways (TV < 0.1; 0.05 is the noise of two 512-draw samples)."""
+    specs = [StructuredOutputsParams(json=s) for s in SCHEMAS[:6]] + [
+        StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"), StructuredOutputsParams(choice=["yes", "no", "maybe"])]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=s) for s in specs]
+    state = _engine(llm).structured.state
+    rejected0 = state.num_rows_rejected if state is not None else 0
+    first = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, True)
+    assert _engine(llm).structured.state.num_rows_rejected > rejected0  # the random model's tokens are rejected
+    masked = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in masked]
+
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=s) for i, s in enumerate(specs)]
+    runs = [llm.generate([PROMPT] * len(specs), sampled) for _ in range(2)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+    for out in runs[0][:6]:
+        assert out.outputs[0].finish_reason == "stop"
+        json.loads(out.outputs[0].text)
+
+    one = [SamplingParams(temperature=1.0, seed=i, n=8, max_tokens=1,
+                          structured_outputs=StructuredOutputsParams(regex=r"[a-d]x")) for i in range(64)]
+    counts = []
+    for sample_first in (True, False):
+        outs = _generate_sample_first(llm, ["q"] * len(one), one, sample_first)
+        letters = [c.text for o in outs for c in o.outputs]
+        assert len(letters) == 512 and set(letters) <= set("abcd")
+        counts.append(np.array([letters.count(x) for x in "abcd"]) / 512)
+    assert 0.5 * np.abs(counts[0] - counts[1]).sum() < 0.1, counts
+    _assert_idle(llm)
 
 
 def test_regex_fullmatches_and_choice_is_one_of_them(llm):
@@ -101,7 +160,8 @@ def test_lark_grammar(llm):
     for out in outs:
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop", text
-        assert re.fullmatch(r"[0-9()+*]+", text) and eval(text) >= 0  # noqa: S307 - digits and + * ( ) only
+        # The grammar's NUMBER allows "05": Python's eval does not, so leading zeros go first.
+        assert re.fullmatch(r"[0-9()+*]+", text) and eval(re.sub(r"\b0+(?=[0-9])", "", text)) >= 0  # noqa: S307
 
 
 def test_mask_removes_only_forbidden_tokens(llm):
@@ -266,6 +326,7 @@ def test_masks_computed_ahead_equal_masks_computed_at_dispatch():
     template = compiler.submit(StructuredOutputsParams(json=SCHEMAS[1])).result()
     ahead, now = StructuredState(vocab, eos), StructuredState(vocab, eos)
     ahead.templates["r"] = now.templates["r"] = template
+    ahead.sample_first = now.sample_first = False  # full masks for these rows (sampled at temperature 1)
 
     def fresh():
         seqs = (Sequence([1, 2], SamplingParams()), Sequence([1, 2], SamplingParams()))

@@ -264,11 +264,13 @@ def apply_token_bitmask(
     return jnp.where(allowed.astype(jnp.bool_), raw, -jnp.inf)
 
 
-def _row_uniforms(params: SamplingArrays) -> Float[Array, "num_rows"]:
-    """One uniform in (0, 1) per row, from (seed, step) alone."""
+def _row_uniforms(params: SamplingArrays, draw: int = 0) -> Float[Array, "num_rows"]:
+    """One uniform in (0, 1) per row, from (seed, step) alone. `draw` > 0: an independent one from
+    the same (seed, step) (structured outputs' redraw of a rejected token)."""
 
     def row_uniform(seed, step):
         key = jax.random.fold_in(jax.random.key(seed, impl=PRNG_IMPL), step)
+        key = jax.random.fold_in(key, draw) if draw else key
         return jax.random.uniform(key, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
 
     return jax.vmap(row_uniform)(params.seed, params.step)
@@ -310,10 +312,10 @@ def sampling_logits(
     return _processed_logits(_mask_banned(raw, params.banned_ids), params, _branch_free(branch_free))
 
 
-@functools.partial(jax.jit, static_argnames=("branch_free",))
+@functools.partial(jax.jit, static_argnames=("branch_free", "draw"))
 def sample(
     logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, branch_free: bool | None = None,
-    token_bitmask: Int[Array, "num_rows num_words"] | None = None,
+    token_bitmask: Int[Array, "num_rows num_words"] | None = None, draw: int = 0,
 ) -> tuple[Int[Array, "num_rows"], Float[Array, "num_rows"]]:
     """Draws one token per output row.
 
@@ -327,6 +329,8 @@ def sample(
       token_bitmask: int32 [num_rows, ceil(vocab_size / 32)] or None: the structured-output grammar
         mask (see apply_token_bitmask), applied before everything else. None (a separate compiled
         variant) costs nothing; a step passes it only when some row has a grammar.
+      draw: static; 0 is a row's draw, 1 its redraw with an independent uniform (sampling.py:
+        resample_padded, a grammar-rejected token drawn again under the mask).
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.
@@ -344,7 +348,7 @@ def sample(
     branch_free = _branch_free(branch_free)
 
     def random_ids():
-        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), _row_uniforms(params))
+        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), _row_uniforms(params, draw))
         return jnp.where(is_random, drawn, greedy_ids)
 
     token_ids = random_ids() if branch_free else jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)

@@ -43,6 +43,16 @@ def sample_padded(logits, arrays, num_out: int, token_bitmask=None):
     return jnp.pad(tokens, (0, num_out - tokens.shape[0])), logprobs
 
 
+@functools.partial(jax.jit, static_argnames=("num_out",))
+def resample_padded(logits, arrays, tokens, token_bitmask, rejected, num_out: int):
+    """Structured outputs' sample-first redraw: rows where `rejected` (bool [rows]) draw again from
+    the same logits under `token_bitmask`, with a uniform independent of their first draw; the
+    others keep `tokens` (the first draw, padded to num_out). Exact (engine/step_sampler.py)."""
+    again, _ = sample(logits, arrays, token_bitmask=token_bitmask, draw=1)
+    pad = num_out - again.shape[0]
+    return jnp.where(jnp.pad(rejected, (0, pad)), jnp.pad(again, (0, pad)), tokens)
+
+
 def num_sample_rows(num_rows: int, num_logits_rows: int) -> int:
     """Rows fit the step's logits bucket unless n > 1 fan-out adds more: then the next power of two."""
     return num_logits_rows if num_rows <= num_logits_rows else next_pow2(num_rows)
@@ -78,6 +88,6 @@ def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> No
         # Both variants: without a grammar mask, and with one (a step with a structured-output row).
         all_allowed = np.full((num_rows, (logits.shape[1] + 31) // 32), -1, np.int32)
         for token_bitmask in (None, all_allowed):
-            jax.block_until_ready(
-                sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)
-            )
+            tokens = sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)[0]
+        rejected = np.zeros(num_rows, np.bool_)  # and the grammar's redraw of rejected rows
+        jax.block_until_ready(resample_padded(logits, arrays, tokens, all_allowed, rejected, num_out=max(num_rows, num_out)))

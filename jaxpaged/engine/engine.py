@@ -293,7 +293,7 @@ class LLMEngine:
         # parent's logits row at its first token, and advance() forks the parent n-1 times.
         sampled, beam_seqs = self.sampler.sample(
             out, logits, self.processor.owner, self.beams.owner,
-            lambda entries, num_rows: self.structured.bitmask(out.seqs, entries, num_rows), plan)  # None: no grammar
+            lambda entries, num_rows, first: self.structured.step_mask(out.seqs, entries, num_rows, first), plan)
         entries, num_rows = sampled.entries, sampled.num_rows
         candidates = None
         if beam_seqs:

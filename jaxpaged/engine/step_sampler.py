@@ -10,13 +10,15 @@ pays for the extended sampler; only a step where some row asks for logprobs copi
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
 
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
 from jaxpaged.device.sampler_ext import LOGPROBS_MODES, sample_ext
-from jaxpaged.device.sampling import num_sample_rows, row_spec, sample_padded, sampler_row_counts
+from jaxpaged.device.sampling import (
+    num_sample_rows, resample_padded, row_spec, sample_padded, sampler_row_counts)
 from jaxpaged.device.token_state import host_slot_rows, init_slot, make_penalty_arrays
 from jaxpaged.engine.logprobs import TokenSlots
 from jaxpaged.planner.sequence import Sequence
@@ -31,7 +33,7 @@ class SampledStep:
     entries: list  # per scheduled sequence: None, its sampler row, or n rows (fan-out)
     num_rows: int
     fan_out_slots: list[list[int]]  # per fan-out (in order): the token-state slot of each of its n rows
-    constrained: bool = False  # some row drew under a structured-output grammar's mask
+    constrained: bool = False  # some row has a structured-output grammar
 
 
 class StepSampler:
@@ -44,15 +46,16 @@ class StepSampler:
         place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
         self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
 
-    def sample(self, out, logits, owner, beam_owner, bitmask_fn=None,
+    def sample(self, out, logits, owner, beam_owner, step_mask_fn=None,
                plan=None) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
         """Builds the rows of every sampling sequence of `out` and dispatches the sampler; returns
         the step's sampled arrays and the (logits row, beam) pairs left to beam search.
 
-        `bitmask_fn(entries, num_rows)`: the structured-output mask of the step's rows (int32
-        [num_rows, ceil(vocab / 32)]), or None when no row has a grammar. `plan`: the step's speculative
-        verification (out.spec_plan): sequences with drafts are verified, not sampled, and each
-        sequence's logits row is plan.first[i]."""
+        `step_mask_fn(entries, num_rows, sample_first)`: the structured-output StepMask of the
+        step's rows (structured/matchers.py: the draw's int32 [num_rows, ceil(vocab / 32)] mask and
+        the rows to check after it), or None when no row has a grammar. `plan`: the step's
+        speculative verification (out.spec_plan): sequences with drafts are verified, not sampled,
+        and each sequence's logits row is plan.first[i]."""
         rows: list[RowSpec] = []
         penalty_rows: list[tuple] = []
         entries: list = [None] * len(out.seqs)
@@ -96,7 +99,9 @@ class StepSampler:
             return SampledStep(None, None, entries, 0, fan_out_slots), beam_seqs
         num_rows = num_sample_rows(len(rows), logits.shape[0])
         num_out = max(num_rows, self.runner.num_prev_token_rows)
-        bitmask = bitmask_fn(entries, num_rows) if bitmask_fn is not None else None
+        # Rows drawn first and checked after need the plain sampler's redraw (logprobs keep the mask first).
+        step_mask = step_mask_fn(entries, num_rows, not (want_logprobs or use_slots)) if step_mask_fn else None
+        bitmask = step_mask.mask if step_mask is not None else None
         if bitmask is not None:
             rows = [r._replace(banned_ids=()) if r.banned_ids and _only_banned_allowed(bitmask[i], r.banned_ids) else r
                     for i, r in enumerate(rows)]
@@ -118,8 +123,10 @@ class StepSampler:
                 logprobs = None
         else:
             tokens, _ = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
+            if step_mask is not None and step_mask.deferred:
+                tokens = _redraw_rejected(logits, rows, arrays, tokens, step_mask)
         tokens.copy_to_host_async()  # lands while the host plans the next step
-        return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, bitmask is not None), beam_seqs
+        return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, step_mask is not None), beam_seqs
 
     def _all_allowed(self, num_rows: int) -> np.ndarray:
         return np.full((num_rows, -(-self.slots.vocab_size // 32)), -1, np.int32)
@@ -152,6 +159,29 @@ class StepSampler:
                 if penalized:
                     self.slots.state = state
                 jax.block_until_ready((tokens, logprobs))
+
+
+def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask):
+    """Structured outputs' sample first: the rows drawn without their grammar mask are checked on the
+    host (waiting for the step's tokens: a constrained step commits in this engine step anyway); the
+    rejected ones draw again from the same logits under their mask, with an independent uniform.
+    Greedy gives the argmax over the allowed tokens; sampling p, then p restricted to the allowed
+    set A on rejection, gives exactly p(t) / p(A). Other rows keep their token."""
+    t0 = time.perf_counter()
+    drawn = np.asarray(tokens)  # waits for the device
+    t1 = time.perf_counter()
+    fix = step_mask.check(drawn)
+    if fix is not None:
+        mask, rejected = fix
+        lifted = [i for i in np.flatnonzero(rejected)
+                  if i < len(rows) and rows[i].banned_ids and _only_banned_allowed(mask[i], rows[i].banned_ids)]
+        if lifted:  # the grammar allows only the banned stop tokens: the ban yields (as with the mask first)
+            rows = [r._replace(banned_ids=()) if i in lifted else r for i, r in enumerate(rows)]
+            arrays = make_sampling_arrays(rows, step_mask.num_rows)
+        tokens = resample_padded(logits, arrays, tokens, mask, rejected, num_out=tokens.shape[0])
+    step_mask.state.seconds["device"] += t1 - t0
+    step_mask.state.seconds["redraw"] += time.perf_counter() - t1  # the check's seconds included
+    return tokens
 
 
 def _only_banned_allowed(mask_row: np.ndarray, banned_ids: tuple[int, ...]) -> bool:

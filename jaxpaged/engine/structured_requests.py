@@ -3,8 +3,9 @@
     add_request ─► hold: the spec is validated now (ValueError), compiled on a worker thread;
                    the request waits here, outside the scheduler, until its grammar is ready
     step()      ─► admit: ready requests go to the scheduler's waiting queue (nothing else waits)
-    dispatch    ─► bitmask: the step's int32 mask, or None when no row has a grammar (the sampler's
-                   unmasked variant: an unconstrained step pays nothing)
+    dispatch    ─► step_mask: the step's int32 mask, or None when no row needs one (the sampler's
+                   unmasked variant: an unconstrained step pays nothing); rows of greedy or
+                   plain-temperature requests draw first and are checked after (matchers.py)
     commit      ─► release: matchers of finished sequences and templates of gone requests dropped;
                    the next masks start on a worker thread (matchers.py: prefetch)
 
@@ -91,20 +92,27 @@ class StructuredRequests:
     def abort(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
-    def bitmask(self, seqs, entries, num_rows: int):
-        """The step's grammar mask, or None if no row has a grammar. `entries`: the sampler row of
-        each scheduled sequence (a list of n rows at an n > 1 request's first token: each of them
-        starts from the same state), None where it samples nothing."""
+    def step_mask(self, seqs, entries, num_rows: int, sample_first: bool):
+        """The step's StepMask (structured/matchers.py), or None if no row has a grammar. `entries`:
+        the sampler row of each scheduled sequence (a list of n rows at an n > 1 request's first
+        token: each of them starts from the same state), None where it samples nothing.
+        `sample_first`: the step's sampler can redraw (the plain one): rows of greedy or
+        plain-temperature requests draw before their mask and are checked after."""
         if self.state is None or not len(self.state):
             return None
+        from jaxpaged.structured.matchers import samples_first
+
         rows = []
+        sample_first = sample_first and self.state.sample_first
         for seq, entry in zip(seqs, entries):
             if entry is None:
                 continue
             request = self.processor.owner[seq.seq_id][0]
             if request.params.structured_outputs is not None:
-                rows += [(row, seq, request.request_id) for row in (entry if isinstance(entry, list) else [entry])]
-        return self.state.bitmask(rows, num_rows) if rows else None
+                first = sample_first and samples_first(request.params)
+                rows += [(row, seq, request.request_id, first)
+                         for row in (entry if isinstance(entry, list) else [entry])]
+        return self.state.step_mask(rows, num_rows) if rows else None
 
     def release(self, prefetch: bool = True) -> None:
         """At every commit: frees finished matchers, then starts the next step's masks (prefetch).

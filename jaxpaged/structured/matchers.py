@@ -16,11 +16,23 @@ dispatch every output token of a constrained sequence has landed. A sample of an
 starts from its own copy of the template (forked children included); preemption keeps the matcher,
 since a preempted sequence keeps its output tokens. Thread rule: only one thread touches the
 matchers at a time; every method here first waits for the worker (`_join`). Pure host code, no jax.
+
+Sample first (step_mask; rows of greedy or plain-temperature requests, `samples_first`): such a row
+draws without its mask, and StepMask.check(drawn) decides, after the draw, with llguidance's own
+checks, which equal its mask (test_structured_sample_first.py walks grammars token by token):
+    forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
+                ──► allowed  <=>  t is that token; a rejected row's mask is its bit
+    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()); a rejected
+                    row's mask is computed, the only masks these rows cost
+At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
+worker (~8 us each against ~40 us for a mask); the engine joins it after the device's draw, so on a
+GPU host it overlaps the forward pass (a step of only such rows does not wait before its draw).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import llguidance
@@ -33,6 +45,71 @@ from jaxpaged.planner.sequence import SequenceStatus
 # Fewer running constrained sequences than this: their masks are computed at dispatch. The hand-off
 # to the worker and back costs ~0.05 ms (bench_structured_host: 1 row, 0.02 ms at dispatch).
 MIN_PREFETCH_ROWS = 4
+GREEDY_TEMPERATURE = 1e-5  # device/sampler.py's: below it a row draws its argmax
+
+
+def samples_first(params) -> bool:
+    """Whether a constrained row of these SamplingParams may draw before its mask: greedy, or a
+    temperature with no top-k, top-p or min-p (those rank the allowed tokens, so the mask comes
+    first). Exact: greedy draws the argmax over the allowed tokens either way, and drawing from p,
+    then from p restricted to the allowed set A on rejection, gives p(t) / p(A) for every t in A."""
+    return params.temperature < GREEDY_TEMPERATURE or (
+        params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+
+
+@dataclasses.dataclass
+class StepMask:
+    """A step's grammar rows, from StructuredState.step_mask."""
+
+    mask: np.ndarray | None  # the draw's int32 mask; None: no row needs one (the unmasked sampler)
+    deferred: list  # (sampler row, sequence, request id): rows drawn without a mask, checked after
+    num_rows: int
+    state: "StructuredState"
+
+    def check(self, drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tokens drawn by the deferred rows, checked: None if every one is allowed, else (mask
+        with the rejected rows' masks, other rows all ones; bool [num_rows]: rejected). The worker's
+        forced tokens are joined here, after the device's draw, not before the draw."""
+        t0 = time.perf_counter()
+        state, eos = self.state, self.state.eos_token_id
+        state._join()
+        forced_of: dict[int, int] = {}  # seq_id -> its forced token (-1: none)
+        free: dict[int, list] = {}  # seq_id -> [matcher, its rejected rows] (n > 1 rows share one)
+        one_bit = []  # (row, forced token): rejected rows whose grammar forces one token
+        num_forced = 0
+        for row, seq, request_id in self.deferred:
+            forced = forced_of.get(seq.seq_id)
+            if forced is None:
+                forced = forced_of[seq.seq_id] = state._forced_now(seq, request_id)
+            token = int(drawn[row])
+            if forced >= 0:
+                num_forced += 1
+                if token != forced:
+                    one_bit.append((row, forced))
+            else:
+                matcher = state._matchers[seq.seq_id][1]
+                if not drawn_allowed(matcher, token, eos):
+                    free.setdefault(seq.seq_id, [matcher]).append(row)
+        rows = [row for _, *seq_rows in free.values() for row in seq_rows] + [row for row, _ in one_bit]
+        state.num_rows_checked += len(self.deferred) - num_forced
+        state.num_rows_forced += num_forced
+        state.num_rows_rejected += len(rows)
+        fix = None
+        if rows:
+            mask = np.full((self.num_rows, state.num_words), -1, np.int32)
+            if free:
+                llnp.fill_next_token_bitmask_par(state._executor, [(m, first) for m, first, *_ in free.values()], mask)
+                state.allow_eos_where_empty(mask, [first for _, first, *_ in free.values()])
+                for _, first, *others in free.values():
+                    mask[others] = mask[first]
+            for row, token in one_bit:  # the grammar forces this token: llguidance's mask is its bit alone
+                mask[row] = 0
+                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+            flags = np.zeros(self.num_rows, np.bool_)
+            flags[rows] = True
+            fix = mask, flags
+        state.seconds["check"] += time.perf_counter() - t0
+        return fix
 
 
 class StructuredState:
@@ -46,9 +123,14 @@ class StructuredState:
         self._ahead: concurrent.futures.Future | None = None  # prefetch() in flight
         self._ahead_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (row of _ahead_mask, outputs consumed)
         self._ahead_mask = np.empty((0, self.num_words), np.int32)  # grows to the most rows prefetched
-        # Engine-thread seconds: in bitmask() (of which waiting for the worker) and in prefetch()
-        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0}
+        self._forced: dict[int, tuple[int, int]] = {}  # seq_id -> (outputs consumed, forced token or -1)
+        self.sample_first = True  # False: every constrained row draws under its full mask (the old way)
+        # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
+        # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
+        # engine/step_sampler.py) and waiting there for the device's first draw
+        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0}
         self.num_rows_ahead = self.num_rows_now = 0  # rows whose mask came from prefetch / was computed at dispatch
+        self.num_rows_checked = self.num_rows_rejected = self.num_rows_forced = 0  # sample-first rows
 
     def __len__(self) -> int:
         """Matchers and templates held (0 once every constrained request finished: no leak)."""
@@ -76,35 +158,61 @@ class StructuredState:
 
     def _start_prefetch(self) -> None:
         self._join()
-        self._ahead_rows = {}
-        pairs = []
+        self._ahead_rows, self._forced = {}, {}
+        masked, forced = [], []  # (seq_id, entry, its new tokens)
         for seq_id, entry in self._matchers.items():
             seq = entry[0]
             if seq.status is not SequenceStatus.RUNNING or seq.num_placeholders:
                 continue  # not in the next step, or its last token is still on the device
-            self._ahead_rows[seq_id] = (len(pairs), len(seq.output_token_ids))
-            pairs.append((_catch_up(entry), len(pairs)))
-        if len(pairs) < MIN_PREFETCH_ROWS:  # a thread hand-off costs more than these few masks
-            self._ahead_rows = {}
+            first = self.sample_first and samples_first(seq.sampling_params)
+            (forced if first else masked).append((seq_id, entry, seq.output_token_ids[entry[2]:]))
+        if len(masked) + len(forced) < MIN_PREFETCH_ROWS:  # a thread hand-off costs more than these few
             return
-        if self._ahead_mask.shape[0] < len(pairs):
-            self._ahead_mask = np.empty((max(len(pairs), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
-        self._ahead = self._worker.submit(llnp.fill_next_token_bitmask_par, self._executor, pairs, self._ahead_mask)
+        for i, (seq_id, entry, new) in enumerate(masked):
+            entry[2] += len(new)  # consumed on the worker, before anything else touches the matcher
+            self._ahead_rows[seq_id] = (i, entry[2])
+        for seq_id, entry, new in forced:
+            entry[2] += len(new)
+        if self._ahead_mask.shape[0] < len(masked):
+            self._ahead_mask = np.empty((max(len(masked), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
+        self._ahead = self._worker.submit(self._work_ahead, masked, forced, self._forced)
+
+    def _work_ahead(self, masked: list, forced: list, forced_out: dict) -> None:
+        """The worker's part of prefetch(): the step's tokens consumed, then the masked rows' masks
+        and the sample-first rows' forced tokens."""
+        for _, entry, new in masked + forced:
+            if new:
+                entry[1].consume_tokens(new)
+        if masked:
+            llnp.fill_next_token_bitmask_par(
+                self._executor, [(entry[1], i) for i, (_, entry, _) in enumerate(masked)], self._ahead_mask)
+        for seq_id, entry, _ in forced:
+            forced_out[seq_id] = (entry[2], forced_token(entry[1]))
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
-        """The step's mask: each (sampler row, sequence, request id) of `rows` gets its sequence's
-        allowed tokens; a row whose matcher allows nothing (it ended under ignore_eos) gets eos."""
-        t0 = time.perf_counter()
-        mask = self._bitmask(rows, num_rows)
-        self.seconds["bitmask"] += time.perf_counter() - t0
-        return mask
+        """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
+        `rows` gets its sequence's allowed tokens; a row whose matcher allows nothing (it ended
+        under ignore_eos) gets eos."""
+        return self.step_mask([(row, seq, request_id, False) for row, seq, request_id in rows], num_rows).mask
 
-    def _bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
-        self._join()
+    def step_mask(self, rows: list[tuple[int, object, str, bool]], num_rows: int) -> StepMask:
+        """The step's StepMask: (sampler row, sequence, request id, sample first) for each row of
+        `rows`. Rows sampled first are deferred to StepMask.check, after the draw: a step of only
+        those touches no matcher here and does not wait for the worker."""
+        t0 = time.perf_counter()
+        deferred = [(row, seq, request_id) for row, seq, request_id, first in rows if first]
+        mask = None  # no row needs one: the step draws with the unmasked sampler
+        if len(deferred) < len(rows):
+            self._join()
+            mask = self._full_masks([r for r in rows if not r[3]], num_rows)
+        self.seconds["bitmask"] += time.perf_counter() - t0
+        return StepMask(mask, deferred, num_rows, self)
+
+    def _full_masks(self, rows: list, num_rows: int) -> np.ndarray:
         mask = np.full((num_rows, self.num_words), -1, np.int32)
         first_row: dict[int, int] = {}  # seq_id -> its first row (n > 1 first tokens share a state)
         pairs, copies, ahead_dst, ahead_src = [], [], [], []
-        for row, seq, request_id in rows:
+        for row, seq, request_id, _ in rows:
             if seq.seq_id in first_row:
                 copies.append((row, first_row[seq.seq_id]))
                 continue
@@ -120,15 +228,25 @@ class StructuredState:
             mask[ahead_dst] = self._ahead_mask[ahead_src]
         if pairs:
             llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
+        self.allow_eos_where_empty(mask, list(first_row.values()))
         for row, source in copies:
             mask[row] = mask[source]
         self.num_rows_ahead += len(ahead_dst)
         self.num_rows_now += len(pairs)
-        if self.eos_token_id is not None:
-            constrained = [row for row, _, _ in rows]
-            for row in np.asarray(constrained)[~mask[constrained].any(axis=1)]:
-                mask[row, self.eos_token_id // 32] = np.uint32(1 << (self.eos_token_id % 32)).view(np.int32)
         return mask
+
+    def _forced_now(self, seq, request_id: str) -> int:
+        """A sample-first row's forced token (-1: none), from prefetch() if it is for this state."""
+        ahead = self._forced.get(seq.seq_id)
+        if ahead is not None and ahead[0] == len(seq.output_token_ids):
+            return ahead[1]
+        return forced_token(self._matcher(seq, request_id))
+
+    def allow_eos_where_empty(self, mask: np.ndarray, rows: list[int]) -> None:
+        """Rows of `rows` whose matcher allows nothing (it ended under ignore_eos) get eos."""
+        if self.eos_token_id is not None and rows:
+            for row in np.asarray(rows)[~mask[rows].any(axis=1)]:
+                mask[row, self.eos_token_id // 32] = np.uint32(1 << (self.eos_token_id % 32)).view(np.int32)
 
     def release(self, live_request_ids) -> None:
         """Drops the matchers of finished sequences and the templates of requests not in live_request_ids."""
@@ -138,6 +256,17 @@ class StructuredState:
             self._ahead_rows.pop(seq_id, None)
         for request_id in [r for r in self.templates if r not in live_request_ids]:
             del self.templates[request_id]
+
+
+def drawn_allowed(matcher, token: int, eos_token_id: int | None) -> bool:
+    """Whether the matcher's mask allows `token`, where it forces no token (see the module's doc)."""
+    return matcher.is_accepting() if token == eos_token_id else matcher.validate_tokens([token]) == 1
+
+
+def forced_token(matcher) -> int:
+    """The one token the matcher's mask allows where the grammar forces bytes, else -1."""
+    tokens = matcher.compute_ff_tokens()
+    return tokens[0] if tokens else -1
 
 
 def _catch_up(entry: list):

@@ -1,0 +1,144 @@
+"""Structured outputs' sample first (structured/matchers.py, engine/step_sampler.py), in its parts.
+
+1. The host's check replaces llguidance's mask: on SmolLM2's tokenizer (49152 tokens), walking
+   several grammars token by token, the set the check allows (the forced token alone, else every
+   token validate_tokens accepts, eos where the matcher accepts) IS the mask, token for token
+   (the default suite checks the mask's tokens and 3000 others per state, `slow` every token).
+2. The device's redraw is exact: drawing unmasked, then redrawing the rejected rows under the mask,
+   gives the always-masked distribution p(t) / p(A): total variation to it < 0.03 at 16384 seeds,
+   23 allowed tokens of 96, ~80% of first draws rejected (the masked path's own draw measures
+   0.019, the redraw 0.014; the seeds are fixed, so the test is deterministic). Greedy tokens are
+   equal row for row. Redrawing with the first draw's uniform instead (no `draw=1`) fails the bound.
+Engine-level checks (greedy tokens equal, seeds reproducible, first tokens distributed alike on the
+tiny model) are in test_structured_outputs.py, beside its warmed engine.
+"""
+
+import numpy as np
+import pytest
+
+from jaxpaged import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    from jaxpaged.models.loading import default_model_path
+    from jaxpaged.models.tokenizer import Tokenizer
+    from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    return GrammarCompiler(make_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_id))
+
+
+SPECS = [
+    StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": -5, "maximum": 300},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "minItems": 1, "maxItems": 2},
+        "zip": {"type": "string", "pattern": "^[0-9]{3}$"}, "ok": {"type": "boolean"}},
+        "required": ["name", "n", "zip"], "additionalProperties": False}),
+    StructuredOutputsParams(json={"anyOf": [{"type": "number", "minimum": 0.5}, {"type": "null"}]}),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=r"(cat|category|dog)s? [0-9]{2,3}( [a-z]+)?"),
+    StructuredOutputsParams(choice=["alpha", "alphabet", "beta gamma"]),
+    StructuredOutputsParams(grammar='start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'),
+]
+
+
+def _allowed(mask_words: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(mask_words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def _walk_and_compare(compiler, num_walks: int, max_states: int, num_sampled_tokens: int | None):
+    """Random walks through every spec, comparing at each state the check's allowed set with the
+    mask, over every token (num_sampled_tokens None) or the mask's tokens plus that many others."""
+    from jaxpaged.structured.matchers import StructuredState, drawn_allowed, forced_token
+
+    vocab, eos = compiler.vocab_size, compiler.ll_tokenizer.eos_token
+    state = StructuredState(vocab, eos)  # its mask: llguidance's, with eos where nothing is allowed
+    rng = np.random.default_rng(0)
+    num_states = num_forced = num_ended = 0
+    for spec in SPECS:
+        template = compiler.submit(spec).result()
+        for _ in range(num_walks):
+            matcher = template.deep_copy()
+            for _ in range(max_states):
+                mask = np.zeros(state.num_words, np.int32)
+                matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+                state.allow_eos_where_empty(mask[None], [0])
+                want = _allowed(mask, vocab)
+                tokens = np.arange(vocab) if num_sampled_tokens is None else np.union1d(
+                    np.flatnonzero(want), rng.choice(vocab, num_sampled_tokens, replace=False))
+                forced = forced_token(matcher)
+                got = tokens == forced if forced >= 0 else np.array([drawn_allowed(matcher, int(t), eos) for t in tokens])
+                np.testing.assert_array_equal(tokens[got], tokens[want[tokens]])
+                num_states, num_forced = num_states + 1, num_forced + (forced >= 0)
+                token = int(rng.choice(np.flatnonzero(want)))
+                if token == eos:
+                    num_ended += 1
+                    break
+                assert matcher.consume_token(token)
+    return num_states, num_forced, num_ended
+
+
+def test_the_check_allows_the_tokens_of_llguidances_mask(compiler):
+    """Every state of one walk per grammar (up to 12), over the mask's tokens and 3000 others."""
+    num_states, num_forced, num_ended = _walk_and_compare(compiler, 1, 12, 3000)
+    assert num_states >= 50 and 10 <= num_forced < num_states and num_ended >= 2, (num_states, num_forced, num_ended)
+
+
+@pytest.mark.slow
+def test_the_check_allows_exactly_the_tokens_of_llguidances_mask_over_the_whole_vocabulary(compiler):
+    num_states, num_forced, num_ended = _walk_and_compare(compiler, 2, 40, None)
+    assert num_states >= 100 and 20 <= num_forced < num_states and num_ended >= 6, (num_states, num_forced, num_ended)
+
+
+def _draws(logits, allowed, temperature, draw):
+    """(always-masked tokens, sample-first tokens): row r uses seed r; `draw`: the redraw's uniform."""
+    import jax.numpy as jnp
+
+    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+    from jaxpaged.device.sampling import resample_padded
+
+    num_rows, vocab = logits.shape
+    bits = np.zeros((num_rows, -(-vocab // 32) * 32), np.uint8)
+    bits[:, :vocab] = allowed
+    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+    arrays = make_sampling_arrays([RowSpec(row_idx=r, temperature=temperature, seed=r, step=3) for r in range(num_rows)],
+                                  num_rows)
+    masked = np.asarray(sample(logits, arrays, token_bitmask=mask)[0])
+    first = sample(logits, arrays)[0]
+    rejected = ~allowed[np.arange(num_rows), np.asarray(first)]
+    if draw == 1:
+        redrawn = resample_padded(logits, arrays, first, mask, rejected, num_out=num_rows)
+    else:  # the same uniform as the first draw: biased, what the test must catch
+        again = sample(logits, arrays, token_bitmask=mask, draw=0)[0]
+        redrawn = jnp.where(rejected, again, first)
+    return masked, np.asarray(redrawn), rejected.mean()
+
+
+def _tv(tokens, probs):
+    return 0.5 * np.abs(np.bincount(tokens, minlength=len(probs)) / len(tokens) - probs).sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_redraw_gives_the_masked_distribution(temperature):
+    rng = np.random.default_rng(1)
+    vocab, num_rows = 96, 16384
+    row_logits = rng.normal(size=vocab).astype(np.float32)
+    allowed_row = rng.random(vocab) < 0.3
+    allowed_row[np.argmax(row_logits)] = False  # the likeliest token is forbidden: many rejections
+    logits, allowed = np.tile(row_logits, (num_rows, 1)), np.tile(allowed_row, (num_rows, 1))
+    scaled = np.where(allowed_row, row_logits / temperature, -np.inf)
+    want = np.exp(scaled - scaled.max())
+    want /= want.sum()  # p(t) / p(A) at this temperature
+
+    masked, redrawn, rejected = _draws(logits, allowed, temperature, draw=1)
+    assert allowed_row[masked].all() and allowed_row[redrawn].all()
+    assert 0.3 < rejected < 0.9, rejected
+    assert _tv(masked, want) < 0.03 and _tv(redrawn, want) < 0.03, (_tv(masked, want), _tv(redrawn, want))
+    if temperature == 1.0:  # the bound has teeth: the first draw's uniform again is 0.08 away
+        _, biased, _ = _draws(logits, allowed, temperature, draw=0)
+        assert _tv(biased, want) > 0.06, _tv(biased, want)
+
+    greedy_masked, greedy_redrawn, _ = _draws(logits[:64] + rng.normal(size=(64, vocab)).astype(np.float32),
+                                              allowed[:64], 0.0, draw=1)
+    np.testing.assert_array_equal(greedy_redrawn, greedy_masked)
