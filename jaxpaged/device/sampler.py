@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt
 
+from jaxpaged.device.inverse_cdf import blocked_draw, full_cdf_draw
+
 # Legend: R=num_rows (output rows, a bucket size) V=vocab_size C=candidates per row (top-k / top-p)
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM's _SAMPLING_EPS)
@@ -288,10 +290,9 @@ def _inverse_cdf_draw(
     threefry values per row cost more than the model's decode step.
     """
     probs = jax.nn.softmax(processed, axis=1)
-    cdf = jnp.cumsum(probs, axis=1)
-    threshold = u[:, None] * cdf[:, -1:]  # the total is 1 up to rounding
-    drawn = jnp.sum(cdf < threshold, axis=1).astype(jnp.int32)
-    return jnp.minimum(drawn, processed.shape[1] - 1)
+    # The CPU finds the block first (device/inverse_cdf.py: a full-vocabulary cumsum is most of the
+    # sampler's time there); other backends keep the full cumulative sum, as before.
+    return blocked_draw(probs, u) if jax.default_backend() == "cpu" else full_cdf_draw(probs, u)
 
 
 def _branch_free(branch_free: bool | None) -> bool:

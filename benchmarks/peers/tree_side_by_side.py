@@ -1,0 +1,38 @@
+"""jaxpaged of one source tree on bench_vs_vllm's workloads (chat-greedy, w1-greedy, w1-t0.6): one JSON line.
+
+Compares two commits on the same machine, e.g. main against a branch, alternating trees:
+
+    git archive <main commit> | tar -x -C /tmp/main_tree
+    for t in /tmp/main_tree . . /tmp/main_tree; do
+      (cd $t && PYTHONPATH=$t python /path/to/benchmarks/peers/tree_side_by_side.py $t) >> side.jsonl
+    done
+
+Per workload: one warm-up call, then 3 timed `generate` calls (best reported), the 1-minute load
+before each, compiles after warm-up, and the first call's token ids (to check trees agree).
+"""
+
+import json
+import sys
+
+from benchmarks.bench_vs_vllm import chat_workload, run_jaxpaged, w1_workloads
+from jaxpaged import LLM
+
+
+def main() -> None:
+    llm = LLM(enable_prefix_caching=False)
+    result = {"tree": sys.argv[1] if len(sys.argv) > 1 else "."}
+    for workload in [chat_workload(llm.tokenizer), *w1_workloads()]:
+        run_jaxpaged(llm, workload)  # warm-up
+        runs = [run_jaxpaged(llm, workload) for _ in range(3)]
+        tokens = runs[0]["token_ids"]
+        result[workload.name] = {
+            "out_tok_s_best": sum(map(len, tokens)) / min(r["wall_s"] for r in runs),
+            "walls_s": [r["wall_s"] for r in runs], "loads": [r["loadavg_before"][0] for r in runs],
+            "compiles_after_warmup": [r["num_compiles"] for r in runs], "tokens": sum(map(len, tokens)),
+            "token_ids": tokens,
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

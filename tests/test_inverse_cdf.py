@@ -1,0 +1,53 @@
+"""The blocked inverse-CDF draw (jaxpaged/device/inverse_cdf.py) against a float64 inverse CDF."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.device.inverse_cdf import blocked_draw, full_cdf_draw
+
+
+def test_worked_example_from_the_docstring():
+    probs = jnp.array([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0]])
+    # u * total = 0.5: block 1 (tokens 2, 3) is the first whose cumulative mass reaches it; 0.4 is
+    # left inside, and token 2 alone holds 0.6.
+    assert blocked_draw(probs, jnp.array([0.5]), block=2).tolist() == [2]
+    assert blocked_draw(probs, jnp.array([0.05]), block=2).tolist() == [0]
+    assert blocked_draw(probs, jnp.array([0.99]), block=2).tolist() == [3]  # never the empty block 2
+
+
+def float64_draw(probs: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The exact first token reaching u * total, and the distance of u * total to the nearest cdf step."""
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    threshold = u.astype(np.float64)[:, None] * cdf[:, -1:]
+    return (cdf < threshold).sum(axis=1), np.min(np.abs(cdf - threshold), axis=1)
+
+
+@pytest.mark.parametrize("vocab_size, block", [(1000, 64), (49152, 256), (37, 8)])  # 1000, 37: a padded last block
+def test_draws_the_float64_token_and_never_a_zero_probability_one(vocab_size, block):
+    logits = 3 * jax.random.normal(jax.random.key(0), (16, vocab_size))
+    banned = jax.random.uniform(jax.random.key(1), (16, vocab_size)) < 0.5  # half the tokens: probability 0
+    probs = jax.nn.softmax(jnp.where(banned, -jnp.inf, logits), axis=1)
+    probs_np = np.asarray(probs)
+    for seed in range(20):
+        u = jax.random.uniform(jax.random.key(100 + seed), (16,), minval=1e-30)
+        drawn = np.asarray(blocked_draw(probs, u, block=block))
+        assert (probs_np[np.arange(16), drawn] > 0).all()
+        exact, margin = float64_draw(probs_np, np.asarray(u))
+        clear = margin > 1e-5  # away from a cdf step by more than float32 rounding of the partial sums
+        np.testing.assert_array_equal(drawn[clear], exact[clear])
+        np.testing.assert_array_equal(drawn[clear], np.asarray(full_cdf_draw(probs, u))[clear])
+
+
+def test_frequencies_follow_the_probabilities():
+    probs = jnp.array([[0.05, 0.0, 0.25, 0.1, 0.0, 0.4, 0.2]])  # 7 tokens in blocks of 3: one padded
+    u = (jnp.arange(10000) + 0.5) / 10000  # an even grid over (0, 1): exact frequencies
+    drawn = jax.vmap(lambda x: blocked_draw(probs, x[None], block=3)[0])(u)
+    np.testing.assert_allclose(np.bincount(np.asarray(drawn), minlength=7) / 10000, probs[0], atol=2e-4)
+
+
+def test_a_row_with_no_probability_mass_draws_token_zero_as_the_full_cumsum_does():
+    probs = jnp.full((2, 10), jnp.nan).at[1].set(0.1)  # row 0: every logit was -inf (softmax gives NaN)
+    u = jnp.array([0.35, 0.35])  # row 1: cdf 0.1, 0.2, 0.3, 0.4, ... -> token 3
+    assert blocked_draw(probs, u, block=4).tolist() == full_cdf_draw(probs, u).tolist() == [0, 3]
