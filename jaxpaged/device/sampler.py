@@ -291,8 +291,10 @@ def _inverse_cdf_draw(
     """
     probs = jax.nn.softmax(processed, axis=1)
     # The CPU finds the block first (device/inverse_cdf.py: a full-vocabulary cumsum is most of the
-    # sampler's time there); other backends keep the full cumulative sum, as before.
-    return blocked_draw(probs, u) if jax.default_backend() == "cpu" else full_cdf_draw(probs, u)
+    # sampler's time there); other backends keep the full cumulative sum, as before. Chosen by the
+    # platform the program is lowered for, not the host's: a CUDA program compiled on a CPU host
+    # keeps the GPU's draw.
+    return jax.lax.platform_dependent(probs, u, cpu=blocked_draw, default=full_cdf_draw)
 
 
 def _branch_free(branch_free: bool | None) -> bool:
