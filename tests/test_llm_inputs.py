@@ -66,9 +66,26 @@ def test_numpy_and_jax_token_arrays_are_prompts(llm):
     assert llm.stats()["num_used_pages"] == 0
 
 
+def test_vllm_prompt_dicts_are_prompts(llm):
+    """vLLM's TokensPrompt / TextPrompt dicts give what the plain ids / text give, one or a list."""
+    want = _tokens(llm.generate([IDS, IDS2], GREEDY))
+    outs = llm.generate([{"prompt_token_ids": IDS}, {"prompt_token_ids": np.array(IDS2)}], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [IDS, IDS2] and _tokens(outs) == want
+    single = llm.generate({"prompt_token_ids": IDS, "prompt": "kept as the text"}, GREEDY)
+    assert len(single) == 1 and _tokens(single) == want[:1] and single[0].prompt == "kept as the text"
+    text = llm.generate({"prompt": "Hello there"}, GREEDY)[0]
+    assert text.prompt == "Hello there" and text.prompt_token_ids == llm.generate("Hello there", GREEDY)[0].prompt_token_ids
+    assert llm.stats()["num_used_pages"] == 0
+
+
 @pytest.mark.parametrize(
     "prompts,match",
     [
+        ({"prompt_token_ids": IDS, "multi_modal_data": {}}, "'multi_modal_data', which LLM.generate does not take"),
+        ([{"prompt": "hi"}, {"cache_salt": "a", "prompt": "x"}], "prompt 1 has 'cache_salt'"),
+        ({"prompt": IDS}, "'prompt' is a list; it must be text"),
+        ({}, "without 'prompt' or 'prompt_token_ids'"),
+        ({"prompt_token_ids": [1.5]}, "token ids must be ints"),
         (b"hello", "bytes; decode it"),
         ([b"hello"], "bytes; decode it"),
         (None, "prompts is None"),
@@ -79,7 +96,7 @@ def test_numpy_and_jax_token_arrays_are_prompts(llm):
         ("a \ud83d b", "lone surrogate"),
         (["fine", "bad \udc00"], "prompt 1 is not valid Unicode"),
     ],
-    ids=["bytes", "list-of-bytes", "None", "float-array", "3-D", "float-id", "bool-id", "surrogate", "surrogate-2nd"],
+    ids=["dict-multimodal", "dict-salt", "dict-ids-as-text", "dict-empty", "dict-float-id", "bytes", "list-of-bytes", "None", "float-array", "3-D", "float-id", "bool-id", "surrogate", "surrogate-2nd"],
 )
 def test_bad_prompts_are_clear_value_errors(llm, prompts, match):
     with pytest.raises(ValueError, match=match):

@@ -1,7 +1,9 @@
 """What `LLM.generate` / `stream` / `beam_search` take as prompts, turned into token ids.
 
-A prompt is text, a list of token ids, or an integer numpy / JAX array (1-D: one prompt, 2-D: one
-row per prompt); `prompts` is one prompt or a list of them. Every error says what to pass instead.
+A prompt is text, a list of token ids, an integer numpy / JAX array (1-D: one prompt, 2-D: one
+row per prompt), or vLLM's prompt dicts: `{"prompt": text}` (TextPrompt) and
+`{"prompt_token_ids": ids}` (TokensPrompt, whose optional "prompt" text is kept as the prompt's
+text); `prompts` is one prompt or a list of them. Every error says what to pass instead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def normalize_prompts(prompts, tokenizer) -> list[tuple[str | None, list[int]]]:
     """(the text, or None for token ids; the token ids) of every prompt, in order."""
     result = []
     for i, prompt in enumerate(_prompt_list(prompts)):
-        if isinstance(prompt, str):
+        if isinstance(prompt, dict):
+            result.append(_prompt_dict(prompt, i, tokenizer))
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string; give some text")
             try:
@@ -36,7 +40,27 @@ def normalize_prompts(prompts, tokenizer) -> list[tuple[str | None, list[int]]]:
 
 
 _PROMPTS_HELP = ("pass a string, a list of strings, a list of token ids, a list of token-id lists, "
-                 "or a 1-D / 2-D integer numpy or JAX array of token ids")
+                 "a 1-D / 2-D integer numpy or JAX array of token ids, or vLLM's {'prompt': text} / "
+                 "{'prompt_token_ids': ids} dicts")
+_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_dict(prompt: dict, i: int, tokenizer) -> tuple[str | None, list[int]]:
+    """vLLM's TextPrompt / TokensPrompt. Keys this engine does not serve are refused, never dropped."""
+    unknown = sorted(set(prompt) - set(_DICT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt {i} has {', '.join(map(repr, unknown))}, which LLM.generate does not take "
+                         f"(multimodal data, per-prompt cache salts and processor kwargs are not supported); "
+                         f"pass only 'prompt' (text) or 'prompt_token_ids'")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompt {i}'s 'prompt' is a {type(text).__name__}; it must be text "
+                         f"(token ids go in 'prompt_token_ids')")
+    if "prompt_token_ids" in prompt:
+        return text, _token_id_list(prompt["prompt_token_ids"], i)
+    if text is None:
+        raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'; {_PROMPTS_HELP}")
+    return normalize_prompts(text, tokenizer)[0]
 
 
 def _is_array(x) -> bool:
@@ -49,7 +73,7 @@ def _prompt_list(prompts) -> list:
         raise ValueError(f"prompts is None; {_PROMPTS_HELP}")
     if isinstance(prompts, (bytes, bytearray)):
         raise ValueError(f"prompts is {type(prompts).__name__}; decode it to str first, or {_PROMPTS_HELP}")
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if _is_array(prompts):
         if prompts.ndim == 1:
