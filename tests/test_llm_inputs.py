@@ -133,3 +133,18 @@ def test_sampling_params_reject_non_int_counts(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_n_fan_out_over_fewer_logits_rows_compiles_nothing_after_warm_up():
+    """A cached prompt with n=2 or 3 samples 2-4 rows from one logits row: warm-up covers that shape
+    (the logits are padded to the sample rows), so nothing compiles (it compiled `sample_padded`)."""
+    from benchmarks.common import CompileCounter
+
+    llm = tiny_llm(warmup=True, enable_prefix_caching=True)
+    prompt = list(range(100, 117))
+    llm.generate(prompt, GREEDY)
+    for n in (2, 3, 4):
+        with CompileCounter() as compiles:
+            outs = llm.generate(prompt, SamplingParams(n=n, temperature=1.0, max_tokens=3, seed=1))
+        assert len(outs[0].outputs) == n and compiles.count == 0, (n, compiles.count)
+    assert llm.stats()["num_used_pages"] == 0

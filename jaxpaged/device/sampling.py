@@ -58,6 +58,19 @@ def num_sample_rows(num_rows: int, num_logits_rows: int) -> int:
     return num_logits_rows if num_rows <= num_logits_rows else next_pow2(num_rows)
 
 
+@functools.partial(jax.jit, static_argnames=("num_rows",))
+def pad_logit_rows(logits, num_rows: int):
+    """A fan-out step's logits, L rows, padded with zero rows to its num_rows sample rows, so the
+    samplers run at a warmed (num_rows, num_rows) shape instead of compiling an (L, num_rows) pair;
+    every sample row still reads its own logits row (row_idx < L)."""
+    return jnp.pad(logits, ((0, num_rows - logits.shape[0]), (0, 0)))
+
+
+def fan_out_pairs(row_counts: list[int]) -> list[tuple[int, int]]:
+    """(logits rows, sample rows) of every fan-out `num_sample_rows` can give: a power of two above L."""
+    return [(small, big) for small in row_counts for big in row_counts if big > small and big == next_pow2(big)]
+
+
 def sampler_row_counts(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> list[int]:
     """Every row count a step's sampler can have (`extra`: a speculative verification step's logits widths)."""
     row_counts = {min(b, max_num_seqs) for b in runner.buckets} | set(runner.decode_buckets) | set(extra)
@@ -91,3 +104,5 @@ def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> No
             tokens = sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)[0]
         rejected = np.zeros(num_rows, np.bool_)  # and the grammar's redraw of rejected rows
         jax.block_until_ready(resample_padded(logits, arrays, tokens, all_allowed, rejected, num_out=max(num_rows, num_out)))
+    for small, big in fan_out_pairs(sampler_row_counts(runner, max_num_seqs, extra)):
+        jax.block_until_ready(pad_logit_rows(runner.zeros_logits(small), num_rows=big))

@@ -18,7 +18,7 @@ import numpy as np
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
 from jaxpaged.device.sampler_ext import LOGPROBS_MODES, sample_ext
 from jaxpaged.device.sampling import (
-    num_sample_rows, resample_padded, row_spec, sample_padded, sampler_row_counts)
+    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_padded, sampler_row_counts)
 from jaxpaged.device.token_state import host_slot_rows, init_slot, make_penalty_arrays
 from jaxpaged.engine.logprobs import TokenSlots
 from jaxpaged.planner.sequence import Sequence
@@ -98,6 +98,8 @@ class StepSampler:
         if not rows:
             return SampledStep(None, None, entries, 0, fan_out_slots), beam_seqs
         num_rows = num_sample_rows(len(rows), logits.shape[0])
+        if num_rows > logits.shape[0]:  # n > 1 fan-out: the samplers' warmed shape (sampling.pad_logit_rows)
+            logits = pad_logit_rows(logits, num_rows=num_rows)
         num_out = max(num_rows, self.runner.num_prev_token_rows)
         # Rows drawn first and checked after need the plain sampler's redraw (logprobs keep the mask first).
         step_mask = step_mask_fn(entries, num_rows, not (want_logprobs or use_slots)) if step_mask_fn else None
