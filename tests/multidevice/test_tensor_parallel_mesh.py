@@ -294,7 +294,8 @@ def test_quantized_kv_cache_is_split_like_its_pages(params, prompts, kv_cache_dt
 
 def test_logprobs_prompt_logprobs_and_penalties_split_equal_one_device(params, prompts):
     """The extended sampler's token state is replicated like the logits: tp=2 gives one device's
-    tokens, logprobs and prompt logprobs, and compiles nothing after warm-up."""
+    tokens, logprobs and prompt logprobs, and an n = 2 fan-out its samples, and compiles nothing after
+    warm-up."""
     from test_async_engine import run
 
     requests = [
@@ -303,6 +304,9 @@ def test_logprobs_prompt_logprobs_and_penalties_split_equal_one_device(params, p
         # rows, rows) pair of the sampler (plain or extended) on first use; warm-up covers equal counts.
         (prompts[5], SamplingParams(temperature=0.9, seed=3, max_tokens=5, repetition_penalty=1.4,
                                     logit_bias={7: 3.0}, presence_penalty=0.5, logprobs=0, ignore_eos=True)),
+        # n = 2 without the extended sampler: its prefill step has 1 logits row and 2 sample rows, so
+        # the step pads its logits (sampling.pad_logit_rows), which warm-up must have compiled split too.
+        (prompts[2], SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)),
     ]
     results = []
     for tp in (1, 2):
@@ -314,8 +318,8 @@ def test_logprobs_prompt_logprobs_and_penalties_split_equal_one_device(params, p
     for want, got in zip(*results):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         for wc, gc in zip(want.outputs, got.outputs):
-            np.testing.assert_allclose([lp.logprob for e in gc.logprobs for lp in e.values()],
-                                       [lp.logprob for e in wc.logprobs for lp in e.values()], atol=1e-5)
+            np.testing.assert_allclose([lp.logprob for e in gc.logprobs or [] for lp in e.values()],
+                                       [lp.logprob for e in wc.logprobs or [] for lp in e.values()], atol=1e-5)
     np.testing.assert_allclose([e[t].logprob for e, t in zip(results[1][0].prompt_logprobs[1:], prompts[4][1:])],
                                [e[t].logprob for e, t in zip(results[0][0].prompt_logprobs[1:], prompts[4][1:])],
                                atol=1e-5)
