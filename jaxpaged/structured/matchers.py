@@ -74,56 +74,59 @@ class StepMask:
         t0 = time.perf_counter()
         state, eos = self.state, self.state.eos_token_id
         state._join()
-        # Per deferred row: its forced token (-1: none) and the row of its mask in _ahead_mask (-1: none)
-        forced, mask_rows = np.empty((2, len(self.deferred)), np.int64)
-        for i, (_, seq, request_id) in enumerate(self.deferred):
-            forced[i], mask_rows[i] = state._forced_now(seq, request_id)
-        rows = np.fromiter((row for row, _, _ in self.deferred), np.int64, len(self.deferred))
-        tokens = drawn[rows]
-        is_forced, ahead = forced >= 0, mask_rows >= 0
-        allowed = np.where(is_forced, tokens == forced, True)
-        if ahead.any():  # the masks from the worker: the check is a bit of them
-            t, m = tokens[ahead], mask_rows[ahead]
-            allowed[ahead] = (state._ahead_mask[m, t >> 5] >> (t & 31)) & 1
-        lazy = np.flatnonzero(~is_forced & ~ahead)  # greedy rows, rows not prefetched: llguidance checks
-        for i in lazy:
-            allowed[i] = drawn_allowed(state._matchers[self.deferred[i][1].seq_id][1], int(tokens[i]), eos)
-        rejected = ~allowed
-        rejected_forced, rejected_lazy = rejected & is_forced, np.intersect1d(lazy, np.flatnonzero(rejected))
-        state.num_rows_checked += len(rows) - int(is_forced.sum())
-        state.num_rows_forced += int(is_forced.sum())
-        state.num_rows_rejected += int(rejected.sum())
-        state.num_rows_rejected_forced += int(rejected_forced.sum())
+        ahead_of: dict[int, tuple[int, int]] = {}  # seq_id -> (forced token or -1, row of _ahead_mask or -1)
+        free: dict[int, list] = {}  # seq_id -> [matcher or mask row ahead, its rejected rows] (n > 1 rows share one)
+        one_bit = []  # (row, forced token): rejected rows whose grammar forces one token
+        num_forced = 0
+        for row, seq, request_id in self.deferred:
+            ahead = ahead_of.get(seq.seq_id)
+            if ahead is None:
+                ahead = ahead_of[seq.seq_id] = state._forced_now(seq, request_id)
+            forced, mask_row = ahead
+            token = int(drawn[row])
+            if forced >= 0:
+                num_forced += 1
+                if token != forced:
+                    one_bit.append((row, forced))
+            elif mask_row >= 0:  # its mask came from the worker: the check is a bit of it
+                if not (state._ahead_mask[mask_row, token >> 5] >> (token & 31)) & 1:
+                    free.setdefault(seq.seq_id, [mask_row]).append(row)
+            else:
+                matcher = state._matchers[seq.seq_id][1]
+                if not drawn_allowed(matcher, token, eos):
+                    free.setdefault(seq.seq_id, [matcher]).append(row)
+        rows = [row for _, *seq_rows in free.values() for row in seq_rows] + [row for row, _ in one_bit]
+        state.num_rows_checked += len(self.deferred) - num_forced
+        state.num_rows_forced += num_forced
+        state.num_rows_rejected += len(rows)
+        state.num_rows_rejected_forced += len(one_bit)
         fix = None
-        if (rejected & ~is_forced).any():  # a device redraw under the rejected rows' masks
+        if free:  # a device redraw under the rejected rows' masks
             state.num_redraws += 1
             mask = np.full((self.num_rows, state.num_words), -1, np.int32)
             t1 = time.perf_counter()
-            first: dict[int, int] = {}  # seq_id -> its first rejected lazy row (n > 1 rows share a mask)
-            for i in rejected_lazy:
-                first.setdefault(self.deferred[i][1].seq_id, int(rows[i]))
-            if first:
-                llnp.fill_next_token_bitmask_par(
-                    state._executor, [(state._matchers[seq_id][1], row) for seq_id, row in first.items()], mask)
-                state.allow_eos_where_empty(mask, list(first.values()))
-                for i in rejected_lazy:
-                    mask[rows[i]] = mask[first[self.deferred[i][1].seq_id]]
-            state.num_rows_rejected_lazy += len(first)
+            lazy = [(source, first) for source, first, *_ in free.values() if not isinstance(source, int)]
+            if lazy:
+                llnp.fill_next_token_bitmask_par(state._executor, lazy, mask)
+                state.allow_eos_where_empty(mask, [first for _, first in lazy])
+            state.num_rows_rejected_lazy += len(lazy)
             state.seconds["reject_masks"] += time.perf_counter() - t1
-            copy = rejected & ahead
-            mask[rows[copy]] = state._ahead_mask[mask_rows[copy]]
-            # The grammar forces this token: llguidance's mask is its bit alone.
-            bit_rows, bit_tokens = rows[rejected_forced], forced[rejected_forced]
-            mask[bit_rows] = 0
-            mask[bit_rows, bit_tokens >> 5] = np.left_shift(np.uint32(1), (bit_tokens & 31).astype(np.uint32)).view(np.int32)
+            for source, first, *others in free.values():
+                if isinstance(source, int):
+                    mask[first] = state._ahead_mask[source]
+                mask[others] = mask[first]
+            for row, token in one_bit:  # the grammar forces this token: llguidance's mask is its bit alone
+                mask[row] = 0
+                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
             flags = np.zeros(self.num_rows, np.bool_)
-            flags[rows[rejected]] = True
+            flags[rows] = True
             fix = Fix(mask, flags, None)
-        elif rejected.any():  # every rejected row is forced: its token is known, no redraw
+        elif one_bit:  # every rejected row is forced: its token is known, no redraw
             state.num_forced_puts += 1
-            fixed = np.array(drawn, np.int32)  # a fresh array: the device may alias it (DESIGN.md)
-            fixed[rows[rejected]] = forced[rejected]
-            fix = Fix(None, None, fixed)
+            tokens = np.array(drawn, np.int32)  # a fresh array: the device may alias it (DESIGN.md)
+            for row, token in one_bit:
+                tokens[row] = token
+            fix = Fix(None, None, tokens)
         state.seconds["check"] += time.perf_counter() - t0
         return fix
 
@@ -286,9 +289,9 @@ class StructuredState:
         """A sample-first row's (forced token or -1, row of its mask in _ahead_mask or -1), from
         prefetch() if it is for this state."""
         ahead = self._forced.get(seq.seq_id)
-        if ahead is None or ahead[0] != len(seq.output_token_ids):  # computed now, once for n > 1 rows
-            ahead = self._forced[seq.seq_id] = (len(seq.output_token_ids), (forced_token(self._matcher(seq, request_id)), -1))
-        return ahead[1]
+        if ahead is not None and ahead[0] == len(seq.output_token_ids):
+            return ahead[1]
+        return forced_token(self._matcher(seq, request_id)), -1
 
     def allow_eos_where_empty(self, mask: np.ndarray, rows: list[int]) -> None:
         """Rows of `rows` whose matcher allows nothing (it ended under ignore_eos) get eos."""
