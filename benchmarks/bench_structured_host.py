@@ -110,7 +110,8 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     return times, cpu_times
 
 
-def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float, reject: float):
+def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float, reject: float,
+              masks_ahead: bool = True):
     """Sample first, synthetic: per step the engine thread's wall ms (step_mask() + check() +
     prefetch()) and the CPU ms of all threads from the prefetch to the checked tokens in hand (the
     worker's catch-up and forced tokens, llguidance's masks of rejected rows), less the untimed
@@ -119,6 +120,7 @@ def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float
     an allowed token from check()'s mask. Not counted: the device's redraw call."""
     vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_id
     state = StructuredState(vocab, eos)
+    state.masks_ahead = masks_ahead
     state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
     seqs = [_running_sequence() for _ in range(num_rows)]
     times, cpu_times = [], []
@@ -184,8 +186,9 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
           "checking the drawn tokens and the redraw's dispatch); wait: of it, waiting for the mask worker")
     print("of it: step_mask() (masks before the draw), prefetch() (hand-off), check (with the rejected rows' "
           "masks), dispatch (the redraw's arrays and call); rmask: of check, the rejected free rows' masks")
+    print("cpu ms: the process's CPU ms per step, every thread; worker: the mask worker's wall ms per step (its thread)")
     print("rej f/free: rejected rows per step the grammar forces / does not force; redraws: steps with a rejected row")
-    print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
+    print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'cpu ms':>7} {'worker':>7} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
           f"{'disp':>6} {'rmask':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7} {'rej f/free':>10} {'redraws':>7}")
     ways = (("always masked", False, True), ("first, lazy masks", True, False), ("sample first", True, True))
     results = []
@@ -196,9 +199,9 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                         "num_rows_rejected_forced", "num_redraws")
             before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
             counts0 = [getattr(state, c) for c in counters]
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             llm.generate([prompt] * num_requests, params(temperature))
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             steps = engine.stats()["num_steps"] - steps0
             per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
             ahead, now, checked, rejected, forced, rejected_forced, redraws = (
@@ -206,6 +209,7 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
             rows = ahead + now + checked + forced  # constrained rows drawn
             host = per["bitmask"] + per["prefetch"] + per["redraw"]
             row = {"way": way, "temperature": temperature, "steps": steps, "step_ms": wall * 1e3 / steps,
+                   "step_cpu_ms": cpu * 1e3 / steps, "worker_ms": per["worker"],
                    "host_ms": host, "wait_ms": per["wait"], "device_wait_ms": per["device"],
                    "step_mask_ms": per["bitmask"], "prefetch_ms": per["prefetch"], "check_ms": per["check"],
                    "redraw_dispatch_ms": per["redraw"] - per["check"], "reject_masks_ms": per["reject_masks"],
@@ -215,7 +219,8 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                    "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
                    "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
             results.append(row)
-            print(f"{way + f', T={temperature:g}':>27} {steps:>6} {row['step_ms']:>8.1f} {host:>8.3f} "
+            print(f"{way + f', T={temperature:g}':>27} {steps:>6} {row['step_ms']:>8.1f} {row['step_cpu_ms']:>7.1f} "
+                  f"{per['worker']:>7.2f} {host:>8.3f} "
                   f"{per['wait']:>7.3f} {per['bitmask']:>6.2f} {per['prefetch']:>6.2f} {per['check']:>6.2f} "
                   f"{row['redraw_dispatch_ms']:>6.2f} {per['reject_masks']:>6.2f} {row['rejected_share']:>9.1%} "
                   f"{row['forced_share']:>7.1%} {row['checked_share']:>8.1%} {row['masked_share']:>7.1%} "
@@ -250,18 +255,18 @@ def main() -> None:
     print(f"structured host cost per step, SmolLM2 tokenizer ({tokenizer.vocab_size} tokens), cached JSON schema, "
           f"{args.steps} steps, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
     print("wall: the engine thread's time in bitmask() + prefetch(); cpu: the masks' CPU time, all threads")
-    print(f"{'way':>14} {'rows':>5} {'wall p50 ms':>12} {'wall p90 ms':>12} {'cpu p50 ms':>11} {'cpu/row us':>11}")
+    print(f"{'way':>21} {'rows':>5} {'wall p50 ms':>12} {'wall p90 ms':>12} {'cpu p50 ms':>11} {'cpu/row us':>11}")
     for gap_ms in [] if args.first_only else [None] + args.gaps_ms:
         way = "at dispatch" if gap_ms is None else f"ahead, gap {gap_ms:g}"
         for num_rows in (0, 1, 16, 64):
             times, cpu_times = run(num_rows, args.steps, tokenizer, compiler, rng, gap_ms)
             med, cpu = statistics.median(times), statistics.median(cpu_times)
             p90 = sorted(times)[int(0.9 * len(times))]
-            print(f"{way:>14} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
-    for reject in (0.22, 0.29):
-        times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject)
+            print(f"{way:>21} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
+    for reject, masks_ahead in ((0.22, False), (0.29, False), (0.22, True), (0.29, True)):
+        times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject, masks_ahead)
         med, cpu = statistics.median(times), statistics.median(cpu_times)
-        print(f"{f'first, {share:.0%} rej':>14} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
+        print(f"{f'first, {share:.0%} rej' + (', ahead' if masks_ahead else ''):>21} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
               f"{cpu:>11.3f} {cpu * 1e3 / 64:>11.1f}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     if args.engine:

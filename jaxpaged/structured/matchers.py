@@ -162,9 +162,10 @@ class StructuredState:
         self.masks_ahead = True
         # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
         # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
-        # engine/step_sampler.py) and waiting there for the device's first draw
+        # engine/step_sampler.py) and waiting there for the device's first draw; of check, the masks
+        # of rejected rows computed there; the worker's wall seconds in prefetch's work (its thread)
         self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0,
-                        "reject_masks": 0.0}
+                        "reject_masks": 0.0, "worker": 0.0}
         self.num_rows_ahead = self.num_rows_now = 0  # rows whose mask came from prefetch / was computed at dispatch
         self.num_rows_checked = self.num_rows_rejected = self.num_rows_forced = 0  # sample-first rows
         self.num_rows_rejected_forced = 0  # rejected rows whose grammar forces a token (no mask needed)
@@ -222,6 +223,7 @@ class StructuredState:
     def _work_ahead(self, masked: list, forced: list, forced_out: dict, masks_ahead: bool) -> None:
         """The worker's part of prefetch(): the step's tokens consumed, then the masked rows' masks,
         the sample-first rows' forced tokens and, for the sampled ones with none, their masks."""
+        t0 = time.perf_counter()
         for _, entry, new in masked + forced:
             if new:
                 entry[1].consume_tokens(new)
@@ -238,6 +240,7 @@ class StructuredState:
         if pairs:
             llnp.fill_next_token_bitmask_par(self._executor, pairs, self._ahead_mask)
             self.allow_eos_where_empty(self._ahead_mask, [row for _, row in pairs])
+        self.seconds["worker"] += time.perf_counter() - t0  # read by the engine thread after _join only
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
