@@ -80,6 +80,8 @@ def _num_compiles(llm) -> tuple[int, int, int]:
 
 def test_zero_compiles_after_warmup_with_mixed_rows(llm):
     before = _num_compiles(llm)
+    state = _engine(llm).structured.state
+    counts0 = (state.num_forced_puts, state.num_redraws) if state is not None else (0, 0)
     schema = SCHEMAS[0]
     # Rows drawn first (greedy, n = 3 at a temperature) beside a top-k row masked first and a free row.
     llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
@@ -87,6 +89,8 @@ def test_zero_compiles_after_warmup_with_mixed_rows(llm):
                                             _json_params(schema, temperature=0.8, top_k=5, seed=4)])
     llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
     assert _num_compiles(llm) == before
+    state = _engine(llm).structured.state  # both fixes of rejected rows ran: forced tokens put in, a redraw
+    assert state.num_forced_puts > counts0[0] and state.num_redraws > counts0[1]
 
 
 def _generate_sample_first(llm, prompts, params, sample_first: bool):

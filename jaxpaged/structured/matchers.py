@@ -21,12 +21,18 @@ Sample first (step_mask; rows of greedy or plain-temperature requests, `samples_
 draws without its mask, and StepMask.check(drawn) decides, after the draw, with llguidance's own
 checks, which equal its mask (test_structured_sample_first.py walks grammars token by token):
     forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
-                ──► allowed  <=>  t is that token; a rejected row's mask is its bit
-    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()); a rejected
-                    row's mask is computed, the only masks these rows cost
+                ──► allowed  <=>  t is that token; rejected: the token is put in (Fix.tokens)
+                    or, in a step that redraws anyway, the row's mask is that bit
+    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()), or, where the
+                    mask was filled ahead (temperature rows), its bit t; rejected: that mask
+                    (copied), else computed now (greedy rows, rows not prefetched)
 At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
-worker (~8 us each against ~40 us for a mask); the engine joins it after the device's draw, so on a
-GPU host it overlaps the forward pass (a step of only such rows does not wait before its draw).
+worker (~8 us each against ~40 us for a mask) and, for temperature rows the grammar does not force
+(masks_ahead), their masks into _ahead_mask after the masked rows': ~30% of them reject at T=1, and
+their masks on the engine thread were most of its host time; greedy rows reject rarely, theirs stay
+lazy. The engine joins the worker after the device's draw, so on a GPU host it overlaps the forward
+pass (a step of only such rows does not wait before its draw). The thread rule holds: the worker
+writes _ahead_mask, _forced and seconds["worker"] only between prefetch() and the next _join().
 """
 
 from __future__ import annotations
