@@ -187,16 +187,18 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
     print("of it: step_mask() (masks before the draw), prefetch() (hand-off), check (with the rejected rows' "
           "masks), dispatch (the redraw's arrays and call); rmask: of check, the rejected free rows' masks")
     print("cpu ms: the process's CPU ms per step, every thread; worker: the mask worker's wall ms per step (its thread)")
-    print("rej f/free: rejected rows per step the grammar forces / does not force; redraws: steps with a rejected row")
-    print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'cpu ms':>7} {'worker':>7} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
-          f"{'disp':>6} {'rmask':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7} {'rej f/free':>10} {'redraws':>7}")
+    print("rej f/free: rejected rows per step the grammar forces / does not force; lazy: of the free ones, masks "
+          "computed in check; redraws / puts: share of steps with a device redraw / with forced tokens put in")
+    print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'cpu ms':>7} {'worker':>7} {'host ms':>8} {'(wait)':>7} {'mask':>6} "
+          f"{'pref':>6} {'check':>6} {'disp':>6} {'rmask':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7} "
+          f"{'rej f/free':>10} {'lazy':>5} {'redraws':>7} {'puts':>5}")
     ways = (("always masked", False, True), ("first, lazy masks", True, False), ("sample first", True, True))
     results = []
     for temperature in temperatures:
         for way, sample_first, masks_ahead in ways + ways[::-1]:
             state.sample_first, state.masks_ahead = sample_first, masks_ahead
             counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced",
-                        "num_rows_rejected_forced", "num_redraws")
+                        "num_rows_rejected_forced", "num_redraws", "num_forced_puts", "num_rows_rejected_lazy")
             before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
             counts0 = [getattr(state, c) for c in counters]
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -204,7 +206,7 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             steps = engine.stats()["num_steps"] - steps0
             per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
-            ahead, now, checked, rejected, forced, rejected_forced, redraws = (
+            ahead, now, checked, rejected, forced, rejected_forced, redraws, puts, lazy = (
                 getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
             rows = ahead + now + checked + forced  # constrained rows drawn
             host = per["bitmask"] + per["prefetch"] + per["redraw"]
@@ -215,6 +217,7 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                    "redraw_dispatch_ms": per["redraw"] - per["check"], "reject_masks_ms": per["reject_masks"],
                    "rejected_forced_per_step": rejected_forced / steps,
                    "rejected_free_per_step": (rejected - rejected_forced) / steps, "redraws_per_step": redraws / steps,
+                   "forced_puts_per_step": puts / steps, "rejected_lazy_per_step": lazy / steps,
                    "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
                    "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
                    "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
@@ -224,7 +227,8 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                   f"{per['wait']:>7.3f} {per['bitmask']:>6.2f} {per['prefetch']:>6.2f} {per['check']:>6.2f} "
                   f"{row['redraw_dispatch_ms']:>6.2f} {per['reject_masks']:>6.2f} {row['rejected_share']:>9.1%} "
                   f"{row['forced_share']:>7.1%} {row['checked_share']:>8.1%} {row['masked_share']:>7.1%} "
-                  f"{row['rejected_forced_per_step']:>4.1f}/{row['rejected_free_per_step']:<5.1f} {redraws / steps:>7.2f}")
+                  f"{row['rejected_forced_per_step']:>4.1f}/{row['rejected_free_per_step']:<5.1f} {lazy / steps:>5.1f} "
+                  f"{redraws / steps:>7.2f} {puts / steps:>5.2f}")
     state.sample_first = state.masks_ahead = True
     if out_path:
         with open(out_path, "w") as f:
@@ -266,7 +270,8 @@ def main() -> None:
     for reject, masks_ahead in ((0.22, False), (0.29, False), (0.22, True), (0.29, True)):
         times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject, masks_ahead)
         med, cpu = statistics.median(times), statistics.median(cpu_times)
-        print(f"{f'first, {share:.0%} rej' + (', ahead' if masks_ahead else ''):>21} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
+        way = f"first, {share:.0%} rej" + (", ahead" if masks_ahead else "")
+        print(f"{way:>21} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
               f"{cpu:>11.3f} {cpu * 1e3 / 64:>11.1f}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     if args.engine:
