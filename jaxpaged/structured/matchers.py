@@ -246,7 +246,7 @@ class StructuredState:
         if pairs:
             llnp.fill_next_token_bitmask_par(self._executor, pairs, self._ahead_mask)
             self.allow_eos_where_empty(self._ahead_mask, [row for _, row in pairs])
-        self.seconds["worker"] += time.perf_counter() - t0  # read by the engine thread after _join only
+        self.seconds["worker"] += time.perf_counter() - t0  # a key only the worker writes
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
