@@ -22,8 +22,12 @@ decoding together, greedy and at temperature 1), two ways side by side, each twi
 
     always masked   every constrained row's full mask before the draw (prefetched at commit)
     sample first    the engine's way for greedy / plain-temperature rows (structured/matchers.py):
-                    the forced token's one-bit mask where the grammar forces one, else draw, check
-                    the token (validate_tokens), and mask and redraw only the rejected rows
+                    draw, check the token (the forced token where the grammar forces one, else
+                    validate_tokens, or a bit of the mask filled ahead for temperature rows), put
+                    in the forced token of a rejected forced row, mask and redraw the other
+                    rejected rows
+    first, lazy masks   the same with masks_ahead off: a rejected temperature row's mask is
+                    computed after the draw, on the engine thread, as greedy rows' always are
 
 Per step: the engine thread's host ms of structured work (step_mask(), prefetch(), checking and the
 redraw's dispatch; not the wait for the device's first draw) and, of it, the wait for the mask
@@ -31,6 +35,7 @@ worker; the share of constrained rows rejected, forced, checked (accepted or rej
 Written to benchmarks/results/structured_host_cpu.json (--out).
 
     python -m benchmarks.bench_structured_host [--steps 200] [--gaps-ms 0.5 1 2] [--engine | --engine-only]
+        [--temperatures 0 1]
 """
 
 from __future__ import annotations
@@ -105,7 +110,8 @@ def run(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float | Non
     return times, cpu_times
 
 
-def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float, reject: float):
+def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float, reject: float,
+              masks_ahead: bool = True):
     """Sample first, synthetic: per step the engine thread's wall ms (step_mask() + check() +
     prefetch()) and the CPU ms of all threads from the prefetch to the checked tokens in hand (the
     worker's catch-up and forced tokens, llguidance's masks of rejected rows), less the untimed
@@ -114,6 +120,7 @@ def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float
     an allowed token from check()'s mask. Not counted: the device's redraw call."""
     vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_id
     state = StructuredState(vocab, eos)
+    state.masks_ahead = masks_ahead
     state.templates["r"] = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
     seqs = [_running_sequence() for _ in range(num_rows)]
     times, cpu_times = [], []
@@ -140,8 +147,10 @@ def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float
         cpu_times.append((time.process_time() - cpu0 - untimed) * 1e3)
         for r, seq in enumerate(seqs):
             token = int(drawn[r])
-            if fix is not None and fix[1][r]:
-                token = int(rng.choice(np.flatnonzero(np.unpackbits(fix[0][r].view(np.uint8), bitorder="little")[:vocab])))
+            if fix is not None and fix.mask is None:  # only forced rows rejected: their tokens
+                token = int(fix.tokens[r])
+            elif fix is not None and fix.rejected[r]:
+                token = int(rng.choice(np.flatnonzero(np.unpackbits(fix.mask[r].view(np.uint8), bitorder="little")[:vocab])))
             if token == eos:
                 seq.status = SequenceStatus.FINISHED
                 state.release({"r"})
@@ -155,7 +164,8 @@ def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float
     return times, cpu_times, state.num_rows_rejected / max(state.num_rows_checked + state.num_rows_forced, 1)
 
 
-def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) -> list[dict]:
+def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
+               temperatures: tuple[float, ...] = (0.0, 1.0)) -> list[dict]:
     """The real engine, each way twice in both orders (load drifts), greedy and temperature 1."""
     from jaxpaged import LLM
 
@@ -167,7 +177,7 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) 
         return [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True,
                                structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(num_requests)]
 
-    for temperature in (0.0, 1.0):  # compiles the step buckets, the samplers and the grammar
+    for temperature in temperatures:  # compiles the step buckets, the samplers and the grammar
         llm.generate([prompt] * num_requests, params(temperature))
     engine, state = llm.engine, llm.engine.structured.state
     print(f"engine: SmolLM2 on the CPU, {num_requests} constrained rows, {max_tokens} tokens each, "
@@ -175,38 +185,51 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None) 
     print("host ms: the engine thread's structured work per step (mask or forced token, the worker's hand-off, "
           "checking the drawn tokens and the redraw's dispatch); wait: of it, waiting for the mask worker")
     print("of it: step_mask() (masks before the draw), prefetch() (hand-off), check (with the rejected rows' "
-          "masks), dispatch (the redraw's arrays and call)")
-    print(f"{'way':>22} {'steps':>6} {'step ms':>8} {'host ms':>8} {'(wait)':>7} {'mask':>6} {'pref':>6} {'check':>6} "
-          f"{'disp':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7}")
-    ways = (("always masked", False), ("sample first", True))
+          "masks), dispatch (the redraw's arrays and call); rmask: of check, the rejected free rows' masks")
+    print("cpu ms: the process's CPU ms per step, every thread; worker: the mask worker's wall ms per step (its thread)")
+    print("rej f/free: rejected rows per step the grammar forces / does not force; lazy: of the free ones, masks "
+          "computed in check; redraws / puts: share of steps with a device redraw / with forced tokens put in")
+    print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'cpu ms':>7} {'worker':>7} {'host ms':>8} {'(wait)':>7} {'mask':>6} "
+          f"{'pref':>6} {'check':>6} {'disp':>6} {'rmask':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7} "
+          f"{'rej f/free':>10} {'lazy':>5} {'redraws':>7} {'puts':>5}")
+    ways = (("always masked", False, True), ("first, lazy masks", True, False), ("sample first", True, True))
     results = []
-    for temperature in (0.0, 1.0):
-        for way, sample_first in ways + ways[::-1]:
-            state.sample_first = sample_first
-            counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced")
+    for temperature in temperatures:
+        for way, sample_first, masks_ahead in ways + ways[::-1]:
+            state.sample_first, state.masks_ahead = sample_first, masks_ahead
+            counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced",
+                        "num_rows_rejected_forced", "num_redraws", "num_forced_puts", "num_rows_rejected_lazy")
             before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
             counts0 = [getattr(state, c) for c in counters]
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             llm.generate([prompt] * num_requests, params(temperature))
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             steps = engine.stats()["num_steps"] - steps0
             per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
-            ahead, now, checked, rejected, forced = (getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
+            ahead, now, checked, rejected, forced, rejected_forced, redraws, puts, lazy = (
+                getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
             rows = ahead + now + checked + forced  # constrained rows drawn
             host = per["bitmask"] + per["prefetch"] + per["redraw"]
             row = {"way": way, "temperature": temperature, "steps": steps, "step_ms": wall * 1e3 / steps,
+                   "step_cpu_ms": cpu * 1e3 / steps, "worker_ms": per["worker"],
                    "host_ms": host, "wait_ms": per["wait"], "device_wait_ms": per["device"],
                    "step_mask_ms": per["bitmask"], "prefetch_ms": per["prefetch"], "check_ms": per["check"],
-                   "redraw_dispatch_ms": per["redraw"] - per["check"],
+                   "redraw_dispatch_ms": per["redraw"] - per["check"], "reject_masks_ms": per["reject_masks"],
+                   "rejected_forced_per_step": rejected_forced / steps,
+                   "rejected_free_per_step": (rejected - rejected_forced) / steps, "redraws_per_step": redraws / steps,
+                   "forced_puts_per_step": puts / steps, "rejected_lazy_per_step": lazy / steps,
                    "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
                    "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
                    "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
             results.append(row)
-            print(f"{way + f', T={temperature:g}':>22} {steps:>6} {row['step_ms']:>8.1f} {host:>8.3f} "
+            print(f"{way + f', T={temperature:g}':>27} {steps:>6} {row['step_ms']:>8.1f} {row['step_cpu_ms']:>7.1f} "
+                  f"{per['worker']:>7.2f} {host:>8.3f} "
                   f"{per['wait']:>7.3f} {per['bitmask']:>6.2f} {per['prefetch']:>6.2f} {per['check']:>6.2f} "
-                  f"{row['redraw_dispatch_ms']:>6.2f} {row['rejected_share']:>9.1%} {row['forced_share']:>7.1%} "
-                  f"{row['checked_share']:>8.1%} {row['masked_share']:>7.1%}")
-    state.sample_first = True
+                  f"{row['redraw_dispatch_ms']:>6.2f} {per['reject_masks']:>6.2f} {row['rejected_share']:>9.1%} "
+                  f"{row['forced_share']:>7.1%} {row['checked_share']:>8.1%} {row['masked_share']:>7.1%} "
+                  f"{row['rejected_forced_per_step']:>4.1f}/{row['rejected_free_per_step']:<5.1f} {lazy / steps:>5.1f} "
+                  f"{redraws / steps:>7.2f} {puts / steps:>5.2f}")
+    state.sample_first = state.masks_ahead = True
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"benchmark": "bench_structured_host --engine", "model": "bundled SmolLM2-135M Q4_1 GGUF",
@@ -222,12 +245,13 @@ def main() -> None:
     parser.add_argument("--gaps-ms", type=float, nargs="*", default=[0.5, 1.0, 2.0])
     parser.add_argument("--engine", action="store_true", help="also time the real engine (SmolLM2, CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the real engine")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="the engine run's")
     parser.add_argument("--first-only", action="store_true", help="only the synthetic sample-first rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "structured_host_cpu.json"),
                         help="the engine run's JSON")
     args = parser.parse_args()
     if args.engine_only:
-        run_engine(64, 32, args.out)
+        run_engine(64, 32, args.out, tuple(args.temperatures))
         return
     tokenizer = Tokenizer.from_gguf(default_model_path())
     compiler = GrammarCompiler(make_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_id))
@@ -235,22 +259,23 @@ def main() -> None:
     print(f"structured host cost per step, SmolLM2 tokenizer ({tokenizer.vocab_size} tokens), cached JSON schema, "
           f"{args.steps} steps, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
     print("wall: the engine thread's time in bitmask() + prefetch(); cpu: the masks' CPU time, all threads")
-    print(f"{'way':>14} {'rows':>5} {'wall p50 ms':>12} {'wall p90 ms':>12} {'cpu p50 ms':>11} {'cpu/row us':>11}")
+    print(f"{'way':>21} {'rows':>5} {'wall p50 ms':>12} {'wall p90 ms':>12} {'cpu p50 ms':>11} {'cpu/row us':>11}")
     for gap_ms in [] if args.first_only else [None] + args.gaps_ms:
         way = "at dispatch" if gap_ms is None else f"ahead, gap {gap_ms:g}"
         for num_rows in (0, 1, 16, 64):
             times, cpu_times = run(num_rows, args.steps, tokenizer, compiler, rng, gap_ms)
             med, cpu = statistics.median(times), statistics.median(cpu_times)
             p90 = sorted(times)[int(0.9 * len(times))]
-            print(f"{way:>14} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
-    for reject in (0.22, 0.29):
-        times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject)
+            print(f"{way:>21} {num_rows:>5} {med:>12.3f} {p90:>12.3f} {cpu:>11.3f} {cpu * 1e3 / max(num_rows, 1):>11.1f}")
+    for reject, masks_ahead in ((0.22, False), (0.29, False), (0.22, True), (0.29, True)):
+        times, cpu_times, share = run_first(64, args.steps, tokenizer, compiler, rng, 1.0, reject, masks_ahead)
         med, cpu = statistics.median(times), statistics.median(cpu_times)
-        print(f"{f'first, {share:.0%} rej':>14} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
+        way = f"first, {share:.0%} rej" + (", ahead" if masks_ahead else "")
+        print(f"{way:>21} {64:>5} {med:>12.3f} {sorted(times)[int(0.9 * len(times))]:>12.3f} "
               f"{cpu:>11.3f} {cpu * 1e3 / 64:>11.1f}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     if args.engine:
-        run_engine(64, 32, args.out)
+        run_engine(64, 32, args.out, tuple(args.temperatures))
 
 
 if __name__ == "__main__":

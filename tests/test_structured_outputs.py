@@ -80,6 +80,8 @@ def _num_compiles(llm) -> tuple[int, int, int]:
 
 def test_zero_compiles_after_warmup_with_mixed_rows(llm):
     before = _num_compiles(llm)
+    state = _engine(llm).structured.state
+    counts0 = (state.num_forced_puts, state.num_redraws) if state is not None else (0, 0)
     schema = SCHEMAS[0]
     # Rows drawn first (greedy, n = 3 at a temperature) beside a top-k row masked first and a free row.
     llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
@@ -87,6 +89,8 @@ def test_zero_compiles_after_warmup_with_mixed_rows(llm):
                                             _json_params(schema, temperature=0.8, top_k=5, seed=4)])
     llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
     assert _num_compiles(llm) == before
+    state = _engine(llm).structured.state  # both fixes of rejected rows ran: forced tokens put in, a redraw
+    assert state.num_forced_puts > counts0[0] and state.num_redraws > counts0[1]
 
 
 def _generate_sample_first(llm, prompts, params, sample_first: bool):
@@ -108,14 +112,20 @@ def test_sample_first_equals_the_always_masked_path(llm):
         StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"), StructuredOutputsParams(choice=["yes", "no", "maybe"])]
     greedy = [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=s) for s in specs]
     state = _engine(llm).structured.state
-    rejected0 = state.num_rows_rejected if state is not None else 0
+    rejected0, puts0 = (state.num_rows_rejected, state.num_forced_puts) if state is not None else (0, 0)
     first = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, True)
-    assert _engine(llm).structured.state.num_rows_rejected > rejected0  # the random model's tokens are rejected
+    state = _engine(llm).structured.state
+    assert state.num_rows_rejected > rejected0  # the random model's tokens are rejected
+    assert state.num_forced_puts > puts0  # steps whose rejected rows were all forced: tokens put in, no redraw
     masked = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in masked]
 
     sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=s) for i, s in enumerate(specs)]
+    free0, lazy0 = state.num_rows_rejected - state.num_rows_rejected_forced, state.num_rows_rejected_lazy
     runs = [llm.generate([PROMPT] * len(specs), sampled) for _ in range(2)]
+    # Most rejected free rows took the mask the worker filled ahead (first tokens are computed after the draw).
+    free, lazy = state.num_rows_rejected - state.num_rows_rejected_forced - free0, state.num_rows_rejected_lazy - lazy0
+    assert free > 2 * lazy, (free, lazy)
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
     for out in runs[0][:6]:
         assert out.outputs[0].finish_reason == "stop"

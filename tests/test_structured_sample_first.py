@@ -91,6 +91,76 @@ def test_the_check_allows_exactly_the_tokens_of_llguidances_mask_over_the_whole_
     assert num_states >= 100 and 20 <= num_forced < num_states and num_ended >= 6, (num_states, num_forced, num_ended)
 
 
+def test_check_with_masks_ahead_equals_the_mask_and_puts_in_forced_tokens(compiler):
+    """StepMask.check over walks of 8 JSON sequences (6 sampled, 2 greedy), each drawn token a
+    forbidden one 30% of the time: with the masks of the sampled rows filled ahead (masks_ahead)
+    and without, the verdict is the same and equals llguidance's mask: the rejected rows are the
+    forbidden draws, a redraw's mask rows are their masks, and a step whose rejected rows are all
+    forced gets their forced tokens put in (no mask, no redraw). Ahead, the only masks computed
+    after the draw are greedy rows' and the first step's (nothing was prefetched before it)."""
+    from jaxpaged.planner.request import SamplingParams
+    from jaxpaged.planner.sequence import Sequence, SequenceStatus
+    from jaxpaged.structured.matchers import StructuredState, forced_token
+
+    vocab, eos = compiler.vocab_size, compiler.ll_tokenizer.eos_token
+    template = compiler.submit(SPECS[0]).result()
+    ahead, lazy = StructuredState(vocab, eos), StructuredState(vocab, eos)
+    lazy.masks_ahead = False
+    ahead.templates["r"] = lazy.templates["r"] = template
+    rng = np.random.default_rng(2)
+
+    def fresh(r):
+        seq = Sequence([1, 2], SamplingParams(temperature=0.0 if r >= 6 else 1.0))
+        seq.status = SequenceStatus.RUNNING
+        return [seq, template.deep_copy()]  # the sequence and the test's own matcher
+
+    walks = [fresh(r) for r in range(8)]
+    want_lazy = num_puts = num_redraws = 0
+    for step in range(40):
+        rows = [(r, seq, "r", True) for r, (seq, _) in enumerate(walks)]
+        checks = [state.step_mask(rows, len(walks)) for state in (ahead, lazy)]
+        masks = np.zeros((len(walks), ahead.num_words), np.int32)
+        drawn = np.zeros(len(walks), np.int32)
+        for r, (_, matcher) in enumerate(walks):
+            matcher.unsafe_compute_mask_ptr(masks[r].ctypes.data, masks[r].nbytes)
+            ahead.allow_eos_where_empty(masks[r][None], [0])
+            allowed = _allowed(masks[r], vocab)
+            drawn[r] = rng.choice(np.flatnonzero(~allowed if rng.random() < 0.3 else allowed))
+        rejected = np.array([not _allowed(masks[r], vocab)[t] for r, t in enumerate(drawn)])
+        forced = np.array([forced_token(m) for _, m in walks])
+        fixes = [c.check(drawn) for c in checks]
+        if not rejected.any():
+            assert fixes == [None, None]
+        elif (forced[rejected] >= 0).all():  # forced rows only: their tokens put in
+            num_puts += 1
+            for fix in fixes:
+                assert fix.mask is None and fix.rejected is None
+                np.testing.assert_array_equal(fix.tokens, np.where(rejected, forced, drawn))
+        else:
+            num_redraws += 1
+            for fix in fixes:
+                np.testing.assert_array_equal(fix.rejected, rejected)
+                np.testing.assert_array_equal(fix.mask[rejected], masks[rejected])
+                assert (fix.mask[~rejected] == -1).all()
+            want_lazy += sum(1 for r in np.flatnonzero(rejected) if forced[r] < 0 and (r >= 6 or step == 0))
+        for r, (seq, matcher) in enumerate(walks):
+            token = int(drawn[r]) if not rejected[r] else int(rng.choice(np.flatnonzero(_allowed(masks[r], vocab))))
+            if token == eos:
+                seq.status = SequenceStatus.FINISHED
+                walks[r] = fresh(r)
+            else:
+                assert matcher.consume_token(token)
+                seq.output_token_ids.append(token)
+        for state in (ahead, lazy):
+            state.release({"r"})
+            state.prefetch()
+    assert num_puts >= 3 and num_redraws >= 3, (num_puts, num_redraws)
+    assert ahead.num_forced_puts == lazy.num_forced_puts == num_puts
+    assert ahead.num_redraws == lazy.num_redraws == num_redraws
+    assert ahead.num_rows_rejected_lazy == want_lazy < lazy.num_rows_rejected_lazy, (
+        ahead.num_rows_rejected_lazy, want_lazy, lazy.num_rows_rejected_lazy)
+
+
 def _draws(logits, allowed, temperature, draw):
     """(always-masked tokens, sample-first tokens): row r uses seed r; `draw`: the redraw's uniform."""
     import jax.numpy as jnp

@@ -21,12 +21,18 @@ Sample first (step_mask; rows of greedy or plain-temperature requests, `samples_
 draws without its mask, and StepMask.check(drawn) decides, after the draw, with llguidance's own
 checks, which equal its mask (test_structured_sample_first.py walks grammars token by token):
     forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
-                ──► allowed  <=>  t is that token; a rejected row's mask is its bit
-    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()); a rejected
-                    row's mask is computed, the only masks these rows cost
+                ──► allowed  <=>  t is that token; rejected: the token is put in (Fix.tokens)
+                    or, in a step that redraws anyway, the row's mask is that bit
+    otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()), or, where the
+                    mask was filled ahead (temperature rows), its bit t; rejected: that mask
+                    (copied), else computed now (greedy rows, rows not prefetched)
 At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
-worker (~8 us each against ~40 us for a mask); the engine joins it after the device's draw, so on a
-GPU host it overlaps the forward pass (a step of only such rows does not wait before its draw).
+worker (~8 us each against ~40 us for a mask) and, for temperature rows the grammar does not force
+(masks_ahead), their masks into _ahead_mask after the masked rows': ~30% of them reject at T=1, and
+their masks on the engine thread were most of its host time; greedy rows reject rarely, theirs stay
+lazy. The engine joins the worker after the device's draw, so on a GPU host it overlaps the forward
+pass (a step of only such rows does not wait before its draw). The thread rule holds: the worker
+writes _ahead_mask, _forced and seconds["worker"] only between prefetch() and the next _join().
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+from typing import NamedTuple
 
 import llguidance
 import llguidance.numpy as llnp
@@ -66,26 +73,30 @@ class StepMask:
     num_rows: int
     state: "StructuredState"
 
-    def check(self, drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The tokens drawn by the deferred rows, checked: None if every one is allowed, else (mask
-        with the rejected rows' masks, other rows all ones; bool [num_rows]: rejected). The worker's
-        forced tokens are joined here, after the device's draw, not before the draw."""
+    def check(self, drawn: np.ndarray) -> "Fix | None":
+        """The tokens drawn by the deferred rows, checked: None if every one is allowed, else the
+        Fix of the rejected rows. The worker's forced tokens and masks are joined here, after the
+        device's draw, not before the draw."""
         t0 = time.perf_counter()
         state, eos = self.state, self.state.eos_token_id
         state._join()
-        forced_of: dict[int, int] = {}  # seq_id -> its forced token (-1: none)
-        free: dict[int, list] = {}  # seq_id -> [matcher, its rejected rows] (n > 1 rows share one)
+        ahead_of: dict[int, tuple[int, int]] = {}  # seq_id -> (forced token or -1, row of _ahead_mask or -1)
+        free: dict[int, list] = {}  # seq_id -> [matcher or mask row ahead, its rejected rows] (n > 1 rows share one)
         one_bit = []  # (row, forced token): rejected rows whose grammar forces one token
         num_forced = 0
         for row, seq, request_id in self.deferred:
-            forced = forced_of.get(seq.seq_id)
-            if forced is None:
-                forced = forced_of[seq.seq_id] = state._forced_now(seq, request_id)
+            ahead = ahead_of.get(seq.seq_id)
+            if ahead is None:
+                ahead = ahead_of[seq.seq_id] = state._forced_now(seq, request_id)
+            forced, mask_row = ahead
             token = int(drawn[row])
             if forced >= 0:
                 num_forced += 1
                 if token != forced:
                     one_bit.append((row, forced))
+            elif mask_row >= 0:  # its mask came from the worker: the check is a bit of it
+                if not (state._ahead_mask[mask_row, token >> 5] >> (token & 31)) & 1:
+                    free.setdefault(seq.seq_id, [mask_row]).append(row)
             else:
                 matcher = state._matchers[seq.seq_id][1]
                 if not drawn_allowed(matcher, token, eos):
@@ -94,22 +105,47 @@ class StepMask:
         state.num_rows_checked += len(self.deferred) - num_forced
         state.num_rows_forced += num_forced
         state.num_rows_rejected += len(rows)
+        state.num_rows_rejected_forced += len(one_bit)
         fix = None
-        if rows:
+        if free:  # a device redraw under the rejected rows' masks
+            state.num_redraws += 1
             mask = np.full((self.num_rows, state.num_words), -1, np.int32)
-            if free:
-                llnp.fill_next_token_bitmask_par(state._executor, [(m, first) for m, first, *_ in free.values()], mask)
-                state.allow_eos_where_empty(mask, [first for _, first, *_ in free.values()])
-                for _, first, *others in free.values():
-                    mask[others] = mask[first]
+            t1 = time.perf_counter()
+            lazy = [(source, first) for source, first, *_ in free.values() if not isinstance(source, int)]
+            if lazy:
+                llnp.fill_next_token_bitmask_par(state._executor, lazy, mask)
+                state.allow_eos_where_empty(mask, [first for _, first in lazy])
+            state.num_rows_rejected_lazy += len(lazy)
+            state.seconds["reject_masks"] += time.perf_counter() - t1
+            for source, first, *others in free.values():
+                if isinstance(source, int):
+                    mask[first] = state._ahead_mask[source]
+                mask[others] = mask[first]
             for row, token in one_bit:  # the grammar forces this token: llguidance's mask is its bit alone
                 mask[row] = 0
                 mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
             flags = np.zeros(self.num_rows, np.bool_)
             flags[rows] = True
-            fix = mask, flags
+            fix = Fix(mask, flags, None)
+        elif one_bit:  # every rejected row is forced: its token is known, no redraw
+            state.num_forced_puts += 1
+            tokens = np.array(drawn, np.int32)  # a fresh array: the device may alias it (DESIGN.md)
+            for row, token in one_bit:
+                tokens[row] = token
+            fix = Fix(None, None, tokens)
         state.seconds["check"] += time.perf_counter() - t0
         return fix
+
+
+class Fix(NamedTuple):
+    """StepMask.check's verdict on a step with rejected rows: either a device redraw (`mask`: the
+    rejected rows' masks, other rows all ones; `rejected`: bool [num_rows]) or, where every
+    rejected row is forced, `tokens`: the drawn tokens with the forced ones put in (int32, the
+    drawn array's length), the step's tokens as they are."""
+
+    mask: np.ndarray | None
+    rejected: np.ndarray | None
+    tokens: np.ndarray | None
 
 
 class StructuredState:
@@ -123,14 +159,25 @@ class StructuredState:
         self._ahead: concurrent.futures.Future | None = None  # prefetch() in flight
         self._ahead_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (row of _ahead_mask, outputs consumed)
         self._ahead_mask = np.empty((0, self.num_words), np.int32)  # grows to the most rows prefetched
-        self._forced: dict[int, tuple[int, int]] = {}  # seq_id -> (outputs consumed, forced token or -1)
+        # seq_id -> (outputs consumed, (forced token or -1, its mask's row in _ahead_mask or -1))
+        self._forced: dict[int, tuple[int, tuple[int, int]]] = {}
         self.sample_first = True  # False: every constrained row draws under its full mask (the old way)
+        # True: prefetch() also fills the masks of sampled (temperature > 0) sample-first rows the
+        # grammar does not force, so check() only copies a rejected row's mask; False: they are
+        # computed in check(), when rejected (greedy rows always are: they seldom reject)
+        self.masks_ahead = True
         # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
         # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
-        # engine/step_sampler.py) and waiting there for the device's first draw
-        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0}
+        # engine/step_sampler.py) and waiting there for the device's first draw; of check, the masks
+        # of rejected rows computed there; the worker's wall seconds in prefetch's work (its thread)
+        self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0,
+                        "reject_masks": 0.0, "worker": 0.0}
         self.num_rows_ahead = self.num_rows_now = 0  # rows whose mask came from prefetch / was computed at dispatch
         self.num_rows_checked = self.num_rows_rejected = self.num_rows_forced = 0  # sample-first rows
+        self.num_rows_rejected_forced = 0  # rejected rows whose grammar forces a token (no mask needed)
+        self.num_rows_rejected_lazy = 0  # rejected rows whose mask check() computed (none ahead)
+        self.num_redraws = 0  # steps with a device redraw (a rejected row the grammar does not force)
+        self.num_forced_puts = 0  # steps whose rejected rows were all forced: tokens put in, no redraw
 
     def __len__(self) -> int:
         """Matchers and templates held (0 once every constrained request finished: no leak)."""
@@ -173,21 +220,33 @@ class StructuredState:
             self._ahead_rows[seq_id] = (i, entry[2])
         for seq_id, entry, new in forced:
             entry[2] += len(new)
-        if self._ahead_mask.shape[0] < len(masked):
-            self._ahead_mask = np.empty((max(len(masked), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
-        self._ahead = self._worker.submit(self._work_ahead, masked, forced, self._forced)
+        # Rows from len(masked) on: the masks of sample-first rows filled ahead (masks_ahead).
+        if self._ahead_mask.shape[0] < len(masked) + len(forced):
+            self._ahead_mask = np.empty(
+                (max(len(masked) + len(forced), 2 * self._ahead_mask.shape[0]), self.num_words), np.int32)
+        self._ahead = self._worker.submit(self._work_ahead, masked, forced, self._forced, self.masks_ahead)
 
-    def _work_ahead(self, masked: list, forced: list, forced_out: dict) -> None:
-        """The worker's part of prefetch(): the step's tokens consumed, then the masked rows' masks
-        and the sample-first rows' forced tokens."""
+    def _work_ahead(self, masked: list, forced: list, forced_out: dict, masks_ahead: bool) -> None:
+        """The worker's part of prefetch(): the step's tokens consumed, then the masked rows' masks,
+        the sample-first rows' forced tokens and, for the sampled ones with none, their masks."""
+        t0 = time.perf_counter()
         for _, entry, new in masked + forced:
             if new:
                 entry[1].consume_tokens(new)
         if masked:
             llnp.fill_next_token_bitmask_par(
                 self._executor, [(entry[1], i) for i, (_, entry, _) in enumerate(masked)], self._ahead_mask)
+        pairs = []  # (matcher, its row in _ahead_mask)
         for seq_id, entry, _ in forced:
-            forced_out[seq_id] = (entry[2], forced_token(entry[1]))
+            token, mask_row = forced_token(entry[1]), -1
+            if token < 0 and masks_ahead and entry[0].sampling_params.temperature >= GREEDY_TEMPERATURE:
+                mask_row = len(masked) + len(pairs)
+                pairs.append((entry[1], mask_row))
+            forced_out[seq_id] = (entry[2], (token, mask_row))
+        if pairs:
+            llnp.fill_next_token_bitmask_par(self._executor, pairs, self._ahead_mask)
+            self.allow_eos_where_empty(self._ahead_mask, [row for _, row in pairs])
+        self.seconds["worker"] += time.perf_counter() - t0  # a key only the worker writes
 
     def bitmask(self, rows: list[tuple[int, object, str]], num_rows: int) -> np.ndarray:
         """The step's full mask (no row drawn first): each (sampler row, sequence, request id) of
@@ -235,12 +294,13 @@ class StructuredState:
         self.num_rows_now += len(pairs)
         return mask
 
-    def _forced_now(self, seq, request_id: str) -> int:
-        """A sample-first row's forced token (-1: none), from prefetch() if it is for this state."""
+    def _forced_now(self, seq, request_id: str) -> tuple[int, int]:
+        """A sample-first row's (forced token or -1, row of its mask in _ahead_mask or -1), from
+        prefetch() if it is for this state."""
         ahead = self._forced.get(seq.seq_id)
         if ahead is not None and ahead[0] == len(seq.output_token_ids):
             return ahead[1]
-        return forced_token(self._matcher(seq, request_id))
+        return forced_token(self._matcher(seq, request_id)), -1
 
     def allow_eos_where_empty(self, mask: np.ndarray, rows: list[int]) -> None:
         """Rows of `rows` whose matcher allows nothing (it ended under ignore_eos) get eos."""
