@@ -19,10 +19,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_engine import QUESTIONS, SMALL
 
-from benchmarks.kv_quant_accuracy import agreement, cache_dtype, chat_prompts, logit_errors
+from benchmarks.kv_quant_accuracy import agreement, cache_dtype, chat_prompts, logit_errors, mean_kl
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.entrypoints.cli import build_parser, engine_args
 from jaxpaged.ops.kv_quant import QuantizedKV
@@ -60,6 +61,14 @@ def test_agreement_counts_up_to_the_first_divergence():
     report = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert report["identical_share"] == pytest.approx(4 / 6)  # token 3 of prompt 0 matches again but counts as lost
     assert report["first_divergence"] == 2 and report["first_divergence_per_prompt"] == [2, None]
+
+
+def test_mean_kl_of_the_next_token_distributions():
+    reference, other = np.log([[0.5, 0.5], [0.9, 0.1]]), np.log([[0.5, 0.5], [0.5, 0.5]])
+    want = (0.0 + 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)) / 2
+    assert mean_kl(reference, other) == pytest.approx(want)
+    assert mean_kl(reference + 3.0, other - 1.0) == pytest.approx(want)  # logits: a shift per row changes nothing
+    assert mean_kl(reference, reference) == 0.0
 
 
 def test_benchmark_16_bit_rows_round_what_the_model_writes():
