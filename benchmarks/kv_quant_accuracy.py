@@ -11,7 +11,9 @@ int8 and float8_e4m3fn, against a float32 cache (the model in float32 on the CPU
     not comparable and count as different), and the earliest first divergence over the prompts;
   * logits: max |logit difference| over the vocabulary and the prompts at the prefill step (whose
     attention already reads the quantized K/V it just wrote) and at the first decode step (both
-    caches fed the same float-cache greedy token).
+    caches fed the same float-cache greedy token); and the mean over the prompts of KL(float32
+    cache || this cache) of the next-token distribution at both steps (smoother than the agreement
+    share, which a few flipped near-ties move by several points).
 
 Rows "bfloat16" and "float16" are a 16-bit cache for scale: each K/V value is rounded to that dtype
 as it is written and read back as float32 (numerically a 16-bit cache; the engine has no 16-bit
@@ -109,8 +111,19 @@ def logit_errors(model_config, params, prompts, kv_cache_dtypes, page_size: int 
     ref_prefill, ref_decode = results["auto"]
     return {dtype: dict(prefill_max_abs_logit_diff=float(np.abs(results[dtype][0] - ref_prefill).max()),
                         first_decode_max_abs_logit_diff=float(np.abs(results[dtype][1] - ref_decode).max()),
+                        prefill_mean_kl=mean_kl(ref_prefill, results[dtype][0]),
+                        first_decode_mean_kl=mean_kl(ref_decode, results[dtype][1]),
                         logit_scale=float(np.abs(ref_decode).max()))
             for dtype in kv_cache_dtypes}
+
+
+def mean_kl(reference: np.ndarray, other: np.ndarray) -> float:
+    """Mean over rows of KL(softmax(reference) || softmax(other)), in float64."""
+    def log_softmax(x):
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    log_p, log_q = log_softmax(reference), log_softmax(other)
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
 
 
 def main(argv=None) -> dict:

@@ -1,15 +1,16 @@
 """A quantized KV cache on the bundled SmolLM2-135M: close to the float32 cache, and the flags reach it.
 
 Measured with benchmarks/kv_quant_accuracy.py (numbers in benchmarks/results/kv_quant_accuracy_cpu.json;
-int8 pages hold K/V in a Hadamard basis, ops/kv_quant.py). Bounds stated and tested here:
+int8 pages hold K/V centred (device/kv_centres.py) in a Hadamard basis (ops/kv_quant.py)). Bounds
+stated and tested here:
   * prefill and first decode step, 2 chat prompts (int8; fp8 and both together in the slow suite):
-    max |logit - float32-cache logit| < 0.5 for int8 (measured 0.23 on these 2 prompts, 0.40 on 12;
-    per-token scales without the rotation measured 0.66 and 0.80) and < 4.0 for fp8 (measured 1.77 on
+    max |logit - float32-cache logit| < 0.5 for int8 (measured 0.29 on these 2 prompts, 0.36 on 12;
+    0.40 on 12 before centring; per-token scales without the rotation measured 0.66 and 0.80) and < 4.0 for fp8 (measured 1.77 on
     12); logits of this model reach ~30;
-  * greedy, the 12 chat prompts of tests/test_engine.py x 48 tokens (slow): int8 >= 70% of tokens
-    identical up to each prompt's first divergence (measured 79.0%, 9 of 12 prompts identical; 64.2%
-    and 5 of 12 before the rotation), fp8 >= 40% (measured 56.8%, 4 of 12), and at least 3 prompts
-    identical throughout. The first divergence can be token 0 or 1: near-tied top logits flip under
+  * greedy, the 12 chat prompts of tests/test_engine.py x 48 tokens (slow): int8 >= 90% of tokens
+    identical up to each prompt's first divergence and 9 of 12 prompts identical throughout (the
+    issue's bars; measured 91.5% and 10 of 12; 79.0% and 9 before centring, 64.2% and 5 before the
+    rotation), fp8 >= 40% and 3 prompts (measured 56.8%, 4 of 12). The first divergence can be token 0 or 1: near-tied top logits flip under
     a logit error of a few tenths. A 16-bit cache (the benchmark's bfloat16/float16 rows) flips none
     of the 576 tokens, so these divergences are quantization error, not ties any cache would flip.
 """
@@ -18,17 +19,19 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_engine import QUESTIONS, SMALL
 
-from benchmarks.kv_quant_accuracy import agreement, cache_dtype, chat_prompts, logit_errors
+from benchmarks.kv_quant_accuracy import agreement, cache_dtype, chat_prompts, logit_errors, mean_kl
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.entrypoints.cli import build_parser, engine_args
 from jaxpaged.ops.kv_quant import QuantizedKV
 from jaxpaged.models.weights import load_model
 
 LOGIT_BOUND = {"int8": 0.5, "float8_e4m3fn": 4.0}
-AGREEMENT_BOUND = {"int8": 0.7, "float8_e4m3fn": 0.4}
+AGREEMENT_BOUND = {"int8": 0.9, "float8_e4m3fn": 0.4}
+PROMPTS_IDENTICAL_BOUND = {"int8": 9, "float8_e4m3fn": 3}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,14 @@ def test_agreement_counts_up_to_the_first_divergence():
     report = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert report["identical_share"] == pytest.approx(4 / 6)  # token 3 of prompt 0 matches again but counts as lost
     assert report["first_divergence"] == 2 and report["first_divergence_per_prompt"] == [2, None]
+
+
+def test_mean_kl_of_the_next_token_distributions():
+    reference, other = np.log([[0.5, 0.5], [0.9, 0.1]]), np.log([[0.5, 0.5], [0.5, 0.5]])
+    want = (0.0 + 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)) / 2
+    assert mean_kl(reference, other) == pytest.approx(want)
+    assert mean_kl(reference + 3.0, other - 1.0) == pytest.approx(want)  # logits: a shift per row changes nothing
+    assert mean_kl(reference, reference) == 0.0
 
 
 def test_benchmark_16_bit_rows_round_what_the_model_writes():
@@ -100,7 +111,7 @@ def test_greedy_agreement_with_the_float_cache():
         report = agreement(tokens["auto"], tokens[dtype])
         print(dtype, json.dumps(report))
         assert report["identical_share"] >= AGREEMENT_BOUND[dtype]
-        assert report["num_prompts_identical"] >= 3
+        assert report["num_prompts_identical"] >= PROMPTS_IDENTICAL_BOUND[dtype]
 
 
 @pytest.mark.slow

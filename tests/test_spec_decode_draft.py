@@ -194,3 +194,17 @@ def test_llm_loads_the_draft_model_from_its_path(tmp_path):
     stats = llm.stats()
     assert stats["num_spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
     assert stats["num_used_pages"] == 0
+
+
+def test_an_int8_draft_calibrates_its_own_kv_centres(models):
+    """An int8 cache's centres (device/kv_centres.py) are the model's own: the 1-layer draft's runner
+    calibrates its own, not the target's (it runs its steps through `ModelRunner.execute`, which passes them)."""
+    from jaxpaged.device.kv_centres import calibrate_kv_centres
+
+    params, (draft_config_, draft_params) = models
+    spec = make_engine(params, warmup=False, max_num_batched_tokens=32, kv_cache_dtype="int8",
+                       draft_model=(draft_config_, draft_params), speculative_config=draft_config(2))
+    target, draft = spec.runner, spec.spec.draft.runner
+    assert target.kv_centres.shape == (TINY.num_layers, 2, TINY.num_kv_heads, TINY.head_dim)
+    np.testing.assert_allclose(np.asarray(draft.kv_centres), np.asarray(calibrate_kv_centres(DRAFT, draft_params, "int8")),
+                               atol=1e-6)

@@ -96,7 +96,8 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         step_input = dataclasses.replace(step_input, logits_indices=np.zeros(case.num_logits, np.int32))
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
-        runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens),
+        runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
+                      runner.kv_centres),
         kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True if kernels else None)
     try:
         figures = _figures(case, config, runner, out, num_tokens)

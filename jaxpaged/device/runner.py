@@ -31,6 +31,7 @@ from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.kv_cache import apply_page_copies
 from jaxpaged.device.layer_params import own_copy, split_layers, stack_layers
+from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
@@ -158,6 +159,9 @@ class ModelRunner:
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
+        centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
+        place = self._abstract if self.abstract else self.tp and (lambda x: jax.device_put(x, self.tp.kv_pages_sharding(x.shape)))
+        self.kv_centres = place(centres) if place and centres is not None else centres
         # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
         self._params_tree = jax.tree.structure(params)
         # Copy-on-write copies run in their own small donated function, padded to max_num_seqs
@@ -201,8 +205,8 @@ class ModelRunner:
     def _to_device(self, params):  # the engine's own float copy in the model dtype (layer_params.own_copy)
         return own_copy(params, jnp.dtype(self.config.dtype), self.tp)
 
-    def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"], *,
-                 layout, decode_only: bool = False):
+    def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"],
+                 kv_centres, *, layout, decode_only: bool = False):  # kv_centres: device/kv_centres.py (None: "auto")
         self.num_compiles += 1  # runs only while tracing
         fields, offset = {}, 0
         for name, shape in layout:  # static slices of the one packed transfer
@@ -219,7 +223,7 @@ class ModelRunner:
         (logits, kv_pages), routed = apply_returning_routed_experts(
             model, self.return_routed_experts, params, kv_pages, token_ids, step_input.positions,
             step_input.slot_mapping, step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
-            with_every_token(step_input.logits_indices, targets),
+            with_every_token(step_input.logits_indices, targets), kv_centres,
         )
         logits = split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets)
         return (logits if routed is None else (logits, routed)), kv_pages
@@ -281,8 +285,7 @@ class ModelRunner:
         if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         logits, self.kv_pages = self._step(
-            self.served_params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
-        )
+            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, layout=layout, decode_only=step_input.decode_only)
         return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -311,13 +314,11 @@ class ModelRunner:
 
     @property
     def num_step_programs(self) -> int:
-        """Compiled step programs after `warmup`: two per token bucket (with and without prompt
-        logprobs) and one per decode bucket."""
+        """Compiled step programs after `warmup`: two per token bucket (+ prompt logprobs), one per decode bucket."""
         return 2 * len(self.buckets) + len(self.decode_buckets)
 
     def dummy_step_input(self, bucket: int, *, decode_only: bool = False) -> StepInput:
-        """An all-padding step of `bucket` tokens (a decode bucket of `bucket` sequences if `decode_only`):
-        it writes nothing and reads nothing."""
+        """An all-padding step of `bucket` tokens (`decode_only`: `bucket` sequences); writes and reads nothing."""
         num_seqs = bucket if decode_only else min(bucket, self.max_num_seqs)
         zeros = np.zeros(bucket, np.int32)
         return StepInput(
@@ -385,8 +386,7 @@ class ModelRunner:
         if self.tp is not None:  # placed as execute places them
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(
-            self.served_params, self.kv_pages, packed, prev_tokens, layout=layout, decode_only=step_input.decode_only
-        )
+            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, layout=layout, decode_only=step_input.decode_only)
 
     def step_temp_bytes(self, bucket: int | None = None) -> int:
         """Scratch bytes of the compiled step for `bucket` tokens (default: the largest bucket).

@@ -131,7 +131,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-                 query_start_loc, is_local=None):
+                 query_start_loc, is_local=None, kv_centres=None):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         q = jnp.einsum("TD,DNH->TNH", x, self.param("q_proj", _init, (dim, n, h), self.dtype))
         key = jnp.einsum("TD,DKH->TKH", x, self.param("k_proj", _init, (dim, k, h), self.dtype))
@@ -144,6 +144,10 @@ class Attention(nn.Module):
             q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="q_norm")(q)
             key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        if kv_centres is not None:  # a quantized cache stores k - mu_k, v - mu_v (device/kv_centres.py)
+            centre = kv_centres[layer_idx]  # [2, K, H] float32
+            key = (key.astype(jnp.float32) - centre[0]).astype(key.dtype)
+            value = (value.astype(jnp.float32) - centre[1]).astype(value.dtype)
         rotated = rotates(kv_pages)  # int8 pages hold K/V in a Hadamard basis (ops/kv_quant.py)
         if rotated:
             q, key, value = rotate(q), rotate(key), rotate(value)
@@ -174,6 +178,8 @@ class Attention(nn.Module):
             out = jax.lax.cond(is_local, lambda: attend(local_window), lambda: attend(None))
         if rotated:
             out = rotate(out)  # back from the Hadamard basis: H is its own inverse
+        if kv_centres is not None:  # the weights sum to 1: + mu_v restores sum_j p_j v_j (query head -> its KV head)
+            out = (out.astype(jnp.float32) + jnp.repeat(centre[1], n // k, axis=0)).astype(out.dtype)
         y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
@@ -202,7 +208,8 @@ class DecoderLayer(nn.Module):
     expert_fn: ExpertFn = grouped_experts
 
     @nn.compact
-    def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc):
+    def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
+                 kv_centres=None):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
         x, kv_pages = carry
@@ -217,7 +224,7 @@ class DecoderLayer(nn.Module):
         )
         h, kv_pages = attn(
             norm("input_norm")(x), cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-            query_start_loc, is_local,
+            query_start_loc, is_local, kv_centres,
         )
         x = x + (norm("attn_out_norm")(h) if c.sandwich_norms else h)
         h = norm("post_attn_norm")(x)  # the norm in front of the MLP
@@ -249,6 +256,7 @@ class CausalLM(nn.Module):
         seq_lens: Int[Array, "num_seqs"],
         query_start_loc: Int[Array, "num_seqs_plus_1"],
         logits_indices: Int[Array, "num_logits"],  # num_seqs, or num_seqs + num_tokens (prompt logprobs)
+        kv_centres: Float[Array, "num_layers 2 num_kv_heads head_dim"] | None = None,  # device/kv_centres.py
     ) -> tuple[Float[Array, "num_logits vocab_size"], KVPages]:
         """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer."""
         c, dtype = self.config, jnp.dtype(self.config.dtype)
@@ -267,7 +275,7 @@ class CausalLM(nn.Module):
         rope = rotations(c.rope_theta, c.rope_scaling)
         rope += rotations(c.local_rope_theta, None) if c.local_rope_theta is not None else rope
 
-        shared = (rope, slot_mapping, block_tables, seq_lens, query_start_loc)
+        shared = (rope, slot_mapping, block_tables, seq_lens, query_start_loc, kv_centres)
         is_local = [w is not None for w in c.layer_windows]
         per_layer = None if self.is_initializing() else self.variables["params"].get("layers")
         if isinstance(per_layer, (tuple, list)):
@@ -284,7 +292,7 @@ class CausalLM(nn.Module):
                 DecoderLayer,
                 variable_axes={"params": 0, "intermediates": 0},  # a leading num_layers axis (intermediates: MoE ids)
                 split_rngs={"params": True},
-                in_axes=(0, 0) + (nn.broadcast,) * 5,  # layer_idx and is_local scanned, the step's arrays shared
+                in_axes=(0, 0) + (nn.broadcast,) * 6,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
             )(c, self.attention_fn, self.decode_only, self.expert_fn, name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)

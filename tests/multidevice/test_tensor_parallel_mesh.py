@@ -286,6 +286,9 @@ def test_quantized_kv_cache_is_split_like_its_pages(params, prompts, kv_cache_dt
     kv = engine.runner.kv_pages
     assert kv.pages.sharding.spec == P(None, None, "tp", None, None, None)
     assert kv.scales.sharding.spec == P(None, None, "tp", None, None)
+    if kv_cache_dtype == "int8":  # its centres (device/kv_centres.py): split on KV heads, equal to one device's
+        assert engine.runner.kv_centres.sharding.spec == P(None, None, "tp", None)
+        np.testing.assert_allclose(np.asarray(engine.runner.kv_centres), np.asarray(want.runner.kv_centres), atol=1e-5)
     one = want.runner.kv_pages
     np.testing.assert_allclose(np.asarray(kv.scales), np.asarray(one.scales), rtol=1e-5, atol=1e-7)
     # Values: equal up to a rare rounding-boundary flip (the sharded K/V projection may differ in the last bit).
