@@ -19,6 +19,9 @@ Every key position p of sequence s lives at page `block_tables[s, p // page_size
 `p % page_size`. Tokens at or past `query_start_loc[-1]` are batch padding and get zeros.
 """
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -31,6 +34,12 @@ Pool = Float[Array, "num_kv_heads num_pages page_size head_dim"] | QuantizedKV
 
 # Legend: T=num_tokens S=num_seqs K=num_kv_heads G=query heads per KV head H=head_dim
 #         L=pages_per_seq*page_size (the longest context a block table can address)
+
+
+# Query blocks of the CPU path: 32 tokens, gathered by sequence while a block spans at most 4
+# sequences (a prompt chunk's blocks span one or two); more (a block of decode tokens), by token.
+QUERY_BLOCK = 32
+SEQS_PER_BLOCK = 4
 
 
 def reference_paged_attention(
@@ -120,6 +129,9 @@ def chunked_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_chunk: int = 8,
+    decode_only: bool = False,
+    query_block: int = QUERY_BLOCK,
+    seqs_per_block: int = SEQS_PER_BLOCK,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
 
@@ -131,6 +143,10 @@ def chunked_paged_attention(
         chunk c covers key positions [c * C, (c + 1) * C), C = pages_per_chunk * page_size
         running per (token, head): m = max score so far, l = sum exp(score - m), acc = sum exp(..) v
         new chunk: m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc likewise;  out = acc / l
+
+    `decode_only` (static; the model passes it in decode-bucket steps): every token gathers its own
+    sequence's keys. Otherwise tokens go in blocks of `query_block`; a block spanning at most
+    `seqs_per_block` sequences gathers each of them once, and only up to its own last position.
 
     Same contract and padding rules as the reference; tested against it.
     """
@@ -145,7 +161,8 @@ def chunked_paged_attention(
 
     return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only,
+                              query_block=query_block, seqs_per_block=seqs_per_block)
 
 
 def chunked_paged_attention_from_buffer(
@@ -160,6 +177,9 @@ def chunked_paged_attention_from_buffer(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_chunk: int = 8,
+    decode_only: bool = False,
+    query_block: int = QUERY_BLOCK,
+    seqs_per_block: int = SEQS_PER_BLOCK,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
 
@@ -179,14 +199,21 @@ def chunked_paged_attention_from_buffer(
 
     return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only,
+                              query_block=query_block, seqs_per_block=seqs_per_block)
 
 
 chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
+chunked_paged_attention_from_buffer.has_decode_kernel = True  # told decode_only: the by-token path
 
 
 def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
-                       scale, soft_cap, sliding_window, pages_per_chunk):
+                       scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_block, seqs_per_block):
+    """Decode-only steps: every token gathers its own sequence's keys (`_by_token`, one token per
+    sequence). Other steps go by query blocks of `query_block` tokens (`_by_query_block`): a prompt
+    chunk's tokens then share one gather of their sequence's keys and score them in one matmul, where
+    gathering per token read every key once per query token ([T, context] keys: 84% of a 1024-token
+    prefill step on the CPU, benchmarks/peers/README.md)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, pages_per_seq = block_tables.shape
     if num_heads % num_kv_heads:
@@ -202,44 +229,120 @@ def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_len
     seq_idx = jnp.where(is_real, seq_idx, 0)
     q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
     position = jnp.where(is_real, seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx]), -1)
-    # Each token's pages, padded with the padding page to a whole number of chunks.
-    pages = jnp.pad(block_tables[seq_idx], ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
-    num_chunks_needed = (jnp.max(position) + chunk_len) // chunk_len  # 0 when every token is padding
-    first_chunk = 0
-    if sliding_window is not None:  # chunks wholly before every token's window are skipped
-        oldest_key = jnp.min(jnp.where(is_real, position - sliding_window + 1, jnp.iinfo(jnp.int32).max))
-        first_chunk = jnp.clip(oldest_key // chunk_len, 0, num_chunks_needed)
+    # Each sequence's pages, padded with the padding page to a whole number of chunks.
+    seq_pages = jnp.pad(block_tables, ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
 
     qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
-    # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
-    floor = jnp.float32(-1e30)
+    geometry = _Geometry(gather, pages_per_chunk, chunk_len, soft_cap, sliding_window)
+    if decode_only:
+        m_l_acc = _by_token(geometry, qf, position, seq_pages[seq_idx])
+    else:
+        m_l_acc = _by_query_block(geometry, qf, position, seq_idx, seq_pages, query_start_loc[-1],
+                                  min(query_block, num_tokens), seqs_per_block)
+    _, l, acc = m_l_acc
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
-    def chunk_step(chunk, carry):
-        m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
-        chunk_pages = jax.lax.dynamic_slice_in_dim(pages, chunk * pages_per_chunk, pages_per_chunk, axis=1)
-        k, v = gather(chunk_pages)  # [T, P_c, page_size, K, H]
-        k = k.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)  # [T, C, K, H]
-        v = v.reshape(num_tokens, chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
-        key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
-        visible = key_pos[None, :] <= position[:, None]  # [T, C]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > position[:, None] - sliding_window
-        s = jnp.einsum("tkgh,tlkh->tkgl", qf, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    gather: Callable  # [T, P_c] page ids -> K and V as [T, P_c, page_size, K, H]
+    pages_per_chunk: int
+    chunk_len: int
+    soft_cap: float | None
+    sliding_window: int | None
+
+    def chunk_range(self, positions):
+        """Chunks holding a key visible to some of `positions` (-1: padding, sees nothing)."""
+        first, end = 0, (jnp.max(positions) + self.chunk_len) // self.chunk_len  # end 0 when all padding
+        if self.sliding_window is not None:  # chunks wholly before every token's window are skipped
+            oldest = jnp.min(jnp.where(positions >= 0, positions - self.sliding_window + 1, jnp.iinfo(jnp.int32).max))
+            first = jnp.clip(oldest // self.chunk_len, 0, end)
+        return first, end
+
+    def visible(self, key_pos, positions):  # [C], [B] -> [B, C]
+        out = key_pos[None, :] <= positions[:, None]
+        if self.sliding_window is not None:
+            out &= key_pos[None, :] > positions[:, None] - self.sliding_window
+        return out
+
+    def chunk(self, pages, c):  # [B, all pages] -> K and V of chunk c, [B, C, K, H] float32
+        k, v = self.gather(jax.lax.dynamic_slice_in_dim(pages, c * self.pages_per_chunk, self.pages_per_chunk, axis=1))
+        shape = (pages.shape[0], self.chunk_len, *k.shape[-2:])
+        return k.reshape(shape).astype(jnp.float32), v.reshape(shape).astype(jnp.float32)
+
+    def update(self, carry, s, visible, v, pv: str):
+        """One online-softmax step: scores s [B, K, G, C], visible [B, C], values v (`pv` contracts)."""
+        m, l, acc = carry  # [B, K, G], [B, K, G], [B, K, G, H]
+        if self.soft_cap is not None:
+            s = self.soft_cap * jnp.tanh(s / self.soft_cap)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])  # exactly 0 where not visible
         correction = jnp.exp(m - m_new)
-        v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
-        acc = acc * correction[..., None] + jnp.einsum("tkgl,tlkh->tkgh", p, v)
+        acc = acc * correction[..., None] + jnp.einsum(pv, p, v)
         return m_new, l * correction + jnp.sum(p, axis=-1), acc
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), floor),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks_needed, chunk_step, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+def _init(num_tokens, num_kv_heads, group, head_dim):
+    # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
+    return (jnp.full((num_tokens, num_kv_heads, group), jnp.float32(-1e30)),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+
+
+def _by_token(geo: _Geometry, qf, position, pages):
+    """Each token reads its own copy of its sequence's keys: qf [B, K, G, H], position [B], pages [B, P]."""
+
+    def chunk_step(c, carry):
+        k, v = geo.chunk(pages, c)  # [B, C, K, H]
+        visible = geo.visible(c * geo.chunk_len + jnp.arange(geo.chunk_len, dtype=jnp.int32), position)
+        v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
+        return geo.update(carry, jnp.einsum("tkgh,tlkh->tkgl", qf, k), visible, v, "tkgl,tlkh->tkgh")
+
+    return jax.lax.fori_loop(*geo.chunk_range(position), chunk_step, _init(*qf.shape))
+
+
+def _by_query_block(geo: _Geometry, qf, position, seq_idx, seq_pages, num_real, block, seqs_per_block):
+    """Blocks of `block` tokens in order. A block spanning at most `seqs_per_block` sequences reads
+    each of them once: that sequence's chunks up to its last token in the block, scored against the
+    whole block (other sequences' tokens masked). Blocks past the real tokens are skipped."""
+    num_tokens = qf.shape[0]
+    num_blocks = -(-num_tokens // block)
+    pad = num_blocks * block - num_tokens
+    qf = jnp.pad(qf, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    position = jnp.pad(position, (0, pad), constant_values=-1)
+    seq_idx = jnp.pad(seq_idx, (0, pad))
+
+    def by_sequence(qb, pos_b, seq_b, first, last):
+        def seq_step(s, carry):
+            mine = jnp.where(seq_b == s, pos_b, -1)  # positions of s's tokens, -1 for the others
+            pages = seq_pages[s][None]  # [1, P]
+
+            def chunk_step(c, carry):
+                k, v = geo.chunk(pages, c)  # [1, C, K, H]
+                visible = geo.visible(c * geo.chunk_len + jnp.arange(geo.chunk_len, dtype=jnp.int32), mine)
+                v = jnp.where(jnp.any(visible, axis=0)[:, None, None], v[0], 0.0)  # keys no token sees: 0
+                return geo.update(carry, jnp.einsum("bkgh,ckh->bkgc", qb, k[0]), visible, v, "bkgc,ckh->bkgh")
+
+            return jax.lax.fori_loop(*geo.chunk_range(mine), chunk_step, carry)
+
+        return jax.lax.fori_loop(first, last + 1, seq_step, _init(*qb.shape))
+
+    def by_token(qb, pos_b, seq_b, first, last):
+        return _by_token(geo, qb, pos_b, seq_pages[seq_b])
+
+    def block_step(b, out):
+        m, l, acc = out
+        qb = jax.lax.dynamic_slice_in_dim(qf, b * block, block)
+        pos_b = jax.lax.dynamic_slice_in_dim(position, b * block, block)
+        seq_b = jax.lax.dynamic_slice_in_dim(seq_idx, b * block, block)
+        first = seq_b[0]  # a block that is processed starts with a real token; sequences ascend
+        last = jnp.max(jnp.where(pos_b >= 0, seq_b, first))
+        mb, lb, accb = jax.lax.cond(last - first < seqs_per_block, by_sequence, by_token, qb, pos_b, seq_b, first, last)
+        return (jax.lax.dynamic_update_slice_in_dim(m, mb, b * block, 0),
+                jax.lax.dynamic_update_slice_in_dim(l, lb, b * block, 0),
+                jax.lax.dynamic_update_slice_in_dim(acc, accb, b * block, 0))
+
+    m, l, acc = jax.lax.fori_loop(0, (num_real + block - 1) // block, block_step, _init(*qf.shape))
+    return m[:num_tokens], l[:num_tokens], acc[:num_tokens]
