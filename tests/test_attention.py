@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.ops.attention import (
+    QueryBlocks,
     chunked_paged_attention,
     chunked_paged_attention_from_buffer,
     reference_paged_attention,
@@ -53,9 +54,9 @@ ATTENTION_FNS = {"reference": reference_paged_attention,
                  # Query blocks of 4 tokens: blocks of one sequence and of two, the latter by token
                  # (seqs_per_block=1, as blocks of decode tokens go) or by sequence (2); the last
                  # block is padding only and skipped.
-                 "chunked-blocks-of-4": functools.partial(chunked_paged_attention, pages_per_chunk=2, query_block=4,
-                                                          seqs_per_block=1),
-                 "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_block=4, seqs_per_block=2)}
+                 "chunked-blocks-of-4": functools.partial(chunked_paged_attention, pages_per_chunk=2,
+                                                          query_blocks=QueryBlocks(4, 1, 2)),
+                 "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_blocks=QueryBlocks(4, 2, 2))}
 
 
 @pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))

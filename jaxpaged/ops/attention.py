@@ -20,7 +20,6 @@ Every key position p of sequence s lives at page `block_tables[s, p // page_size
 """
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +35,18 @@ Pool = Float[Array, "num_kv_heads num_pages page_size head_dim"] | QuantizedKV
 #         L=pages_per_seq*page_size (the longest context a block table can address)
 
 
-# Query blocks of the CPU path: 32 tokens, gathered by sequence while a block spans at most 4
-# sequences (a prompt chunk's blocks span one or two); more (a block of decode tokens), by token.
-QUERY_BLOCK = 32
-SEQS_PER_BLOCK = 4
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks:
+    """How the CPU path splits a step that is not decode-only (`chunked_paged_attention`).
+
+    tokens: query tokens per block. max_seqs: a block spanning at most this many sequences reads
+    each of them once (a prompt chunk's blocks span one or two); more (a block of decode tokens),
+    each token reads its own. pages_per_chunk: pages of one sequence read and scored at a time.
+    """
+
+    tokens: int = 64
+    max_seqs: int = 4
+    pages_per_chunk: int = 16
 
 
 def reference_paged_attention(
@@ -130,8 +137,7 @@ def chunked_paged_attention(
     sliding_window: int | None = None,
     pages_per_chunk: int = 8,
     decode_only: bool = False,
-    query_block: int = QUERY_BLOCK,
-    seqs_per_block: int = SEQS_PER_BLOCK,
+    query_blocks: QueryBlocks | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
 
@@ -145,8 +151,8 @@ def chunked_paged_attention(
         new chunk: m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc likewise;  out = acc / l
 
     `decode_only` (static; the model passes it in decode-bucket steps): every token gathers its own
-    sequence's keys. Otherwise tokens go in blocks of `query_block`; a block spanning at most
-    `seqs_per_block` sequences gathers each of them once, and only up to its own last position.
+    sequence's keys. Otherwise tokens go in `query_blocks` (default `QueryBlocks()`); a block
+    spanning few sequences reads each of them once, and only up to its own last position.
 
     Same contract and padding rules as the reference; tested against it.
     """
@@ -159,10 +165,16 @@ def chunked_paged_attention(
     def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
         return read(k_pages, chunk_pages), read(v_pages, chunk_pages)
 
-    return _chunked_attention(q, gather, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
+    def read_seq(pool, pages):  # [P_c] -> [K, P_c * page_size, H]
+        x = dequantize(pool.pages[:, pages], pool.scales[:, pages]) if isinstance(pool, QuantizedKV) else pool[:, pages]
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+    def gather_seq(pages):  # one sequence's pages [P_c] -> K and V as [K, P_c * page_size, H]
+        return read_seq(k_pages, pages), read_seq(v_pages, pages)
+
+    return _chunked_attention(q, gather, gather_seq, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk, decode_only=decode_only,
-                              query_block=query_block, seqs_per_block=seqs_per_block)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
 
 
 def chunked_paged_attention_from_buffer(
@@ -178,8 +190,7 @@ def chunked_paged_attention_from_buffer(
     sliding_window: int | None = None,
     pages_per_chunk: int = 8,
     decode_only: bool = False,
-    query_block: int = QUERY_BLOCK,
-    seqs_per_block: int = SEQS_PER_BLOCK,
+    query_blocks: QueryBlocks | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
 
@@ -197,31 +208,39 @@ def chunked_paged_attention_from_buffer(
     def gather(chunk_pages):  # [T, P_c] -> K and V as [T, P_c, page_size, K, H]
         return jnp.swapaxes(read(0, chunk_pages), 2, 3), jnp.swapaxes(read(1, chunk_pages), 2, 3)
 
-    return _chunked_attention(q, gather, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
+    def read_seq(kv, pages):  # [P_c] -> [P_c, K, page_size, H] -> [K, P_c * page_size, H]
+        x = jnp.swapaxes(read(kv, pages), 0, 1)
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+    def gather_seq(pages):  # one sequence's pages [P_c] -> K and V as [K, P_c * page_size, H]
+        return read_seq(0, pages), read_seq(1, pages)
+
+    return _chunked_attention(q, gather, gather_seq, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk, decode_only=decode_only,
-                              query_block=query_block, seqs_per_block=seqs_per_block)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
 
 
 chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
 chunked_paged_attention_from_buffer.has_decode_kernel = True  # told decode_only: the by-token path
 
 
-def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
-                       scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_block, seqs_per_block):
+def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
+                       scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_blocks):
     """Decode-only steps: every token gathers its own sequence's keys (`_by_token`, one token per
-    sequence). Other steps go by query blocks of `query_block` tokens (`_by_query_block`): a prompt
-    chunk's tokens then share one gather of their sequence's keys and score them in one matmul, where
-    gathering per token read every key once per query token ([T, context] keys: 84% of a 1024-token
-    prefill step on the CPU, benchmarks/peers/README.md)."""
+    sequence). Other steps go by query blocks (`_by_query_block`): a prompt chunk's tokens share one
+    read of their sequence's keys, scored in one matmul. Gathering per token read every key once per
+    query token: 84% of a 1024-token prefill step on the CPU (benchmarks/peers/README.md)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, pages_per_seq = block_tables.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     group = num_heads // num_kv_heads
+    blocks = query_blocks or QueryBlocks()
     pages_per_chunk = min(pages_per_chunk, pages_per_seq)
-    chunk_len = pages_per_chunk * page_size
-    num_chunks = -(-pages_per_seq // pages_per_chunk)
+    # Each sequence's pages, padded with the padding page to a whole number of chunks of both sizes.
+    seq_chunk_pages = min(blocks.pages_per_chunk, pages_per_seq)
+    width = max(-(-pages_per_seq // n) * n for n in (pages_per_chunk, seq_chunk_pages))
+    seq_pages = jnp.pad(block_tables, ((0, 0), (0, width - pages_per_seq)))
 
     token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_idx = jnp.searchsorted(query_start_loc[1:], token_idx, side="right")  # [T]
@@ -229,54 +248,49 @@ def _chunked_attention(q, gather, num_kv_heads, page_size, block_tables, seq_len
     seq_idx = jnp.where(is_real, seq_idx, 0)
     q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
     position = jnp.where(is_real, seq_lens[seq_idx] - q_len + (token_idx - query_start_loc[seq_idx]), -1)
-    # Each sequence's pages, padded with the padding page to a whole number of chunks.
-    seq_pages = jnp.pad(block_tables, ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
 
     qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
-    geometry = _Geometry(gather, pages_per_chunk, chunk_len, soft_cap, sliding_window)
+    by_token = _Chunks(pages_per_chunk, pages_per_chunk * page_size, soft_cap, sliding_window)
     if decode_only:
-        m_l_acc = _by_token(geometry, qf, position, seq_pages[seq_idx])
+        _, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
     else:
-        m_l_acc = _by_query_block(geometry, qf, position, seq_idx, seq_pages, query_start_loc[-1],
-                                  min(query_block, num_tokens), seqs_per_block)
-    _, l, acc = m_l_acc
+        by_seq = _Chunks(seq_chunk_pages, seq_chunk_pages * page_size, soft_cap, sliding_window)
+        _, l, acc = _by_query_block(by_token, by_seq, gather, gather_seq, qf, position, seq_idx, seq_pages,
+                                    query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Geometry:
-    gather: Callable  # [T, P_c] page ids -> K and V as [T, P_c, page_size, K, H]
-    pages_per_chunk: int
-    chunk_len: int
+class _Chunks:
+    """Keys come in chunks of `pages` pages (`length` key positions); the online-softmax math."""
+
+    pages: int
+    length: int
     soft_cap: float | None
     sliding_window: int | None
 
-    def chunk_range(self, positions):
+    def range(self, positions):
         """Chunks holding a key visible to some of `positions` (-1: padding, sees nothing)."""
-        first, end = 0, (jnp.max(positions) + self.chunk_len) // self.chunk_len  # end 0 when all padding
+        first, end = 0, (jnp.max(positions) + self.length) // self.length  # end 0 when all padding
         if self.sliding_window is not None:  # chunks wholly before every token's window are skipped
             oldest = jnp.min(jnp.where(positions >= 0, positions - self.sliding_window + 1, jnp.iinfo(jnp.int32).max))
-            first = jnp.clip(oldest // self.chunk_len, 0, end)
+            first = jnp.clip(oldest // self.length, 0, end)
         return first, end
 
-    def visible(self, key_pos, positions):  # [C], [B] -> [B, C]
+    def visible(self, c, positions):  # chunk c's keys seen by each of `positions`: [B, C]
+        key_pos = c * self.length + jnp.arange(self.length, dtype=jnp.int32)
         out = key_pos[None, :] <= positions[:, None]
         if self.sliding_window is not None:
             out &= key_pos[None, :] > positions[:, None] - self.sliding_window
         return out
 
-    def chunk(self, pages, c):  # [B, all pages] -> K and V of chunk c, [B, C, K, H] float32
-        k, v = self.gather(jax.lax.dynamic_slice_in_dim(pages, c * self.pages_per_chunk, self.pages_per_chunk, axis=1))
-        shape = (pages.shape[0], self.chunk_len, *k.shape[-2:])
-        return k.reshape(shape).astype(jnp.float32), v.reshape(shape).astype(jnp.float32)
-
     def update(self, carry, s, visible, v, pv: str):
-        """One online-softmax step: scores s [B, K, G, C], visible [B, C], values v (`pv` contracts)."""
-        m, l, acc = carry  # [B, K, G], [B, K, G], [B, K, G, H]
+        """One online-softmax step: scores s [..., C], `visible` broadcast to s, values v (`pv` contracts)."""
+        m, l, acc = carry
         if self.soft_cap is not None:
             s = self.soft_cap * jnp.tanh(s / self.soft_cap)
-        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])  # exactly 0 where not visible
         correction = jnp.exp(m - m_new)
@@ -284,30 +298,32 @@ class _Geometry:
         return m_new, l * correction + jnp.sum(p, axis=-1), acc
 
 
-def _init(num_tokens, num_kv_heads, group, head_dim):
+def _init(*shape):  # (m, l, acc) of queries [*shape, H]
     # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
-    return (jnp.full((num_tokens, num_kv_heads, group), jnp.float32(-1e30)),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    return jnp.full(shape[:-1], jnp.float32(-1e30)), jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape, jnp.float32)
 
 
-def _by_token(geo: _Geometry, qf, position, pages):
+def _by_token(chunks: _Chunks, gather, qf, position, pages):
     """Each token reads its own copy of its sequence's keys: qf [B, K, G, H], position [B], pages [B, P]."""
 
     def chunk_step(c, carry):
-        k, v = geo.chunk(pages, c)  # [B, C, K, H]
-        visible = geo.visible(c * geo.chunk_len + jnp.arange(geo.chunk_len, dtype=jnp.int32), position)
+        k, v = gather(jax.lax.dynamic_slice_in_dim(pages, c * chunks.pages, chunks.pages, axis=1))
+        k = k.reshape(pages.shape[0], chunks.length, *k.shape[-2:]).astype(jnp.float32)  # [B, C, K, H]
+        v = v.reshape(k.shape).astype(jnp.float32)
+        visible = chunks.visible(c, position)  # [B, C]
         v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
-        return geo.update(carry, jnp.einsum("tkgh,tlkh->tkgl", qf, k), visible, v, "tkgl,tlkh->tkgh")
+        return chunks.update(carry, jnp.einsum("tkgh,tlkh->tkgl", qf, k), visible[:, None, None, :], v,
+                             "tkgl,tlkh->tkgh")
 
-    return jax.lax.fori_loop(*geo.chunk_range(position), chunk_step, _init(*qf.shape))
+    return jax.lax.fori_loop(*chunks.range(position), chunk_step, _init(*qf.shape))
 
 
-def _by_query_block(geo: _Geometry, qf, position, seq_idx, seq_pages, num_real, block, seqs_per_block):
-    """Blocks of `block` tokens in order. A block spanning at most `seqs_per_block` sequences reads
-    each of them once: that sequence's chunks up to its last token in the block, scored against the
-    whole block (other sequences' tokens masked). Blocks past the real tokens are skipped."""
-    num_tokens = qf.shape[0]
+def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, position, seq_idx, seq_pages,
+                    num_real, block, max_seqs):
+    """Blocks of `block` tokens in order; blocks past the real tokens are skipped. A block spanning
+    at most `max_seqs` sequences reads each once: its chunks up to its last token in the block,
+    scored against the whole block (the other sequences' tokens masked)."""
+    num_tokens, num_kv_heads, group, head_dim = qf.shape
     num_blocks = -(-num_tokens // block)
     pad = num_blocks * block - num_tokens
     qf = jnp.pad(qf, ((0, pad), (0, 0), (0, 0), (0, 0)))
@@ -315,34 +331,33 @@ def _by_query_block(geo: _Geometry, qf, position, seq_idx, seq_pages, num_real, 
     seq_idx = jnp.pad(seq_idx, (0, pad))
 
     def by_sequence(qb, pos_b, seq_b, first, last):
+        qk = jnp.moveaxis(qb, 1, 0)  # [K, B, G, H]: one matmul per KV head over the block's B * G rows
+
         def seq_step(s, carry):
             mine = jnp.where(seq_b == s, pos_b, -1)  # positions of s's tokens, -1 for the others
-            pages = seq_pages[s][None]  # [1, P]
 
             def chunk_step(c, carry):
-                k, v = geo.chunk(pages, c)  # [1, C, K, H]
-                visible = geo.visible(c * geo.chunk_len + jnp.arange(geo.chunk_len, dtype=jnp.int32), mine)
-                v = jnp.where(jnp.any(visible, axis=0)[:, None, None], v[0], 0.0)  # keys no token sees: 0
-                return geo.update(carry, jnp.einsum("bkgh,ckh->bkgc", qb, k[0]), visible, v, "bkgc,ckh->bkgh")
+                k, v = gather_seq(jax.lax.dynamic_slice_in_dim(seq_pages[s], c * by_seq.pages, by_seq.pages))
+                visible = by_seq.visible(c, mine)  # [B, C]
+                # Keys no token of the block sees may be stale or NaN: zero their values.
+                v = jnp.where(jnp.any(visible, axis=0)[:, None], v.astype(jnp.float32), 0.0)  # [K, C, H]
+                s_ = jnp.einsum("kbgh,kch->kbgc", qk, k.astype(jnp.float32))
+                return by_seq.update(carry, s_, visible[None, :, None, :], v, "kbgc,kch->kbgh")
 
-            return jax.lax.fori_loop(*geo.chunk_range(mine), chunk_step, carry)
+            return jax.lax.fori_loop(*by_seq.range(mine), chunk_step, carry)
 
-        return jax.lax.fori_loop(first, last + 1, seq_step, _init(*qb.shape))
+        m, l, acc = jax.lax.fori_loop(first, last + 1, seq_step, _init(*qk.shape))
+        return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
-    def by_token(qb, pos_b, seq_b, first, last):
-        return _by_token(geo, qb, pos_b, seq_pages[seq_b])
+    def per_token(qb, pos_b, seq_b, first, last):
+        return _by_token(by_token, gather, qb, pos_b, seq_pages[seq_b])
 
     def block_step(b, out):
-        m, l, acc = out
-        qb = jax.lax.dynamic_slice_in_dim(qf, b * block, block)
-        pos_b = jax.lax.dynamic_slice_in_dim(position, b * block, block)
-        seq_b = jax.lax.dynamic_slice_in_dim(seq_idx, b * block, block)
-        first = seq_b[0]  # a block that is processed starts with a real token; sequences ascend
+        qb, pos_b, seq_b = (jax.lax.dynamic_slice_in_dim(x, b * block, block) for x in (qf, position, seq_idx))
+        first = seq_b[0]  # a block that runs starts with a real token; sequences ascend
         last = jnp.max(jnp.where(pos_b >= 0, seq_b, first))
-        mb, lb, accb = jax.lax.cond(last - first < seqs_per_block, by_sequence, by_token, qb, pos_b, seq_b, first, last)
-        return (jax.lax.dynamic_update_slice_in_dim(m, mb, b * block, 0),
-                jax.lax.dynamic_update_slice_in_dim(l, lb, b * block, 0),
-                jax.lax.dynamic_update_slice_in_dim(acc, accb, b * block, 0))
+        done = jax.lax.cond(last - first < max_seqs, by_sequence, per_token, qb, pos_b, seq_b, first, last)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, b * block, 0) for x, y in zip(out, done))
 
     m, l, acc = jax.lax.fori_loop(0, (num_real + block - 1) // block, block_step, _init(*qf.shape))
     return m[:num_tokens], l[:num_tokens], acc[:num_tokens]
