@@ -51,9 +51,9 @@ def _from_buffer(q, k_pages, v_pages, *args, **kwargs):
 ATTENTION_FNS = {"reference": reference_paged_attention,
                  "chunked": functools.partial(chunked_paged_attention, pages_per_chunk=2),
                  "chunked-from-buffer": _from_buffer,
-                 # Query blocks of 4 tokens: blocks of one sequence and of two, the latter by token
-                 # (seqs_per_block=1, as blocks of decode tokens go) or by sequence (2); the last
-                 # block is padding only and skipped.
+                 # Query blocks of at most 4 tokens: the two decode rows as one by-token run, then
+                 # blocks finishing one sequence's tokens (max_seqs 1) or two (2), the last
+                 # one-token prompt as a run of its own; the padding tokens are never a block.
                  "chunked-blocks-of-4": functools.partial(chunked_paged_attention, pages_per_chunk=2,
                                                           query_blocks=QueryBlocks(4, 1, 2)),
                  "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_blocks=QueryBlocks(4, 2, 2))}
@@ -64,9 +64,9 @@ ATTENTION_FNS = {"reference": reference_paged_attention,
 def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_kv_heads, soft_cap):
     rng = np.random.default_rng(0)
     head_dim, num_pages, pages_per_seq = 16, 24, 5
-    # Sequences: a decode row, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
-    seq_lens = [9, 2 * page_size + 3, page_size, 1]
-    q_lens = [1, page_size + 1, page_size, 1]
+    # Sequences: two decode rows, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
+    seq_lens = [9, 6, 2 * page_size + 3, page_size, 1]
+    q_lens = [1, 1, page_size + 1, page_size, 1]
     scale = head_dim**-0.5
 
     k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)

@@ -1,4 +1,5 @@
-"""jaxpaged of one source tree on bench_vs_vllm's workloads (chat-greedy, w1-greedy, w1-t0.6): one JSON line.
+"""jaxpaged of one source tree on bench_vs_vllm's prefix-caching-off workloads (chat-greedy, w1-greedy,
+w1-t0.6, w2-cache-off), with bench_vs_vllm's engine (`max_model_len` 1024, caching off): one JSON line.
 
 Compares two commits on the same machine, e.g. main against a branch, alternating trees:
 
@@ -8,22 +9,23 @@ Compares two commits on the same machine, e.g. main against a branch, alternatin
     done
 
 Per workload: one warm-up call, then 3 timed `generate` calls (best reported), the 1-minute load
-before each, compiles after warm-up, and the first call's token ids (to check trees agree).
+before each, compiles after warm-up, and the first timed call's token ids (to check trees agree).
+W2 draws a fresh shared prefix per call, the same in both trees.
 """
 
 import json
 import sys
 
-from benchmarks.bench_vs_vllm import chat_workload, run_jaxpaged, w1_workloads
+from benchmarks.bench_vs_vllm import MAX_MODEL_LEN, chat_workload, run_jaxpaged, w1_workloads, w2_workload
 from jaxpaged import LLM
 
 
 def main() -> None:
-    llm = LLM(enable_prefix_caching=False)
+    llm = LLM(max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     result = {"tree": sys.argv[1] if len(sys.argv) > 1 else "."}
-    for workload in [chat_workload(llm.tokenizer), *w1_workloads()]:
-        run_jaxpaged(llm, workload)  # warm-up
-        runs = [run_jaxpaged(llm, workload) for _ in range(3)]
+    for workload in [chat_workload(llm.tokenizer), *w1_workloads(), w2_workload("w2-cache-off")]:
+        run_jaxpaged(llm, workload, 0)  # warm-up
+        runs = [run_jaxpaged(llm, workload, call) for call in (1, 2, 3)]
         tokens = runs[0]["token_ids"]
         result[workload.name] = {
             "out_tok_s_best": sum(map(len, tokens)) / min(r["wall_s"] for r in runs),

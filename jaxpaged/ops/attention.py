@@ -39,9 +39,9 @@ Pool = Float[Array, "num_kv_heads num_pages page_size head_dim"] | QuantizedKV
 class QueryBlocks:
     """How the CPU path splits a step that is not decode-only (`chunked_paged_attention`).
 
-    tokens: query tokens per block. max_seqs: a block spanning at most this many sequences reads
-    each of them once (a prompt chunk's blocks span one or two); more (a block of decode tokens),
-    each token reads its own. pages_per_chunk: pages of one sequence read and scored at a time.
+    tokens: query tokens per block (at most). max_seqs: a block finishes the tokens of at most this
+    many sequences, reading each of them once; a run of decode tokens is a block of its own, each
+    token reading its own keys. pages_per_chunk: pages of one sequence read and scored at a time.
     """
 
     tokens: int = 64
@@ -255,8 +255,8 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
         _, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
     else:
         by_seq = _Chunks(seq_chunk_pages, seq_chunk_pages * page_size, soft_cap, sliding_window)
-        _, l, acc = _by_query_block(by_token, by_seq, gather, gather_seq, qf, position, seq_idx, seq_pages,
-                                    query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
+        _, l, acc = _by_query_block(by_token, by_seq, gather, gather_seq, qf, position, seq_idx, q_len == 1,
+                                    seq_pages, query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
@@ -318,19 +318,24 @@ def _by_token(chunks: _Chunks, gather, qf, position, pages):
     return jax.lax.fori_loop(*chunks.range(position), chunk_step, _init(*qf.shape))
 
 
-def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, position, seq_idx, seq_pages,
+def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, position, seq_idx, single, seq_pages,
                     num_real, block, max_seqs):
-    """Blocks of `block` tokens in order; blocks past the real tokens are skipped. A block spanning
-    at most `max_seqs` sequences reads each once: its chunks up to its last token in the block,
-    scored against the whole block (the other sequences' tokens masked)."""
-    num_tokens, num_kv_heads, group, head_dim = qf.shape
-    num_blocks = -(-num_tokens // block)
-    pad = num_blocks * block - num_tokens
-    qf = jnp.pad(qf, ((0, pad), (0, 0), (0, 0), (0, 0)))
-    position = jnp.pad(position, (0, pad), constant_values=-1)
-    seq_idx = jnp.pad(seq_idx, (0, pad))
+    """Blocks of up to `block` tokens in order, each starting where the last one stopped:
 
-    def by_sequence(qb, pos_b, seq_b, first, last):
+      - a run of one-token sequences (decode tokens; `single`) goes by token;
+      - otherwise the block finishes the tokens of its first `max_seqs` sequences (up to `block`) and
+        reads each of those sequences once: its chunks up to its last token in the block, scored
+        against the whole block (the other sequences' tokens masked).
+
+    The block's tokens past where it stops are masked (they stay "nothing seen yet") and the next
+    block starts there.
+    """
+    num_tokens, num_kv_heads, group, head_dim = qf.shape
+    qf = jnp.pad(qf, ((0, block), (0, 0), (0, 0), (0, 0)))  # a block may start at any real token
+    position = jnp.pad(position, (0, block), constant_values=-1)
+    seq_idx, single = jnp.pad(seq_idx, (0, block)), jnp.pad(single, (0, block))
+
+    def by_sequence(qb, pos_b, seq_b):
         qk = jnp.moveaxis(qb, 1, 0)  # [K, B, G, H]: one matmul per KV head over the block's B * G rows
 
         def seq_step(s, carry):
@@ -346,18 +351,24 @@ def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, 
 
             return jax.lax.fori_loop(*by_seq.range(mine), chunk_step, carry)
 
-        m, l, acc = jax.lax.fori_loop(first, last + 1, seq_step, _init(*qk.shape))
+        last = jnp.max(jnp.where(pos_b >= 0, seq_b, seq_b[0]))
+        m, l, acc = jax.lax.fori_loop(seq_b[0], last + 1, seq_step, _init(*qk.shape))
         return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
-    def per_token(qb, pos_b, seq_b, first, last):
+    def per_token(qb, pos_b, seq_b):
         return _by_token(by_token, gather, qb, pos_b, seq_pages[seq_b])
 
-    def block_step(b, out):
-        qb, pos_b, seq_b = (jax.lax.dynamic_slice_in_dim(x, b * block, block) for x in (qf, position, seq_idx))
-        first = seq_b[0]  # a block that runs starts with a real token; sequences ascend
-        last = jnp.max(jnp.where(pos_b >= 0, seq_b, first))
-        done = jax.lax.cond(last - first < max_seqs, by_sequence, per_token, qb, pos_b, seq_b, first, last)
-        return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, b * block, 0) for x, y in zip(out, done))
+    def block_step(carry):
+        start, out = carry  # the token at `start` is real and not done
+        qb, pos_b, seq_b, single_b = (jax.lax.dynamic_slice_in_dim(x, start, block)
+                                      for x in (qf, position, seq_idx, single))
+        run = jnp.sum(jnp.cumprod((single_b & (pos_b >= 0)).astype(jnp.int32)))  # leading one-token sequences
+        first_seqs = jnp.sum((pos_b >= 0) & (seq_b < seq_b[0] + max_seqs))  # sequences ascend: a prefix
+        take = jnp.where(run > 0, run, first_seqs)
+        pos_b = jnp.where(jnp.arange(block) < take, pos_b, -1)
+        done = jax.lax.cond(run > 0, per_token, by_sequence, qb, pos_b, seq_b)
+        return start + take, tuple(jax.lax.dynamic_update_slice_in_dim(x, y, start, 0) for x, y in zip(out, done))
 
-    m, l, acc = jax.lax.fori_loop(0, (num_real + block - 1) // block, block_step, _init(*qf.shape))
+    _, (m, l, acc) = jax.lax.while_loop(lambda carry: carry[0] < num_real, block_step,
+                                        (jnp.int32(0), _init(num_tokens + block, num_kv_heads, group, head_dim)))
     return m[:num_tokens], l[:num_tokens], acc[:num_tokens]
