@@ -229,7 +229,7 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
     """Decode-only steps: every token gathers its own sequence's keys (`_by_token`, one token per
     sequence). Other steps go by query blocks (`_by_query_block`): a prompt chunk's tokens share one
     read of their sequence's keys, scored in one matmul. Gathering per token read every key once per
-    query token: 84% of a 1024-token prefill step on the CPU (benchmarks/peers/README.md)."""
+    query token: 87% of a 1024-token prefill step on the CPU (benchmarks/peers/README.md)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, pages_per_seq = block_tables.shape
     if num_heads % num_kv_heads:
