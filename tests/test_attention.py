@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.ops.attention import (
+    QueryBlocks,
     chunked_paged_attention,
     chunked_paged_attention_from_buffer,
     reference_paged_attention,
@@ -49,7 +50,13 @@ def _from_buffer(q, k_pages, v_pages, *args, **kwargs):
 
 ATTENTION_FNS = {"reference": reference_paged_attention,
                  "chunked": functools.partial(chunked_paged_attention, pages_per_chunk=2),
-                 "chunked-from-buffer": _from_buffer}
+                 "chunked-from-buffer": _from_buffer,
+                 # Query blocks of at most 4 tokens: the two decode rows as one by-token run, then
+                 # blocks finishing one sequence's tokens (max_seqs 1) or two (2), the last
+                 # one-token prompt as a run of its own; the padding tokens are never a block.
+                 "chunked-blocks-of-4": functools.partial(chunked_paged_attention, pages_per_chunk=2,
+                                                          query_blocks=QueryBlocks(4, 1, 2)),
+                 "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_blocks=QueryBlocks(4, 2, 2))}
 
 
 @pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))
@@ -57,9 +64,9 @@ ATTENTION_FNS = {"reference": reference_paged_attention,
 def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_kv_heads, soft_cap):
     rng = np.random.default_rng(0)
     head_dim, num_pages, pages_per_seq = 16, 24, 5
-    # Sequences: a decode row, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
-    seq_lens = [9, 2 * page_size + 3, page_size, 1]
-    q_lens = [1, page_size + 1, page_size, 1]
+    # Sequences: two decode rows, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
+    seq_lens = [9, 6, 2 * page_size + 3, page_size, 1]
+    q_lens = [1, 1, page_size + 1, page_size, 1]
     scale = head_dim**-0.5
 
     k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)
@@ -92,6 +99,34 @@ def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_
     expected = _naive(q, ks, vs, q_lens, seq_lens, scale, soft_cap)
     np.testing.assert_allclose(out[:num_real], expected, atol=2e-5, rtol=1e-5)
     assert np.all(out[num_real:] == 0), "padding tokens must give zeros"
+
+
+@pytest.mark.parametrize("from_buffer", [False, True])
+def test_decode_only_path_matches_naive(from_buffer):
+    """decode_only=True (the model's decode-bucket steps): one token per sequence, gathered per token."""
+    rng = np.random.default_rng(1)
+    page_size, num_heads, num_kv_heads, head_dim, num_pages, pages_per_seq = 4, 4, 2, 16, 16, 4
+    seq_lens = [1, 6, 13]
+    k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    block_tables = np.zeros((4, pages_per_seq), np.int32)  # one padding row
+    free, ks, vs = list(rng.permutation(np.arange(1, num_pages))), [], []
+    for i, n in enumerate(seq_lens):
+        k, v = (rng.standard_normal((n, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+        ks.append(k.astype(np.float64))
+        vs.append(v.astype(np.float64))
+        for p in range(-(-n // page_size)):
+            block_tables[i, p] = page_id = free.pop()
+            rows = slice(p * page_size, min(n, (p + 1) * page_size))
+            k_pages[:, page_id, : rows.stop - rows.start] = k[rows].transpose(1, 0, 2)
+            v_pages[:, page_id, : rows.stop - rows.start] = v[rows].transpose(1, 0, 2)
+    q = rng.standard_normal((4, num_heads, head_dim)).astype(np.float32)  # 3 real tokens + 1 padding
+    fn = _from_buffer if from_buffer else functools.partial(chunked_paged_attention, pages_per_chunk=2)
+    out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(block_tables),
+                        jnp.asarray(np.array([*seq_lens, 0], np.int32)), jnp.asarray(np.array([0, 1, 2, 3, 3], np.int32)),
+                        scale=0.25, decode_only=True))
+    np.testing.assert_allclose(out[:3], _naive(q, ks, vs, [1, 1, 1], seq_lens, 0.25, None), atol=2e-5, rtol=1e-5)
+    assert np.all(out[3] == 0)
 
 
 @pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))

@@ -22,8 +22,9 @@ import tempfile
 import time
 
 
-def classify(hlo_text: str, weight_dims: set[int]) -> dict[str, str]:
-    """HLO instruction name -> category, from its op_name metadata (the Flax module path) and shape."""
+def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False) -> dict[str, str]:
+    """HLO instruction name -> category, from its op_name metadata (the Flax module path) and shape.
+    `split_attention`: attention's page gather, its matmuls and the rest (masks, softmax) apart."""
     cats = {}
     for line in hlo_text.splitlines():
         m = re.match(r"\s+(?:ROOT )?%(\S+) = (.*)$", line)
@@ -36,7 +37,14 @@ def classify(hlo_text: str, weight_dims: set[int]) -> dict[str, str]:
         dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
         op_name = re.search(r'op_name="([^"]*)"', rest)
         op_name = op_name.group(1) if op_name else ""
-        if "/attn/while" in op_name:
+        if "/attn/while" in op_name and split_attention:
+            if "gather" in op_name or opcode == "gather":
+                cat = "attention: page gather"
+            elif "dot_general" in op_name:
+                cat = "attention: QK^T and PV matmuls"
+            else:
+                cat = "attention: masks, online softmax"
+        elif "/attn/while" in op_name:
             cat = "attention (page gather, softmax, PV)"
         elif "scatter" in name or "scatter" in op_name:
             cat = "KV write (scatter)"
@@ -76,11 +84,11 @@ def leaf_segments(events: list[tuple[int, int, str]]) -> list[tuple[int, int, st
     return [s for s in out if s[1] > s[0]]
 
 
-def trace_breakdown(runner, step_input, num_steps: int, weight_dims: set[int]) -> dict:
+def trace_breakdown(runner, step_input, num_steps: int, weight_dims: set[int], split_attention: bool = False) -> dict:
     import jax
     from jax.profiler import ProfileData
 
-    cats = classify(runner.trace_step(step_input).lower().compile().as_text(), weight_dims)
+    cats = classify(runner.trace_step(step_input).lower().compile().as_text(), weight_dims, split_attention)
     trace_dir = tempfile.mkdtemp(prefix="jaxpaged_decode_trace_")
     jax.profiler.start_trace(trace_dir)
     t0 = time.perf_counter()
