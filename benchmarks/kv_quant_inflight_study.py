@@ -128,7 +128,7 @@ def fake_quantized(variant: Variant, centres=None, rms=None):
         llama.write_kv, llama.Attention = write_kv, attention
 
 
-def run_rows(rows: dict, argv=None, calibration=lambda: {}) -> dict:
+def run_rows(rows: dict, argv=None, calibration=dict) -> dict:
     """kv_quant_accuracy.py's measurement of `rows` (name -> Variant) besides its own; `calibration()`
     gives `fake_quantized`'s keyword arguments."""
     parser = argparse.ArgumentParser()

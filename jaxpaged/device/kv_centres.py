@@ -47,10 +47,9 @@ def calibration_token_ids(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(CALIBRATION_SEED).integers(0, vocab_size, CALIBRATION_NUM_TOKENS, dtype=np.int32)
 
 
-def calibration_kv(config: ModelConfig, params, reduce=lambda kv: kv
-                   ) -> Float[Array, "num_layers 2 num_kv_heads tokens head_dim"]:
-    """The model's own post-RoPE K/V (float32) on the calibration tokens, position 0 (the sink) left
-    out, passed through `reduce` in the same program.
+def calibration_kv(config: ModelConfig, params, reduce=lambda kv: kv) -> Float[Array, "num_layers 2 num_kv_heads ..."]:
+    """The model's own post-RoPE K/V `[num_layers, 2, num_kv_heads, tokens, head_dim]` (float32) on the
+    calibration tokens, position 0 (the sink) left out, passed through `reduce` in the same program.
 
     `params` as the runner serves them (stacked or one tree per layer; placed for tensor
     parallelism, where `config` is the model as the devices see it)."""
