@@ -1,6 +1,6 @@
 """Study: static per-channel centring of K/V (device/kv_centres.py) on a fake-quantized float32 cache.
 
-    PYTHONPATH=$PWD python benchmarks/kv_quant_centring_study.py [--out FILE.json]
+    PYTHONPATH=$PWD python benchmarks/kv_quant_centring_study.py [--rows ROW ...] [--out FILE.json]
 
 Each row runs the model on an "auto" float32 cache whose written K/V are replaced by what a
 quantized page would give back: `fake_quantize(x - mu) + mu` (int8 in the Hadamard basis, fp8

@@ -1,6 +1,6 @@
 """Study: what if attention read the step's own K/V in full precision (only earlier context quantized)?
 
-    PYTHONPATH=$PWD python benchmarks/kv_quant_inflight_study.py [--out FILE.json]
+    PYTHONPATH=$PWD python benchmarks/kv_quant_inflight_study.py [--rows ROW ...] [--out FILE.json]
 
 Today every backend attends to the pages the step has just written, so a prefill chunk's tokens see
 each other's K/V quantized (as vLLM V1's FlashAttention backend does: `reshape_and_cache_flash`, then
