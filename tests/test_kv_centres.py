@@ -15,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from test_model_runner import TINY, _Pages, _run, _runner, make_seq, tiny_params  # noqa: F401 (fixture)
 
-from jaxpaged.device.kv_centres import CALIBRATION_NUM_TOKENS, calibrate_kv_centres, calibration_token_ids
+from jaxpaged.device.kv_centres import (
+    CALIBRATION_NUM_TOKENS,
+    calibrate_kv_centres,
+    calibration_kv,
+    calibration_token_ids,
+)
 from jaxpaged.models.llama import apply_rope, rope_inv_freq
 
 
@@ -64,6 +69,11 @@ def test_calibration_is_the_mean_of_the_models_own_kv(tiny_params):
     k = np.asarray(apply_rope(jnp.asarray(k), jnp.cos(angles), jnp.sin(angles)))
     np.testing.assert_allclose(centres[0, 0], k[1:].mean(0), atol=1e-5)
     np.testing.assert_allclose(centres[0, 1], v[1:].mean(0), atol=1e-5)
+    # calibration_kv (the studies' K/V) is the same K/V token by token, head-major, position 0 left out.
+    kv = np.asarray(calibration_kv(TINY, tiny_params))
+    assert kv.shape == (TINY.num_layers, 2, TINY.num_kv_heads, CALIBRATION_NUM_TOKENS - 1, TINY.head_dim)
+    np.testing.assert_allclose(kv[0, 0], k[1:].transpose(1, 0, 2), atol=1e-5)
+    np.testing.assert_allclose(kv[0, 1], v[1:].transpose(1, 0, 2), atol=1e-5)
     assert np.abs(centres[1]).max() > 0  # every layer calibrated
     # Soft-capped scores are not shift-invariant: there K is not centred, V still is.
     capped = calibrate_kv_centres(dataclasses.replace(TINY, attn_soft_cap=50.0), tiny_params, "int8")

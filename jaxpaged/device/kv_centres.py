@@ -47,16 +47,12 @@ def calibration_token_ids(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(CALIBRATION_SEED).integers(0, vocab_size, CALIBRATION_NUM_TOKENS, dtype=np.int32)
 
 
-def calibrate_kv_centres(config: ModelConfig, params, kv_cache_dtype: str, *, abstract: bool = False
-                         ) -> Float[Array, "num_layers 2 num_kv_heads head_dim"] | None:
-    """The centres for a `kv_cache_dtype` cache (float32); None for one not in CENTRED_DTYPES.
+def calibration_kv(config: ModelConfig, params, reduce=lambda kv: kv) -> Float[Array, "num_layers 2 num_kv_heads ..."]:
+    """The model's own post-RoPE K/V `[num_layers, 2, num_kv_heads, tokens, head_dim]` (float32) on the
+    calibration tokens, position 0 (the sink) left out, passed through `reduce` in the same program.
 
     `params` as the runner serves them (stacked or one tree per layer; placed for tensor
-    parallelism, where `config` is the model as the devices see it). `abstract`: params are
-    jax.ShapeDtypeStructs (a compile-only runner) and so is the result."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype not in CENTRED_DTYPES:
-        return None
+    parallelism, where `config` is the model as the devices see it)."""
     c, num_tokens = config, CALIBRATION_NUM_TOKENS
     num_pages = num_tokens // _PAGE_SIZE
     # Pages 1..num_pages hold the sequence (page 0 is the padding page); [L, 2, K, 1 + P, ps, H].
@@ -69,11 +65,24 @@ def calibrate_kv_centres(config: ModelConfig, params, kv_cache_dtype: str, *, ab
             jnp.arange(1, 1 + num_pages, dtype=jnp.int32)[None], jnp.array([num_tokens], jnp.int32),
             jnp.array([0, num_tokens], jnp.int32), jnp.array([num_tokens - 1], jnp.int32))
         kv = kv_pages[:, :, :, 1:].reshape(c.num_layers, 2, c.num_kv_heads, num_tokens, c.head_dim)
-        return kv[:, :, :, 1:].astype(jnp.float32).mean(axis=3)  # position 0 (the sink) skipped
+        return reduce(kv[:, :, :, 1:].astype(jnp.float32))  # position 0 (the sink) left out
 
+    return jax.jit(forward)(params, kv_pages, jnp.asarray(calibration_token_ids(c.vocab_size)))
+
+
+def calibrate_kv_centres(config: ModelConfig, params, kv_cache_dtype: str, *, abstract: bool = False
+                         ) -> Float[Array, "num_layers 2 num_kv_heads head_dim"] | None:
+    """The centres for a `kv_cache_dtype` cache (float32); None for one not in CENTRED_DTYPES.
+
+    `params` as for `calibration_kv`. `abstract`: params are jax.ShapeDtypeStructs (a compile-only
+    runner) and so is the result."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype not in CENTRED_DTYPES:
+        return None
+    c = config
     if abstract:
         return jax.ShapeDtypeStruct((c.num_layers, 2, c.num_kv_heads, c.head_dim), jnp.float32)
-    centres = jax.jit(forward)(params, kv_pages, jnp.asarray(calibration_token_ids(c.vocab_size)))
+    centres = calibration_kv(config, params, lambda kv: kv.mean(axis=3))
     if c.attn_soft_cap is not None:  # soft-capped scores are not shift-invariant: mu_k = 0
         centres = centres.at[:, 0].set(0.0)
     return centres
