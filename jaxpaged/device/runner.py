@@ -173,8 +173,9 @@ class ModelRunner:
         # The previous step's sampled tokens, as the sampler returns them padded to this many rows:
         # a decode whose input token is still on the device reads it from there (asynchronous stepping).
         self.num_prev_token_rows = max_num_seqs
+        self._placed = self.tp.replicated if self.tp is not None else jax.devices()[0]  # jit keys on it: warm up as outputs are
         self._no_prev_tokens = (self._abstract(jax.ShapeDtypeStruct((self.num_prev_token_rows,), jnp.int32))
-                                if self.abstract else jnp.zeros(self.num_prev_token_rows, jnp.int32))
+                                if self.abstract else jax.device_put(jnp.zeros(self.num_prev_token_rows, jnp.int32), self._placed))
         if self.per_layer_weights and platform != "cpu":
             # Unrolled, XLA's rematerialisation sees each layer's in-place KV write as a new pool: off.
             step_shardings = dict(step_shardings, compiler_options={"xla_gpu_memory_limit_slop_factor": 1000})
@@ -308,9 +309,8 @@ class ModelRunner:
         return jax.device_put(tree, self.tp.replicated)
 
     def zeros_logits(self, num_rows: int) -> Float[Array, "num_rows vocab_size"]:
-        """Zero logits placed as `execute` returns them (the engine warms its sampler up on these)."""
-        logits = jnp.zeros((num_rows, self.config.vocab_size), jnp.float32)
-        return logits if self.tp is None else jax.device_put(logits, self.tp.replicated)
+        """Zero logits placed (committed) as `execute` returns them (the engine warms its sampler up on these)."""
+        return jax.device_put(jnp.zeros((num_rows, self.config.vocab_size), jnp.float32), self._placed)
 
     @property
     def num_step_programs(self) -> int:
