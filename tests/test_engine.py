@@ -100,6 +100,9 @@ def test_greedy_batch_equals_hugging_face(llm, prompts, hf_greedy):
     for i, (g, want) in enumerate(zip(got, hf_greedy)):
         assert g == want, f"prompt {i} ({QUESTIONS[i]!r}) diverges at token {next(j for j, (a, b) in enumerate(zip(g, want)) if a != b)}"
     assert llm.stats()["num_compiles"] == llm.engine.runner.num_step_programs, "a step compiled after warm-up"
+    # jit also compiles again, without tracing, for an input placed differently from warm-up's (the
+    # sampler's committed tokens fed back to the next step): its cache holds one program per bucket.
+    assert llm.engine.runner._step._cache_size() == llm.engine.runner.num_step_programs, "a step compiled again"
     assert_no_leak(llm)
 
 

@@ -13,6 +13,7 @@ there the model calls the backend's decode kernel (if it has one) instead of the
 """
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -141,6 +142,9 @@ class ModelRunner:
             raise ValueError(f"decode buckets {self.decode_buckets} must lie in [1, {max_num_seqs=}]")
         # "auto": one float array; "int8" / "float8_e4m3fn": QuantizedKV(pages, scales), every leaf
         # with page axis 3 (jaxpaged/ops/kv_quant.py). Either way it is the donated step state.
+        # Every device input committed (jit keys its cache on it): warm-up's programs are then serving's.
+        self.placement = self.tp.replicated if self.tp is not None else jax.devices()[0]
+        self.zeros_on_device = functools.partial(jnp.zeros, device=self.placement)
         if self.abstract:  # compile-only: shapes and the params' sharding, no memory
             if self.tp is not None:
                 raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
@@ -151,7 +155,7 @@ class ModelRunner:
             step_shardings = copy_shardings = {}
         elif self.tp is None:
             self._serve(self._to_device(params))
-            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)
+            self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.zeros_on_device)
             step_shardings = copy_shardings = {}
         else:
             self._serve(self._to_device(params))
@@ -168,13 +172,11 @@ class ModelRunner:
         # pairs (the scheduler copies at most one page per sequence per step): most steps have
         # no copies and pay nothing, and StepInput stays the DESIGN.md contract.
         self.max_num_copies = max_num_seqs
-        self.num_compiles = 0  # traces of the step function: each one is a compilation
-        self.num_copy_compiles = 0  # the same for the page-copy function
+        self.num_compiles, self.num_copy_compiles = 0, 0  # traces of the step / page-copy functions
         # The previous step's sampled tokens, as the sampler returns them padded to this many rows:
         # a decode whose input token is still on the device reads it from there (asynchronous stepping).
         self.num_prev_token_rows = max_num_seqs
-        self._no_prev_tokens = (self._abstract(jax.ShapeDtypeStruct((self.num_prev_token_rows,), jnp.int32))
-                                if self.abstract else jnp.zeros(self.num_prev_token_rows, jnp.int32))
+        self._no_prev_tokens = self._abstract(jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)) if self.abstract else self.zeros_on_device(max_num_seqs, jnp.int32)
         if self.per_layer_weights and platform != "cpu":
             # Unrolled, XLA's rematerialisation sees each layer's in-place KV write as a new pool: off.
             step_shardings = dict(step_shardings, compiler_options={"xla_gpu_memory_limit_slop_factor": 1000})
@@ -280,10 +282,9 @@ class ModelRunner:
         if self.abstract:
             raise ValueError("this runner is compile-only (abstract params): use trace_step, or give real params")
         packed, layout = pack_step_input(step_input)
-        if prev_tokens is None:
-            prev_tokens = self._no_prev_tokens
+        prev_tokens = jax.device_put(self._no_prev_tokens if prev_tokens is None else prev_tokens, self.placement)
         if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
-            packed, prev_tokens = self._place_replicated((packed, prev_tokens))
+            packed = self._place_replicated(packed)
         logits, self.kv_pages = self._step(
             self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, layout=layout, decode_only=step_input.decode_only)
         return logits
@@ -308,9 +309,8 @@ class ModelRunner:
         return jax.device_put(tree, self.tp.replicated)
 
     def zeros_logits(self, num_rows: int) -> Float[Array, "num_rows vocab_size"]:
-        """Zero logits placed as `execute` returns them (the engine warms its sampler up on these)."""
-        logits = jnp.zeros((num_rows, self.config.vocab_size), jnp.float32)
-        return logits if self.tp is None else jax.device_put(logits, self.tp.replicated)
+        """Zero logits placed (committed) as `execute` returns them (the engine warms its sampler up on these)."""
+        return self.zeros_on_device((num_rows, self.config.vocab_size), jnp.float32)
 
     @property
     def num_step_programs(self) -> int:

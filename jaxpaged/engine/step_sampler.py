@@ -43,7 +43,7 @@ class StepSampler:
         self.runner, self.logprobs_mode = runner, logprobs_mode
         # One slot per running sequence is enough; twice that leaves room for the fan-out rows of a
         # step whose children are not yet running.
-        place = None if runner.tp is None else (lambda tree: jax.device_put(tree, runner.tp.replicated))
+        place = lambda tree: jax.device_put(tree, runner.placement)  # committed as the logits are: jit keys on it
         self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
 
     def sample(self, out, logits, owner, beam_owner, step_mask_fn=None,

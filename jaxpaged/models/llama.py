@@ -180,7 +180,10 @@ class Attention(nn.Module):
             out = rotate(out)  # back from the Hadamard basis: H is its own inverse
         if kv_centres is not None:  # the weights sum to 1: + mu_v restores sum_j p_j v_j (query head -> its KV head)
             out = (out.astype(jnp.float32) + jnp.repeat(centre[1], n // k, axis=0)).astype(out.dtype)
-        y = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), self.param("o_proj", _init, (n, h, dim), self.dtype))
+        # One plain [T, N*H] x [N*H, D] matmul (both reshapes are free). The einsum "TNH,NHD->TD" let XLA
+        # contract (H, N) in that order: the CPU program transposed o_proj (and the activations) every layer.
+        o_proj = self.param("o_proj", _init, (n, h, dim), self.dtype)
+        y = jnp.einsum("TM,MD->TD", out.astype(self.dtype).reshape(-1, n * h), o_proj.reshape(n * h, dim))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
         return y, kv_pages
