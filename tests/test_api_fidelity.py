@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from compile_watch import backend_compiles
 from jaxpaged.config import EngineConfig
 from jaxpaged.entrypoints.cli import build_parser
 from test_llm_inputs import tiny_llm
@@ -72,8 +73,10 @@ def test_beam_search_compiles_nothing_after_warm_up():
 
     llm = tiny_llm(warmup=True)
     compiled_steps, compiled_top_k = llm.stats()["num_compiles"], beam_candidates._cache_size()
-    for width in (2, 3):
-        beams = llm.beam_search("Hello there", BeamSearchParams(width, max_tokens=4))[0].beams
-        assert len(beams) == width
+    with backend_compiles() as compiled:  # every executable built, traced or not
+        for width in (2, 3):
+            beams = llm.beam_search("Hello there", BeamSearchParams(width, max_tokens=4))[0].beams
+            assert len(beams) == width
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     assert beam_candidates._cache_size() == compiled_top_k, "the beam top-k compiled after warm-up"
     assert llm.stats()["num_compiles"] == compiled_steps

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from compile_watch import backend_compiles
 from jaxpaged import LLM, SamplingParams
 
 QUESTIONS = [
@@ -96,7 +97,9 @@ def _greedy_tokens(llm, prompts, params=GREEDY):
 
 
 def test_greedy_batch_equals_hugging_face(llm, prompts, hf_greedy):
-    got = _greedy_tokens(llm, prompts)
+    with backend_compiles() as compiled:  # every executable built, traced or not
+        got = _greedy_tokens(llm, prompts)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     for i, (g, want) in enumerate(zip(got, hf_greedy)):
         assert g == want, f"prompt {i} ({QUESTIONS[i]!r}) diverges at token {next(j for j, (a, b) in enumerate(zip(g, want)) if a != b)}"
     assert llm.stats()["num_compiles"] == llm.engine.runner.num_step_programs, "a step compiled after warm-up"
@@ -258,8 +261,9 @@ def test_update_params_changes_outputs_without_recompiling(llm, prompts):
     scaled = jax.tree.map(lambda x: x * 0.5 if x.ndim >= 2 else x, params)
     llm.update_params(scaled)
     try:
-        changed = _greedy_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        assert changed != base
+        with backend_compiles() as compiled:
+            changed = _greedy_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert changed != base and compiled == [], compiled
         assert llm.stats()["num_compiles"] == compiles
     finally:
         llm.update_params(params)

@@ -210,19 +210,12 @@ def test_bad_values_are_value_errors_and_the_engine_keeps_serving(llm):
 def test_no_compilation_after_warmup_with_every_feature_mixed_in_a_batch():
     """Logprobs, prompt logprobs, penalties, bias, allowed ids, n > 1 and plain rows in one batch,
     then steps without any of them: the warmed-up engine compiles nothing more."""
-    import jax
+    from compile_watch import backend_compiles
     from test_async_engine import run
     from tp_fixtures import TINY, make_engine, prompts, tiny_params
 
     engine = make_engine(tiny_params(), warmup=True)
-    compiles = []
-
-    def on_event(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with backend_compiles() as compiles:  # every executable built, traced or not
         p = prompts()
         mixed = [
             (p[4], SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)),
@@ -234,8 +227,6 @@ def test_no_compilation_after_warmup_with_every_feature_mixed_in_a_batch():
         ]
         _, outs = run(engine, mixed)
         _, plain = run(engine, [(q, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)) for q in p[:4]])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
     assert len(outs[0].prompt_logprobs) == len(p[4]) and len(outs[0].outputs[0].logprobs) == 6
     assert all(t < 100 for t in outs[2].outputs[0].token_ids) and all(o.outputs[0].logprobs is None for o in plain)

@@ -6,6 +6,7 @@ Oracles: the engine without speculation (greedy token identity), the exact targe
 import numpy as np
 import pytest
 
+from compile_watch import backend_compiles
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchParams
 from jaxpaged.planner.request import SamplingParams
@@ -98,8 +99,10 @@ def test_greedy_identical_to_plain(params, k, mode):
     expected, plain_steps = _PLAIN[mode]
     spec = make_engine(params, **_engine_args(mode), speculative_config={**NGRAM, "num_speculative_tokens": k})
     num_compiles = spec.stats()["num_compiles"]
-    got = [o.outputs[0].token_ids for o in _run(spec, prompts, [_greedy()] * len(prompts))]
+    with backend_compiles() as compiled:  # every executable built, traced or not
+        got = [o.outputs[0].token_ids for o in _run(spec, prompts, [_greedy()] * len(prompts))]
     assert got == expected
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     stats = spec.stats()
     assert stats["num_compiles"] == num_compiles  # verification buckets were warmed
     assert stats["num_used_pages"] == 0 and stats["num_waiting"] == 0  # nothing leaked

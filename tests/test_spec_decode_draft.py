@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from compile_watch import backend_compiles
 from jaxpaged.config import EngineConfig
 from jaxpaged.planner.request import SamplingParams
 from test_spec_decode import _PLAIN, NUM_DRAWS, SMALL_VOCAB, _engine_args, _greedy, _prompts, _run, _tv
@@ -33,23 +34,6 @@ def models():
     return params, (DRAFT, draft)
 
 
-class _Compiles:
-    """Counts JAX compilations (every jitted program, the draft's and the verifier's included)."""
-
-    def __enter__(self):
-        self._log = jax.log_compiles(True)  # the log names each program compiled
-        self._log.__enter__()
-        self.events = []
-        self._listener = lambda event, duration, **kw: (
-            self.events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
-        self._log.__exit__(*exc)
-
-
 CASES = [(2, "swap"), (3, "recompute"), (5, "roomy")]
 SLOW_CASES = [(k, m) for m in ("roomy", "recompute", "swap") for k in range(1, 6) if (k, m) not in CASES]
 
@@ -67,13 +51,13 @@ def test_draft_model_greedy_identical_to_plain(models, k, mode):
                         plain.stats()["num_steps"])  # shared with test_spec_decode.py
     expected = _PLAIN[mode][0]
     spec = make_engine(params, **_engine_args(mode), speculative_config=draft_config(k), draft_model=draft)
-    with _Compiles() as compiles:
+    with backend_compiles() as compiled:
         got = [o.outputs[0].token_ids for o in _run(spec, prompts, [_greedy()] * len(prompts))]
         again = _run(spec, prompts[:1], [_greedy(max_tokens=12)])[0].outputs[0].token_ids
     assert got == expected
     assert again == expected[0][:12]
     stats = spec.stats()
-    assert compiles.events == []
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     assert stats["num_used_pages"] == 0 and stats["num_waiting"] == 0
     if mode == "roomy":  # a tight pool has evicted the first run's pages by then
         assert stats["prefix_hit_tokens"] >= 16
@@ -135,10 +119,10 @@ def test_draft_model_sampled_reproducible_no_leaks(models):
     prompts = _prompts()
     sp = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=20, seed=s, ignore_eos=True,
                          n=2 if s == 1 else 1) for s in range(len(prompts))]
-    with _Compiles() as compiles:
+    with backend_compiles() as compiled:
         batch = _run(spec, prompts, sp)
         alone = _run(spec, [prompts[1]], [sp[1]])[0]
-    assert compiles.events == []
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in batch[1].outputs]
     assert all(len(c.token_ids) == 20 for out in batch for c in out.outputs)
     stats = spec.stats()

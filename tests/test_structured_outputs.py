@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
+from compile_watch import backend_compiles
 from tiny_checkpoint import write_tiny_checkpoint
 
 SCHEMAS = json.load(open(os.path.join(os.path.dirname(__file__), "data", "json_schemas.json")))
@@ -84,11 +85,13 @@ def test_zero_compiles_after_warmup_with_mixed_rows(llm):
     counts0 = (state.num_forced_puts, state.num_redraws) if state is not None else (0, 0)
     schema = SCHEMAS[0]
     # Rows drawn first (greedy, n = 3 at a temperature) beside a top-k row masked first and a free row.
-    llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
-                                            _json_params(schema, temperature=0.9, seed=3, n=3),
-                                            _json_params(schema, temperature=0.8, top_k=5, seed=4)])
-    llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
+    with backend_compiles() as compiled:  # every executable built, traced or not (a placement miss is not)
+        llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
+                                                _json_params(schema, temperature=0.9, seed=3, n=3),
+                                                _json_params(schema, temperature=0.8, top_k=5, seed=4)])
+        llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
     assert _num_compiles(llm) == before
+    assert compiled == [], f"compiled after warm-up: {compiled}"
     state = _engine(llm).structured.state  # both fixes of rejected rows ran: forced tokens put in, a redraw
     assert state.num_forced_puts > counts0[0] and state.num_redraws > counts0[1]
 

@@ -170,8 +170,8 @@ class DraftModelProposer:
             for with_probs in (False, True):
                 jax.block_until_ready(draft_sample(logits, arrays, num_out=self.runner.num_prev_token_rows,
                                                    with_probs=with_probs))
-        q = jnp.zeros((self.runner.num_prev_token_rows, self.runner.config.vocab_size), jnp.float32)
-        jax.block_until_ready(_stack(*[q] * self.k))
+        q = self.runner.zeros_on_device((self.runner.num_prev_token_rows, self.runner.config.vocab_size), jnp.float32)
+        jax.block_until_ready(_stack(*[q] * self.k))  # committed as draft_sample's probabilities are
 
     @property
     def num_compiles(self) -> int:

@@ -282,7 +282,8 @@ class Speculator:
             arrays = make_verify_arrays([(0, [1], 1.0, 2, 0.9, 0.0, 0, 0)], min(self.max_num_seqs, width), self.k)
             qs = [None]
             if self.draft is not None:  # the variants with the draft's distributions (None: all greedy)
-                qs.append(jnp.full((self.max_num_seqs, self.k, logits.shape[-1]), 1.0 / logits.shape[-1], jnp.float32))
+                qs.append(jnp.full((self.max_num_seqs, self.k, logits.shape[-1]), 1.0 / logits.shape[-1], jnp.float32,
+                                   device=runner.placement))  # committed as the draft's stack is: jit keys on it
             for q in qs:
                 for greedy_only in (False, True):
                     jax.block_until_ready(verify(logits, arrays, draft_probs=q, greedy_only=greedy_only))
