@@ -24,10 +24,12 @@ decoding together, greedy and at temperature 1), two ways side by side, each twi
     sample first    the engine's way for greedy / plain-temperature rows (structured/matchers.py):
                     draw, check the token (the forced token where the grammar forces one, else
                     validate_tokens, or a bit of the mask filled ahead for temperature rows), put
-                    in the forced token of a rejected forced row, mask and redraw the other
-                    rejected rows
+                    in the forced token of a rejected forced row or the first allowed of a
+                    rejected row's candidates, mask and redraw the rows with neither
     first, lazy masks   the same with masks_ahead off: a rejected temperature row's mask is
                     computed after the draw, on the engine thread, as greedy rows' always are
+    first, no candidates    sample first with candidates off: every rejected row the grammar does
+                    not force is redrawn on the device (the way before candidates)
 
 Per step: the engine thread's host ms of structured work (step_mask(), prefetch(), checking and the
 redraw's dispatch; not the wait for the device's first draw) and, of it, the wait for the mask
@@ -147,10 +149,10 @@ def run_first(num_rows: int, steps: int, tokenizer, compiler, rng, gap_ms: float
         cpu_times.append((time.process_time() - cpu0 - untimed) * 1e3)
         for r, seq in enumerate(seqs):
             token = int(drawn[r])
-            if fix is not None and fix.mask is None:  # only forced rows rejected: their tokens
-                token = int(fix.tokens[r])
-            elif fix is not None and fix.rejected[r]:
+            if fix is not None and fix.mask is not None and fix.rejected[r]:  # the device's redraw
                 token = int(rng.choice(np.flatnonzero(np.unpackbits(fix.mask[r].view(np.uint8), bitorder="little")[:vocab])))
+            elif fix is not None:  # a forced token put in (no candidates here), or the token drawn
+                token = int(fix.tokens[r])
             if token == eos:
                 seq.status = SequenceStatus.FINISHED
                 state.release({"r"})
@@ -188,17 +190,20 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
           "masks), dispatch (the redraw's arrays and call); rmask: of check, the rejected free rows' masks")
     print("cpu ms: the process's CPU ms per step, every thread; worker: the mask worker's wall ms per step (its thread)")
     print("rej f/free: rejected rows per step the grammar forces / does not force; lazy: of the free ones, masks "
-          "computed in check; redraws / puts: share of steps with a device redraw / with forced tokens put in")
+          "computed in check; redraws / puts: share of steps with a device redraw / with every rejected row fixed "
+          "on the host (forced tokens, candidates); cand: rejected free rows per step that took a candidate")
     print(f"{'way':>27} {'steps':>6} {'step ms':>8} {'cpu ms':>7} {'worker':>7} {'host ms':>8} {'(wait)':>7} {'mask':>6} "
           f"{'pref':>6} {'check':>6} {'disp':>6} {'rmask':>6} {'rejected':>9} {'forced':>7} {'checked':>8} {'masked':>7} "
-          f"{'rej f/free':>10} {'lazy':>5} {'redraws':>7} {'puts':>5}")
-    ways = (("always masked", False, True), ("first, lazy masks", True, False), ("sample first", True, True))
+          f"{'rej f/free':>10} {'lazy':>5} {'redraws':>7} {'puts':>5} {'cand':>5}")
+    ways = (("always masked", False, True, True), ("first, lazy masks", True, False, True),
+            ("first, no candidates", True, True, False), ("sample first", True, True, True))
     results = []
     for temperature in temperatures:
-        for way, sample_first, masks_ahead in ways + ways[::-1]:
-            state.sample_first, state.masks_ahead = sample_first, masks_ahead
+        for way, sample_first, masks_ahead, candidates in ways + ways[::-1]:
+            state.sample_first, state.masks_ahead, state.candidates = sample_first, masks_ahead, candidates
             counters = ("num_rows_ahead", "num_rows_now", "num_rows_checked", "num_rows_rejected", "num_rows_forced",
-                        "num_rows_rejected_forced", "num_redraws", "num_forced_puts", "num_rows_rejected_lazy")
+                        "num_rows_rejected_forced", "num_redraws", "num_puts", "num_rows_rejected_lazy",
+                        "num_rows_candidate")
             before, steps0 = dict(state.seconds), engine.stats()["num_steps"]
             counts0 = [getattr(state, c) for c in counters]
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -206,7 +211,7 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             steps = engine.stats()["num_steps"] - steps0
             per = {k: (state.seconds[k] - before[k]) * 1e3 / steps for k in before}
-            ahead, now, checked, rejected, forced, rejected_forced, redraws, puts, lazy = (
+            ahead, now, checked, rejected, forced, rejected_forced, redraws, puts, lazy, taken = (
                 getattr(state, c) - c0 for c, c0 in zip(counters, counts0))
             rows = ahead + now + checked + forced  # constrained rows drawn
             host = per["bitmask"] + per["prefetch"] + per["redraw"]
@@ -217,7 +222,8 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                    "redraw_dispatch_ms": per["redraw"] - per["check"], "reject_masks_ms": per["reject_masks"],
                    "rejected_forced_per_step": rejected_forced / steps,
                    "rejected_free_per_step": (rejected - rejected_forced) / steps, "redraws_per_step": redraws / steps,
-                   "forced_puts_per_step": puts / steps, "rejected_lazy_per_step": lazy / steps,
+                   "puts_per_step": puts / steps, "rejected_lazy_per_step": lazy / steps,
+                   "candidates_taken_per_step": taken / steps,
                    "rejected_share": rejected / max(rows, 1), "forced_share": forced / max(rows, 1),
                    "checked_share": checked / max(rows, 1), "masked_share": (ahead + now) / max(rows, 1),
                    "constrained_rows_per_step": rows / steps, "load": os.getloadavg()[0]}
@@ -228,8 +234,8 @@ def run_engine(num_requests: int, max_tokens: int, out_path: str | None = None,
                   f"{row['redraw_dispatch_ms']:>6.2f} {per['reject_masks']:>6.2f} {row['rejected_share']:>9.1%} "
                   f"{row['forced_share']:>7.1%} {row['checked_share']:>8.1%} {row['masked_share']:>7.1%} "
                   f"{row['rejected_forced_per_step']:>4.1f}/{row['rejected_free_per_step']:<5.1f} {lazy / steps:>5.1f} "
-                  f"{redraws / steps:>7.2f} {puts / steps:>5.2f}")
-    state.sample_first = state.masks_ahead = True
+                  f"{redraws / steps:>7.2f} {puts / steps:>5.2f} {taken / steps:>5.1f}")
+    state.sample_first = state.masks_ahead = state.candidates = True
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"benchmark": "bench_structured_host --engine", "model": "bundled SmolLM2-135M Q4_1 GGUF",

@@ -51,3 +51,50 @@ def test_a_row_with_no_probability_mass_draws_token_zero_as_the_full_cumsum_does
     probs = jnp.full((2, 10), jnp.nan).at[1].set(0.1)  # row 0: every logit was -inf (softmax gives NaN)
     u = jnp.array([0.35, 0.35])  # row 1: cdf 0.1, 0.2, 0.3, 0.4, ... -> token 3
     assert blocked_draw(probs, u, block=4).tolist() == full_cdf_draw(probs, u).tolist() == [0, 3]
+
+
+def _excluded_float64_draw(probs: np.ndarray, drawn: np.ndarray, u: np.ndarray):
+    """float64_draw from probs with each row's earlier draws (`drawn`, [R, j]) set to 0."""
+    left = probs.astype(np.float64).copy()
+    np.put_along_axis(left, drawn, 0.0, axis=1)
+    return float64_draw(left, u)
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_successive_draws_are_the_float64_draws_without_replacement(blocked):
+    """Each candidate is the float64 inverse-CDF draw from probs with the row's earlier candidates
+    zeroed (vocabulary 3000: 12 blocks of 256, the last padded), distinct and of positive
+    probability; column 0 is the given first draw."""
+    from jaxpaged.device.inverse_cdf import successive_draws
+
+    num_rows, vocab_size, num_more = 32, 3000, 7
+    logits = 2 * jax.random.normal(jax.random.key(3), (num_rows, vocab_size))
+    banned = jax.random.uniform(jax.random.key(4), (num_rows, vocab_size)) < 0.5
+    probs = jax.nn.softmax(jnp.where(banned, -jnp.inf, logits), axis=1)
+    probs_np = np.asarray(probs)
+    first = blocked_draw(probs, jax.random.uniform(jax.random.key(5), (num_rows,), minval=1e-30))
+    u = jax.random.uniform(jax.random.key(6), (num_rows, num_more), minval=1e-30)
+    candidates = np.asarray(successive_draws(probs, first, u, blocked=blocked))
+    assert candidates.shape == (num_rows, num_more + 1)
+    np.testing.assert_array_equal(candidates[:, 0], np.asarray(first))
+    assert all(len(set(row)) == num_more + 1 for row in candidates.tolist())
+    assert (probs_np[np.arange(num_rows)[:, None], candidates] > 0).all()
+    num_clear = 0
+    for j in range(1, num_more + 1):
+        exact, margin = _excluded_float64_draw(probs_np, candidates[:, :j], np.asarray(u[:, j - 1]))
+        clear = margin > 1e-5
+        np.testing.assert_array_equal(candidates[clear, j], exact[clear])
+        num_clear += clear.sum()
+    assert num_clear > 0.9 * num_rows * num_more
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_successive_draws_stop_at_minus_one_when_no_mass_is_left(blocked):
+    """Three tokens of positive probability: the fourth candidate on is -1 (never a zero-probability
+    or repeated token)."""
+    from jaxpaged.device.inverse_cdf import successive_draws
+
+    probs = jnp.zeros((2, 600)).at[:, jnp.array([5, 300, 599])].set(jnp.array([0.2, 0.5, 0.3]))
+    candidates = np.asarray(successive_draws(probs, jnp.array([300, 5]), jnp.full((2, 5), 0.5), blocked=blocked))
+    assert sorted(candidates[0, :3].tolist()) == sorted(candidates[1, :3].tolist()) == [5, 300, 599]
+    assert (candidates[:, 3:] == -1).all()

@@ -71,29 +71,36 @@ def _counts(state):
             state.num_rows_forced)
 
 
-def _num_compiles(llm) -> tuple[int, int, int]:
-    """(step programs compiled, sampler programs compiled: both variants, every row count, and the
-    grammar's redraw programs)."""
-    from jaxpaged.device.sampling import resample_padded, sample_padded
+def _num_compiles(llm) -> tuple[int, int, int, int]:
+    """(step programs compiled, sampler programs compiled: both variants, every row count, the
+    sample-first sampler with candidates, and the grammar's redraw programs)."""
+    from jaxpaged.device.sampling import resample_padded, sample_first_padded, sample_padded
 
-    return _engine(llm).stats()["num_compiles"], sample_padded._cache_size(), resample_padded._cache_size()
+    return (_engine(llm).stats()["num_compiles"], sample_padded._cache_size(), sample_first_padded._cache_size(),
+            resample_padded._cache_size())
 
 
 def test_zero_compiles_after_warmup_with_mixed_rows(llm):
     before = _num_compiles(llm)
     state = _engine(llm).structured.state
-    counts0 = (state.num_forced_puts, state.num_redraws) if state is not None else (0, 0)
+    counts0 = (state.num_puts, state.num_redraws, state.num_rows_candidate) if state is not None else (0, 0, 0)
     schema = SCHEMAS[0]
     # Rows drawn first (greedy, n = 3 at a temperature) beside a top-k row masked first and a free row.
     with backend_compiles() as compiled:  # every executable built, traced or not (a placement miss is not)
         llm.generate(["a", "bb", "ccc", "d"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
                                                 _json_params(schema, temperature=0.9, seed=3, n=3),
                                                 _json_params(schema, temperature=0.8, top_k=5, seed=4)])
+        # Only rows drawn first (the sampler with candidates) beside a free row; the regex allows ~10%
+        # of the byte-level tokens, so the random model's rejected rows often find one in 32 candidates.
+        letters = StructuredOutputsParams(regex=r"[a-z ]{4,30}")
+        llm.generate(["a", "bb", "ccc"], [_json_params(schema, temperature=0.0), SamplingParams(temperature=0.7, max_tokens=9),
+                                          SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=30, structured_outputs=letters)])
         llm.generate(["a"], SamplingParams(temperature=0.0, max_tokens=5))  # back to the unmasked variant
     assert _num_compiles(llm) == before
     assert compiled == [], f"compiled after warm-up: {compiled}"
-    state = _engine(llm).structured.state  # both fixes of rejected rows ran: forced tokens put in, a redraw
-    assert state.num_forced_puts > counts0[0] and state.num_redraws > counts0[1]
+    state = _engine(llm).structured.state  # every fix of rejected rows ran: tokens put in (forced or a
+    assert state.num_puts > counts0[0] and state.num_redraws > counts0[1]  # candidate), a redraw
+    assert state.num_rows_candidate > counts0[2]
 
 
 def _generate_sample_first(llm, prompts, params, sample_first: bool):
@@ -115,11 +122,11 @@ def test_sample_first_equals_the_always_masked_path(llm):
         StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"), StructuredOutputsParams(choice=["yes", "no", "maybe"])]
     greedy = [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=s) for s in specs]
     state = _engine(llm).structured.state
-    rejected0, puts0 = (state.num_rows_rejected, state.num_forced_puts) if state is not None else (0, 0)
+    rejected0, puts0 = (state.num_rows_rejected, state.num_puts) if state is not None else (0, 0)
     first = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, True)
     state = _engine(llm).structured.state
     assert state.num_rows_rejected > rejected0  # the random model's tokens are rejected
-    assert state.num_forced_puts > puts0  # steps whose rejected rows were all forced: tokens put in, no redraw
+    assert state.num_puts > puts0  # steps whose rejected rows were all fixed on the host: no redraw
     masked = _generate_sample_first(llm, [PROMPT] * len(specs), greedy, False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in masked]
 

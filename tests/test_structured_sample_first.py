@@ -8,7 +8,10 @@
    gives the always-masked distribution p(t) / p(A): total variation to it < 0.03 at 16384 seeds,
    23 allowed tokens of 96, ~80% of first draws rejected (the masked path's own draw measures
    0.019, the redraw 0.014; the seeds are fixed, so the test is deterministic). Greedy tokens are
-   equal row for row. Redrawing with the first draw's uniform instead (no `draw=1`) fails the bound.
+   equal row for row. Redrawing with the first draw's uniform instead (draw 0) fails the bound.
+   With candidates (the draw and 31 more without replacement; a rejected row takes the first
+   allowed one, and only rows with none are redrawn) the tokens are distributed alike, and greedy
+   tokens equal the masked path's.
 Engine-level checks (greedy tokens equal, seeds reproducible, first tokens distributed alike on the
 tiny model) are in test_structured_outputs.py, beside its warmed engine.
 """
@@ -91,22 +94,25 @@ def test_the_check_allows_exactly_the_tokens_of_llguidances_mask_over_the_whole_
     assert num_states >= 100 and 20 <= num_forced < num_states and num_ended >= 6, (num_states, num_forced, num_ended)
 
 
-def test_check_with_masks_ahead_equals_the_mask_and_puts_in_forced_tokens(compiler):
+def test_check_with_masks_ahead_equals_the_mask_and_puts_in_forced_tokens_and_candidates(compiler):
     """StepMask.check over walks of 8 JSON sequences (6 sampled, 2 greedy), each drawn token a
     forbidden one 30% of the time: with the masks of the sampled rows filled ahead (masks_ahead)
     and without, the verdict is the same and equals llguidance's mask: the rejected rows are the
-    forbidden draws, a redraw's mask rows are their masks, and a step whose rejected rows are all
-    forced gets their forced tokens put in (no mask, no redraw). Ahead, the only masks computed
-    after the draw are greedy rows' and the first step's (nothing was prefetched before it)."""
+    forbidden draws, forced rows get their forced tokens put in, a redraw's mask rows are the
+    other rejected rows' masks, and a step whose rejected rows are all forced has no redraw.
+    Ahead, the only masks computed after the draw are greedy rows' and the first step's (nothing
+    was prefetched before it). A third state is given candidates (8 a row, the drawn token first,
+    -1 padding some): each rejected free row takes its first allowed candidate, and only rows
+    with none are redrawn, under their masks."""
     from jaxpaged.planner.request import SamplingParams
     from jaxpaged.planner.sequence import Sequence, SequenceStatus
     from jaxpaged.structured.matchers import StructuredState, forced_token
 
     vocab, eos = compiler.vocab_size, compiler.ll_tokenizer.eos_token
     template = compiler.submit(SPECS[0]).result()
-    ahead, lazy = StructuredState(vocab, eos), StructuredState(vocab, eos)
+    ahead, lazy, cand = (StructuredState(vocab, eos) for _ in range(3))
     lazy.masks_ahead = False
-    ahead.templates["r"] = lazy.templates["r"] = template
+    ahead.templates["r"] = lazy.templates["r"] = cand.templates["r"] = template
     rng = np.random.default_rng(2)
 
     def fresh(r):
@@ -115,34 +121,58 @@ def test_check_with_masks_ahead_equals_the_mask_and_puts_in_forced_tokens(compil
         return [seq, template.deep_copy()]  # the sequence and the test's own matcher
 
     walks = [fresh(r) for r in range(8)]
-    want_lazy = num_puts = num_redraws = 0
+    want_lazy = num_puts = num_redraws = num_taken = num_cand_redraws = 0
     for step in range(40):
         rows = [(r, seq, "r", True) for r, (seq, _) in enumerate(walks)]
-        checks = [state.step_mask(rows, len(walks)) for state in (ahead, lazy)]
+        checks = [state.step_mask(rows, len(walks)) for state in (ahead, lazy, cand)]
         masks = np.zeros((len(walks), ahead.num_words), np.int32)
         drawn = np.zeros(len(walks), np.int32)
+        candidates = np.full((len(walks), 8), -1, np.int32)
         for r, (_, matcher) in enumerate(walks):
             matcher.unsafe_compute_mask_ptr(masks[r].ctypes.data, masks[r].nbytes)
             ahead.allow_eos_where_empty(masks[r][None], [0])
             allowed = _allowed(masks[r], vocab)
             drawn[r] = rng.choice(np.flatnonzero(~allowed if rng.random() < 0.3 else allowed))
+            # mostly forbidden candidates (an allowed one in ~half the rows), some rows cut short by -1
+            more = rng.choice(np.flatnonzero(~allowed), 7, replace=False)
+            if rng.random() < 0.5:
+                more[rng.integers(7)] = rng.choice(np.flatnonzero(allowed))
+            candidates[r] = np.concatenate([[drawn[r]], more])
+            candidates[r, 1 + rng.integers(8):] = -1
         rejected = np.array([not _allowed(masks[r], vocab)[t] for r, t in enumerate(drawn)])
         forced = np.array([forced_token(m) for _, m in walks])
-        fixes = [c.check(drawn) for c in checks]
+        free = rejected & (forced < 0)
+        fixes = [c.check(drawn) for c in checks[:2]]
+        fix_cand = checks[2].check(drawn, candidates)
         if not rejected.any():
-            assert fixes == [None, None]
-        elif (forced[rejected] >= 0).all():  # forced rows only: their tokens put in
+            assert fixes == [None, None] and fix_cand is None
+        elif not free.any():  # forced rows only: their tokens put in
             num_puts += 1
-            for fix in fixes:
+            for fix in fixes + [fix_cand]:
                 assert fix.mask is None and fix.rejected is None
                 np.testing.assert_array_equal(fix.tokens, np.where(rejected, forced, drawn))
         else:
             num_redraws += 1
             for fix in fixes:
-                np.testing.assert_array_equal(fix.rejected, rejected)
-                np.testing.assert_array_equal(fix.mask[rejected], masks[rejected])
-                assert (fix.mask[~rejected] == -1).all()
-            want_lazy += sum(1 for r in np.flatnonzero(rejected) if forced[r] < 0 and (r >= 6 or step == 0))
+                np.testing.assert_array_equal(fix.rejected, free)
+                np.testing.assert_array_equal(fix.mask[free], masks[free])
+                assert (fix.mask[~free] == -1).all()
+                np.testing.assert_array_equal(fix.tokens[~free], np.where(rejected, forced, drawn)[~free])
+            want_lazy += sum(1 for r in np.flatnonzero(free) if r >= 6 or step == 0)
+        if free.any():  # the candidates' verdict: the first allowed one, else a redraw
+            taken = np.array([next((t for t in candidates[r, 1:] if t >= 0 and _allowed(masks[r], vocab)[t]), -1)
+                              for r in range(len(walks))])
+            left = free & (taken < 0)
+            want = np.where(free & (taken >= 0), taken, np.where(rejected, forced, drawn))
+            num_taken += int((free & (taken >= 0)).sum())
+            np.testing.assert_array_equal(fix_cand.tokens[~left], want[~left])
+            if left.any():
+                num_cand_redraws += 1
+                np.testing.assert_array_equal(fix_cand.rejected, left)
+                np.testing.assert_array_equal(fix_cand.mask[left], masks[left])
+                assert (fix_cand.mask[~left] == -1).all()
+            else:
+                assert fix_cand.mask is None and fix_cand.rejected is None
         for r, (seq, matcher) in enumerate(walks):
             token = int(drawn[r]) if not rejected[r] else int(rng.choice(np.flatnonzero(_allowed(masks[r], vocab))))
             if token == eos:
@@ -151,14 +181,23 @@ def test_check_with_masks_ahead_equals_the_mask_and_puts_in_forced_tokens(compil
             else:
                 assert matcher.consume_token(token)
                 seq.output_token_ids.append(token)
-        for state in (ahead, lazy):
+        for state in (ahead, lazy, cand):
             state.release({"r"})
             state.prefetch()
     assert num_puts >= 3 and num_redraws >= 3, (num_puts, num_redraws)
-    assert ahead.num_forced_puts == lazy.num_forced_puts == num_puts
+    assert ahead.num_puts == lazy.num_puts == num_puts
     assert ahead.num_redraws == lazy.num_redraws == num_redraws
     assert ahead.num_rows_rejected_lazy == want_lazy < lazy.num_rows_rejected_lazy, (
         ahead.num_rows_rejected_lazy, want_lazy, lazy.num_rows_rejected_lazy)
+    assert cand.num_rows_candidate == num_taken >= 3 and 0 < num_cand_redraws == cand.num_redraws < num_redraws, (
+        num_taken, num_cand_redraws, num_redraws)
+
+
+def _bitmask(allowed: np.ndarray) -> np.ndarray:
+    num_rows, vocab = allowed.shape
+    bits = np.zeros((num_rows, -(-vocab // 32) * 32), np.uint8)
+    bits[:, :vocab] = allowed
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
 
 
 def _draws(logits, allowed, temperature, draw):
@@ -169,20 +208,40 @@ def _draws(logits, allowed, temperature, draw):
     from jaxpaged.device.sampling import resample_padded
 
     num_rows, vocab = logits.shape
-    bits = np.zeros((num_rows, -(-vocab // 32) * 32), np.uint8)
-    bits[:, :vocab] = allowed
-    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+    mask = _bitmask(allowed)
     arrays = make_sampling_arrays([RowSpec(row_idx=r, temperature=temperature, seed=r, step=3) for r in range(num_rows)],
                                   num_rows)
     masked = np.asarray(sample(logits, arrays, token_bitmask=mask)[0])
     first = sample(logits, arrays)[0]
     rejected = ~allowed[np.arange(num_rows), np.asarray(first)]
-    if draw == 1:
+    if draw > 0:
         redrawn = resample_padded(logits, arrays, first, mask, rejected, num_out=num_rows)
     else:  # the same uniform as the first draw: biased, what the test must catch
         again = sample(logits, arrays, token_bitmask=mask, draw=0)[0]
         redrawn = jnp.where(rejected, again, first)
     return masked, np.asarray(redrawn), rejected.mean()
+
+
+def _draws_with_candidates(logits, allowed, temperature):
+    """The engine's sample first (step_sampler._redraw_rejected): the draw and its candidates, a
+    rejected row's first allowed candidate, the device's redraw for rows with none. Returns
+    (tokens, share of rows rejected, share of those that took a candidate)."""
+    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
+    from jaxpaged.device.sampling import resample_padded, sample_first_padded
+
+    num_rows, _ = logits.shape
+    arrays = make_sampling_arrays([RowSpec(row_idx=r, temperature=temperature, seed=r, step=3) for r in range(num_rows)],
+                                  num_rows)
+    tokens, candidates = (np.asarray(a) for a in sample_first_padded(logits, arrays, num_out=num_rows))
+    np.testing.assert_array_equal(candidates[:, 0], tokens)
+    rows = np.arange(num_rows)
+    rejected = ~allowed[rows, tokens]
+    ok = (candidates[:, 1:] >= 0) & allowed[rows[:, None], np.maximum(candidates[:, 1:], 0)]  # [R, C - 1]
+    has = ok.any(axis=1)
+    fixed = np.where(rejected & has, candidates[rows, 1 + np.argmax(ok, axis=1)], tokens)
+    left = rejected & ~has
+    out = np.asarray(resample_padded(logits, arrays, fixed.astype(np.int32), _bitmask(allowed), left, num_out=num_rows))
+    return out, rejected.mean(), (rejected & has).sum() / max(rejected.sum(), 1)
 
 
 def _tv(tokens, probs):
@@ -209,6 +268,40 @@ def test_redraw_gives_the_masked_distribution(temperature):
         _, biased, _ = _draws(logits, allowed, temperature, draw=0)
         assert _tv(biased, want) > 0.06, _tv(biased, want)
 
-    greedy_masked, greedy_redrawn, _ = _draws(logits[:64] + rng.normal(size=(64, vocab)).astype(np.float32),
-                                              allowed[:64], 0.0, draw=1)
+    greedy_logits = logits[:64] + rng.normal(size=(64, vocab)).astype(np.float32)
+    greedy_masked, greedy_redrawn, _ = _draws(greedy_logits, allowed[:64], 0.0, draw=1)
     np.testing.assert_array_equal(greedy_redrawn, greedy_masked)
+
+
+@pytest.mark.parametrize("temperature,share_allowed,taken", [(1.0, 0.3, (0.95, 1.0)), (0.6, 0.3, (0.95, 1.0)),
+                                                            (1.0, 0.04, (0.05, 0.6))])
+def test_candidates_give_the_masked_distribution(temperature, share_allowed, taken):
+    """The engine's sample first with candidates (the first allowed of the draw and 31 more without
+    replacement, else the device's redraw) draws p(t) / p(A): TV < 0.03 at 16384 seeds, as the
+    always-masked path, whether the candidates settle nearly every rejected row (30% of 96 tokens
+    allowed) or few (4%: most go to the redraw, which must then stay exact too). Greedy rows: the
+    first allowed of the 32 best logits, else the masked argmax: the masked path's tokens, row for row."""
+    rng = np.random.default_rng(1)
+    vocab, num_rows = 96, 16384
+    row_logits = rng.normal(size=vocab).astype(np.float32)
+    allowed_row = rng.random(vocab) < share_allowed
+    allowed_row[np.argsort(row_logits)[:2]] = True  # two unlikely tokens allowed: A is never empty
+    allowed_row[np.argmax(row_logits)] = False  # the likeliest token is forbidden: many rejections
+    logits, allowed = np.tile(row_logits, (num_rows, 1)), np.tile(allowed_row, (num_rows, 1))
+    scaled = np.where(allowed_row, row_logits / temperature, -np.inf)
+    want = np.exp(scaled - scaled.max())
+    want /= want.sum()  # p(t) / p(A) at this temperature
+
+    tokens, rejected, share_taken = _draws_with_candidates(logits, allowed, temperature)
+    assert allowed_row[tokens].all()
+    assert 0.3 < rejected < 0.995 and taken[0] <= share_taken <= taken[1], (rejected, share_taken)
+    assert _tv(tokens, want) < 0.03, _tv(tokens, want)
+
+    # Greedy: 4 allowed tokens a row, anywhere (~30% of rows have none among their 32 best logits).
+    greedy_logits = logits[:256] + rng.normal(size=(256, vocab)).astype(np.float32)
+    greedy_allowed = np.zeros((256, vocab), np.bool_)
+    np.put_along_axis(greedy_allowed, rng.permuted(np.tile(np.arange(vocab), (256, 1)), axis=1)[:, :4], True, axis=1)
+    greedy, _, greedy_taken = _draws_with_candidates(greedy_logits, greedy_allowed, 0.0)
+    masked, _, _ = _draws(greedy_logits, greedy_allowed, 0.0, draw=1)
+    np.testing.assert_array_equal(greedy, masked)
+    assert 0.5 < greedy_taken < 0.9, greedy_taken  # both ways: a candidate, and the masked argmax

@@ -16,6 +16,7 @@ uses the blocked form on the CPU only (device/sampler.py `_inverse_cdf_draw`): G
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -55,3 +56,62 @@ def blocked_draw(
     last = block - 1 - jnp.argmax(positive[:, ::-1], axis=1)
     idx = jnp.clip(idx, first, last)
     return jnp.minimum(block_idx * block + idx, vocab_size - 1).astype(jnp.int32)
+
+
+def successive_draws(
+    probs: Float[Array, "num_rows vocab_size"], first: Int[Array, "num_rows"], u: Float[Array, "num_rows num_more"],
+    blocked: bool,
+) -> Int[Array, "num_rows num_candidates"]:
+    """`first` (a row's draw), then num_more draws WITHOUT replacement: draw j comes from probs with
+    every earlier draw of its row set to 0, at uniform u[:, j - 1]. Column 0 is `first`. A draw that
+    finds no mass left (fewer tokens of positive probability than candidates) is -1, as are those
+    after it. Structured outputs' candidates (sampling.sample_first_padded): the first of them in
+    a grammar's allowed set A is a draw from probs restricted to A (each draw, given that every
+    earlier one fell outside A, is probs restricted to the tokens not yet drawn, which contain A).
+
+        probs  0.5 0.3 0.2    first = 0            draw 1 from (0, 0.3, 0.2) / 0.5 at u = 0.7:
+                                                   0.7 * 0.5 = 0.35 > 0.3  ->  token 2
+
+    `blocked` (the CPU): the block totals of `blocked_draw` are summed once, and each draw takes
+    its earlier draws' mass off their blocks, then scans one block; otherwise each draw is a full
+    cumulative sum over the row with the earlier draws zeroed (the GPU's `full_cdf_draw`). One
+    loop iteration per draw (`fori_loop`: the program does not grow with num_more).
+    """
+    num_rows, vocab_size = probs.shape
+    num_candidates = u.shape[1] + 1
+    rows = jnp.arange(num_rows)
+    taken = jnp.full((num_rows, num_candidates), -1, jnp.int32).at[:, 0].set(first)  # -1 matches no token
+    num_blocks = -(-vocab_size // BLOCK)
+    blocks = jnp.pad(probs, ((0, 0), (0, num_blocks * BLOCK - vocab_size))).reshape(num_rows, num_blocks, BLOCK)
+    in_block = jnp.arange(BLOCK)  # [B]
+
+    def blocked_next(j, taken, block_sums):
+        threshold = u[:, j - 1] * jnp.sum(block_sums, axis=1)
+        block_cdf = jnp.cumsum(block_sums, axis=1)
+        block_idx = jnp.minimum(jnp.sum(block_cdf < threshold[:, None], axis=1), num_blocks - 1)  # [R]
+        before = block_cdf[rows, block_idx] - block_sums[rows, block_idx]
+        ids = block_idx[:, None] * BLOCK + in_block  # [R, B]
+        drawn_here = jnp.any(ids[:, :, None] == taken[:, None, :], axis=2)  # [R, B]
+        inside = jnp.where(drawn_here, 0.0, blocks[rows, block_idx])
+        idx = jnp.sum(jnp.cumsum(inside, axis=1) < (threshold - before)[:, None], axis=1)
+        positive = inside > 0
+        idx = jnp.clip(idx, jnp.argmax(positive, axis=1), BLOCK - 1 - jnp.argmax(positive[:, ::-1], axis=1))
+        return jnp.minimum(block_idx * BLOCK + idx, vocab_size - 1)
+
+    def full_next(j, taken, _):
+        left = probs.at[rows[:, None], jnp.where(taken < 0, vocab_size, taken)].set(0.0, mode="drop")
+        return full_cdf_draw(left, u[:, j - 1])
+
+    def body(j, carry):
+        taken, block_sums = carry
+        last = taken[:, j - 1]
+        if blocked:  # the mass of the last draw off its block (the sums stay those of the tokens not drawn)
+            block_sums = jnp.maximum(block_sums.at[rows, jnp.maximum(last, 0) // BLOCK].add(
+                -jnp.where(last >= 0, probs[rows, jnp.maximum(last, 0)], 0.0)), 0.0)
+        token = (blocked_next if blocked else full_next)(j, taken, block_sums)
+        # Nothing left to draw (or rounding landed on a drawn or zero-probability token): -1 from here on.
+        valid = (last >= 0) & (probs[rows, token] > 0) & ~jnp.any(token[:, None] == taken, axis=1)
+        return taken.at[:, j].set(jnp.where(valid, token, -1)), block_sums
+
+    block_sums = jnp.sum(blocks, axis=2) if blocked else jnp.zeros((num_rows, 1))  # [R, nb]; unused off the CPU
+    return jax.lax.fori_loop(1, num_candidates, body, (taken, block_sums))[0]

@@ -266,13 +266,14 @@ def apply_token_bitmask(
     return jnp.where(allowed.astype(jnp.bool_), raw, -jnp.inf)
 
 
-def _row_uniforms(params: SamplingArrays, draw: int = 0) -> Float[Array, "num_rows"]:
-    """One uniform in (0, 1) per row, from (seed, step) alone. `draw` > 0: an independent one from
-    the same (seed, step) (structured outputs' redraw of a rejected token)."""
+def _row_uniforms(params: SamplingArrays, draw: int | Int[Array, ""] = 0) -> Float[Array, "num_rows"]:
+    """One uniform in (0, 1) per row, from (seed, step) alone. `draw` (static > 0, or traced): an
+    independent one from the same (seed, step) (structured outputs' candidates and redraw of a
+    rejected token)."""
 
     def row_uniform(seed, step):
         key = jax.random.fold_in(jax.random.key(seed, impl=PRNG_IMPL), step)
-        key = jax.random.fold_in(key, draw) if draw else key
+        key = key if isinstance(draw, int) and draw == 0 else jax.random.fold_in(key, draw)
         return jax.random.uniform(key, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
 
     return jax.vmap(row_uniform)(params.seed, params.step)
@@ -332,8 +333,8 @@ def sample(
       token_bitmask: int32 [num_rows, ceil(vocab_size / 32)] or None: the structured-output grammar
         mask (see apply_token_bitmask), applied before everything else. None (a separate compiled
         variant) costs nothing; a step passes it only when some row has a grammar.
-      draw: static; 0 is a row's draw, 1 its redraw with an independent uniform (sampling.py:
-        resample_padded, a grammar-rejected token drawn again under the mask).
+      draw: static; 0 is a row's draw, > 0 an independent uniform of the same (seed, step)
+        (sampling.py: resample_padded, a grammar-rejected token drawn again under the mask).
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.

@@ -18,7 +18,7 @@ import numpy as np
 from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
 from jaxpaged.device.sampler_ext import LOGPROBS_MODES, sample_ext
 from jaxpaged.device.sampling import (
-    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_padded, sampler_row_counts)
+    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded, sampler_row_counts)
 from jaxpaged.device.token_state import host_slot_rows, init_slot, make_penalty_arrays
 from jaxpaged.engine.logprobs import TokenSlots
 from jaxpaged.planner.sequence import Sequence
@@ -28,7 +28,7 @@ _NO_PENALTY = (-1, 0.0, 0.0, 1.0)
 
 @dataclasses.dataclass
 class SampledStep:
-    tokens: jax.Array | None  # int32 [num_out], None if nothing sampled
+    tokens: jax.Array | np.ndarray | None  # int32 [num_out], None if nothing sampled; numpy: fixed on the host
     logprobs: dict | None  # sampler_ext.token_logprobs' device arrays, None unless some row asked
     entries: list  # per scheduled sequence: None, its sampler row, or n rows (fan-out)
     num_rows: int
@@ -123,11 +123,16 @@ class StepSampler:
                     array.copy_to_host_async()
             else:
                 logprobs = None
+        elif step_mask is not None and step_mask.deferred and bitmask is None and step_mask.state.candidates:
+            # every grammar row drawn first: with candidates for the rejected ones
+            tokens, candidates = sample_first_padded(logits, arrays, num_out=num_out)
+            tokens = _redraw_rejected(logits, rows, arrays, tokens, step_mask, candidates)
         else:
             tokens, _ = sample_padded(logits, arrays, num_out=num_out, token_bitmask=bitmask)
             if step_mask is not None and step_mask.deferred:
                 tokens = _redraw_rejected(logits, rows, arrays, tokens, step_mask)
-        tokens.copy_to_host_async()  # lands while the host plans the next step
+        if isinstance(tokens, jax.Array):  # else fixed on the host: a constrained step, committed at once
+            tokens.copy_to_host_async()  # lands while the host plans the next step
         return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, step_mask is not None), beam_seqs
 
     def _all_allowed(self, num_rows: int) -> np.ndarray:
@@ -163,24 +168,24 @@ class StepSampler:
                 jax.block_until_ready((tokens, logprobs))
 
 
-def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask):
+def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask, candidates=None):
     """Structured outputs' sample first: the rows drawn without their grammar mask are checked on the
-    host (waiting for the step's tokens: a constrained step commits in this engine step anyway); the
-    rejected ones draw again from the same logits under their mask, with an independent uniform.
-    Greedy gives the argmax over the allowed tokens; sampling p, then p restricted to the allowed
-    set A on rejection, gives exactly p(t) / p(A). Other rows keep their token. Where every
-    rejected row is grammar-forced (A is one token, the redraw's certain result) the forced tokens
-    are put into the drawn ones on the host and copied back: no second sampler pass over the
-    logits (~48 ms of XLA:CPU at 64 rows, a microbenchmark at load 3.7). The copy's host cost in
-    the engine, ~0.4 ms p50 at load 4, is about the redraw dispatch's (0.28 ms p50, but 0.4-1.3 ms
-    mean with its outliers); a jitted where over a host array measured 0.23 ms but needs warm-up
-    compiles per row count."""
+    host (waiting for the step's tokens: a constrained step commits in this engine step anyway).
+    A rejected row takes its grammar's forced token, or its first allowed candidate (`candidates`,
+    sampling.sample_first_padded: next-best tokens for greedy rows, draws without replacement for
+    sampled ones); only rows with neither draw again on the device, from the same logits under
+    their mask, with an independent uniform. Greedy gives the argmax over the allowed tokens;
+    sampling gives exactly p(t) / p(A) over the allowed set A (DESIGN.md). A step whose rejected
+    rows are all fixed on the host returns those tokens as a host array, with no device call:
+    a constrained step is committed in the engine step that dispatched it, so nothing on the
+    device reads them (the next step's inputs come from the host)."""
     t0 = time.perf_counter()
     drawn = np.asarray(tokens)  # waits for the device
+    candidates = np.asarray(candidates) if candidates is not None else None
     t1 = time.perf_counter()
-    fix = step_mask.check(drawn)
-    if fix is not None and fix.mask is None:  # only forced rows rejected: their tokens, no redraw
-        tokens = jax.device_put(fix.tokens, tokens.sharding)
+    fix = step_mask.check(drawn, candidates)
+    if fix is not None and fix.mask is None:  # every rejected row fixed on the host
+        tokens = fix.tokens
     elif fix is not None:
         mask, rejected = fix.mask, fix.rejected
         lifted = [i for i in np.flatnonzero(rejected)
@@ -188,7 +193,7 @@ def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask):
         if lifted:  # the grammar allows only the banned stop tokens: the ban yields (as with the mask first)
             rows = [r._replace(banned_ids=()) if i in lifted else r for i, r in enumerate(rows)]
             arrays = make_sampling_arrays(rows, step_mask.num_rows)
-        tokens = resample_padded(logits, arrays, tokens, mask, rejected, num_out=tokens.shape[0])
+        tokens = resample_padded(logits, arrays, fix.tokens, mask, rejected, num_out=tokens.shape[0])
     step_mask.state.seconds["device"] += t1 - t0
     step_mask.state.seconds["redraw"] += time.perf_counter() - t1  # the check's seconds included
     return tokens

@@ -22,10 +22,12 @@ draws without its mask, and StepMask.check(drawn) decides, after the draw, with 
 checks, which equal its mask (test_structured_sample_first.py walks grammars token by token):
     forced bytes with a token (compute_ff_tokens() non-empty: the mask allows that one token only)
                 ──► allowed  <=>  t is that token; rejected: the token is put in (Fix.tokens)
-                    or, in a step that redraws anyway, the row's mask is that bit
     otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()), or, where the
-                    mask was filled ahead (temperature rows), its bit t; rejected: that mask
-                    (copied), else computed now (greedy rows, rows not prefetched)
+                    mask was filled ahead (temperature rows), its bit t; rejected: the row's first
+                    allowed candidate (the draw's next-best tokens, or its draws without
+                    replacement: sampling.sample_first_padded) is put in; with none, the device
+                    redraws it under its mask: that mask (copied), else computed now (greedy
+                    rows, rows not prefetched)
 At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
 worker (~8 us each against ~40 us for a mask) and, for temperature rows the grammar does not force
 (masks_ahead), their masks into _ahead_mask after the masked rows': ~30% of them reject at T=1, and
@@ -73,17 +75,19 @@ class StepMask:
     num_rows: int
     state: "StructuredState"
 
-    def check(self, drawn: np.ndarray) -> "Fix | None":
+    def check(self, drawn: np.ndarray, candidates: np.ndarray | None = None) -> "Fix | None":
         """The tokens drawn by the deferred rows, checked: None if every one is allowed, else the
-        Fix of the rejected rows. The worker's forced tokens and masks are joined here, after the
-        device's draw, not before the draw."""
+        Fix of the rejected rows. `candidates` (int32 [rows, C], -1: none; sampling.sample_first_padded):
+        a rejected row the grammar does not force takes its first allowed candidate after column 0
+        (the drawn token), and only rows with none are redrawn. The worker's forced tokens and masks
+        are joined here, after the device's draw, not before the draw."""
         t0 = time.perf_counter()
         state, eos = self.state, self.state.eos_token_id
         state._join()
         ahead_of: dict[int, tuple[int, int]] = {}  # seq_id -> (forced token or -1, row of _ahead_mask or -1)
         free: dict[int, list] = {}  # seq_id -> [matcher or mask row ahead, its rejected rows] (n > 1 rows share one)
-        one_bit = []  # (row, forced token): rejected rows whose grammar forces one token
-        num_forced = 0
+        put_in = []  # (row, token): rejected rows fixed on the host, a forced token or an allowed candidate
+        num_forced = num_rejected_forced = 0
         for row, seq, request_id in self.deferred:
             ahead = ahead_of.get(seq.seq_id)
             if ahead is None:
@@ -93,21 +97,29 @@ class StepMask:
             if forced >= 0:
                 num_forced += 1
                 if token != forced:
-                    one_bit.append((row, forced))
+                    put_in.append((row, forced))
+                    num_rejected_forced += 1
             elif mask_row >= 0:  # its mask came from the worker: the check is a bit of it
-                if not (state._ahead_mask[mask_row, token >> 5] >> (token & 31)) & 1:
+                if not _bit(state._ahead_mask[mask_row], token):
                     free.setdefault(seq.seq_id, [mask_row]).append(row)
             else:
                 matcher = state._matchers[seq.seq_id][1]
                 if not drawn_allowed(matcher, token, eos):
                     free.setdefault(seq.seq_id, [matcher]).append(row)
-        rows = [row for _, *seq_rows in free.values() for row in seq_rows] + [row for row, _ in one_bit]
+        num_free = sum(len(seq_rows) for _, *seq_rows in free.values())
+        if candidates is not None and free:
+            free = self._take_candidates(free, candidates, put_in)
         state.num_rows_checked += len(self.deferred) - num_forced
         state.num_rows_forced += num_forced
-        state.num_rows_rejected += len(rows)
-        state.num_rows_rejected_forced += len(one_bit)
+        state.num_rows_rejected += num_free + num_rejected_forced
+        state.num_rows_rejected_forced += num_rejected_forced
         fix = None
-        if free:  # a device redraw under the rejected rows' masks
+        if free or put_in:
+            tokens = np.array(drawn, np.int32)  # a fresh array: the device may alias it (DESIGN.md)
+            for row, token in put_in:
+                tokens[row] = token
+            fix = Fix(None, None, tokens)
+        if free:  # a device redraw under the masks of the rows still rejected
             state.num_redraws += 1
             mask = np.full((self.num_rows, state.num_words), -1, np.int32)
             t1 = time.perf_counter()
@@ -121,31 +133,49 @@ class StepMask:
                 if isinstance(source, int):
                     mask[first] = state._ahead_mask[source]
                 mask[others] = mask[first]
-            for row, token in one_bit:  # the grammar forces this token: llguidance's mask is its bit alone
-                mask[row] = 0
-                mask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
             flags = np.zeros(self.num_rows, np.bool_)
-            flags[rows] = True
-            fix = Fix(mask, flags, None)
-        elif one_bit:  # every rejected row is forced: its token is known, no redraw
-            state.num_forced_puts += 1
-            tokens = np.array(drawn, np.int32)  # a fresh array: the device may alias it (DESIGN.md)
-            for row, token in one_bit:
-                tokens[row] = token
-            fix = Fix(None, None, tokens)
+            flags[[row for _, *seq_rows in free.values() for row in seq_rows]] = True
+            fix = Fix(mask, flags, tokens)
+        elif put_in:
+            state.num_puts += 1
         state.seconds["check"] += time.perf_counter() - t0
         return fix
 
+    def _take_candidates(self, free: dict, candidates: np.ndarray, put_in: list) -> dict:
+        """Each rejected row of `free` takes its first allowed candidate (into put_in); returns the
+        rows with none, as `free` holds them."""
+        state, eos = self.state, self.state.eos_token_id
+        left: dict[int, list] = {}
+        for seq_id, (source, *rows) in free.items():
+            if isinstance(source, int):
+                allows = lambda token, words=state._ahead_mask[source]: _bit(words, token)
+            else:
+                allows = lambda token, matcher=source: drawn_allowed(matcher, token, eos)
+            for row in rows:
+                token = next((t for t in candidates[row, 1:].tolist() if t >= 0 and allows(t)), -1)
+                if token >= 0:
+                    put_in.append((row, token))
+                    state.num_rows_candidate += 1
+                else:
+                    left.setdefault(seq_id, [source]).append(row)
+        return left
+
 
 class Fix(NamedTuple):
-    """StepMask.check's verdict on a step with rejected rows: either a device redraw (`mask`: the
-    rejected rows' masks, other rows all ones; `rejected`: bool [num_rows]) or, where every
-    rejected row is forced, `tokens`: the drawn tokens with the forced ones put in (int32, the
-    drawn array's length), the step's tokens as they are."""
+    """StepMask.check's verdict on a step with rejected rows. `tokens`: the drawn tokens (int32, the
+    drawn array's length) with those the host could fix put in (a forced row's token, a rejected
+    row's first allowed candidate): the step's tokens as they are when `mask` is None. Else the
+    rows still rejected are redrawn on the device: `mask` holds their masks (other rows all ones),
+    `rejected` (bool [num_rows]) flags them, and the other rows keep `tokens`."""
 
     mask: np.ndarray | None
     rejected: np.ndarray | None
-    tokens: np.ndarray | None
+    tokens: np.ndarray
+
+
+def _bit(words: np.ndarray, token: int) -> bool:
+    """Whether an int32 mask row allows `token` (bit token % 32 of word token // 32)."""
+    return bool((words[token >> 5] >> (token & 31)) & 1)
 
 
 class StructuredState:
@@ -166,6 +196,9 @@ class StructuredState:
         # grammar does not force, so check() only copies a rejected row's mask; False: they are
         # computed in check(), when rejected (greedy rows always are: they seldom reject)
         self.masks_ahead = True
+        # True: a sample-first step draws candidates too (sampling.sample_first_padded), and a rejected
+        # row takes its first allowed one; False: every rejected row not forced is redrawn on the device
+        self.candidates = True
         # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
         # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
         # engine/step_sampler.py) and waiting there for the device's first draw; of check, the masks
@@ -176,8 +209,9 @@ class StructuredState:
         self.num_rows_checked = self.num_rows_rejected = self.num_rows_forced = 0  # sample-first rows
         self.num_rows_rejected_forced = 0  # rejected rows whose grammar forces a token (no mask needed)
         self.num_rows_rejected_lazy = 0  # rejected rows whose mask check() computed (none ahead)
-        self.num_redraws = 0  # steps with a device redraw (a rejected row the grammar does not force)
-        self.num_forced_puts = 0  # steps whose rejected rows were all forced: tokens put in, no redraw
+        self.num_rows_candidate = 0  # rejected rows that took a candidate (no mask, no redraw)
+        self.num_redraws = 0  # steps with a device redraw (a rejected row with no allowed candidate)
+        self.num_puts = 0  # steps whose rejected rows were all fixed on the host: tokens put in, no redraw
 
     def __len__(self) -> int:
         """Matchers and templates held (0 once every constrained request finished: no leak)."""
