@@ -45,6 +45,7 @@ class StepSampler:
         # step whose children are not yet running.
         place = lambda tree: jax.device_put(tree, runner.placement)  # committed as the logits are: jit keys on it
         self.slots = TokenSlots(2 * max_num_seqs, vocab_size, place)
+        self._all_allowed_masks: dict[int, np.ndarray] = {}  # num_rows -> all-ones grammar mask
 
     def sample(self, out, logits, owner, beam_owner, step_mask_fn=None,
                plan=None) -> tuple[SampledStep, list[tuple[int, Sequence]]]:
@@ -136,7 +137,13 @@ class StepSampler:
         return SampledStep(tokens, logprobs, entries, num_rows, fan_out_slots, step_mask is not None), beam_seqs
 
     def _all_allowed(self, num_rows: int) -> np.ndarray:
-        return np.full((num_rows, -(-self.slots.vocab_size // 32)), -1, np.int32)
+        """The extended sampler's mask where no row has a grammar: all ones, one read-only array per
+        row count (JAX's CPU client may alias a numpy argument, so it must never change)."""
+        mask = self._all_allowed_masks.get(num_rows)
+        if mask is None:
+            mask = self._all_allowed_masks[num_rows] = np.full((num_rows, -(-self.slots.vocab_size // 32)), -1, np.int32)
+            mask.flags.writeable = False
+        return mask
 
     def assign_children(self, out, entries, fan_out_slots, children) -> None:
         """After advance(): child j of each fan-out owns the slot of its row j."""
