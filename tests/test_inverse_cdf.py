@@ -98,3 +98,22 @@ def test_successive_draws_stop_at_minus_one_when_no_mass_is_left(blocked):
     candidates = np.asarray(successive_draws(probs, jnp.array([300, 5]), jnp.full((2, 5), 0.5), blocked=blocked))
     assert sorted(candidates[0, :3].tolist()) == sorted(candidates[1, :3].tolist()) == [5, 300, 599]
     assert (candidates[:, 3:] == -1).all()
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+@pytest.mark.parametrize("gap", [20.0, 24.0])
+def test_successive_draws_after_a_dominant_token_weigh_its_block_right(blocked, gap):
+    """Token 0 holds nearly all the mass (the others sit `gap` below it in logits: 2e-9 and 4e-11
+    each), as when a model strongly prefers a token its grammar rejects. Drawn first, it leaves 255
+    tokens in its block of 256 and 256 in the next: the next draw must land in its block 255/511 of
+    the time. Subtracting its probability from the float32 block sum left rounding (47.8% at gap
+    20, 0% at 24)."""
+    from jaxpaged.device.inverse_cdf import successive_draws
+
+    num_rows = 20000
+    logits = jnp.full((1, 512), -gap).at[0, 0].set(0.0)
+    probs = jnp.tile(jax.nn.softmax(logits, axis=1), (num_rows, 1))
+    u = jax.random.uniform(jax.random.key(7), (num_rows, 1), minval=1e-30)
+    second = np.asarray(successive_draws(probs, jnp.zeros(num_rows, jnp.int32), u, blocked=blocked))[:, 1]
+    assert (second > 0).all()
+    assert abs((second < 256).mean() - 255 / 511) < 0.015, (second < 256).mean()

@@ -72,8 +72,8 @@ def successive_draws(
         probs  0.5 0.3 0.2    first = 0            draw 1 from (0, 0.3, 0.2) / 0.5 at u = 0.7:
                                                    0.7 * 0.5 = 0.35 > 0.3  ->  token 2
 
-    `blocked` (the CPU): the block totals of `blocked_draw` are summed once, and each draw takes
-    its earlier draws' mass off their blocks, then scans one block; otherwise each draw is a full
+    `blocked` (the CPU): the block totals of `blocked_draw` are summed once, each draw sums its
+    predecessor's block again without the tokens drawn, then scans one block; otherwise each draw is a full
     cumulative sum over the row with the earlier draws zeroed (the GPU's `full_cdf_draw`). One
     loop iteration per draw (`fori_loop`: the program does not grow with num_more).
     """
@@ -105,9 +105,14 @@ def successive_draws(
     def body(j, carry):
         taken, block_sums = carry
         last = taken[:, j - 1]
-        if blocked:  # the mass of the last draw off its block (the sums stay those of the tokens not drawn)
-            block_sums = jnp.maximum(block_sums.at[rows, jnp.maximum(last, 0) // BLOCK].add(
-                -jnp.where(last >= 0, probs[rows, jnp.maximum(last, 0)], 0.0)), 0.0)
+        if blocked:  # the last draw's block summed again over its tokens not yet drawn: subtracting its
+            # probability instead would leave float32 rounding of the old sum (~6e-8 of a dominant
+            # token's ~1) where the rest of the block holds as little, and skew the next draws
+            block_idx = jnp.maximum(last, 0) // BLOCK
+            ids = block_idx[:, None] * BLOCK + in_block  # [R, B]
+            left = jnp.where(jnp.any(ids[:, :, None] == taken[:, None, :], axis=2), 0.0, blocks[rows, block_idx])
+            block_sums = block_sums.at[rows, block_idx].set(
+                jnp.where(last >= 0, jnp.sum(left, axis=1), block_sums[rows, block_idx]))
         token = (blocked_next if blocked else full_next)(j, taken, block_sums)
         # Nothing left to draw (or rounding landed on a drawn or zero-probability token): -1 from here on.
         valid = (last >= 0) & (probs[rows, token] > 0) & ~jnp.any(token[:, None] == taken, axis=1)

@@ -63,6 +63,8 @@ def sample_first_padded(logits, arrays, num_out: int, num_candidates: int = NUM_
     without forcing (3% of steps redraw, SmolLM2 JSON), and their 32 best logits (`top_k`) cost
     the CPU 3-6% of a 64-row step. Candidates of rows with top-k, top-p or min-p are not theirs
     (drawn without those filters): such rows take the mask before the draw and never read them."""
+    if num_candidates > NUM_STRUCTURED_CANDIDATES:  # uniform NUM_STRUCTURED_CANDIDATES is the redraw's
+        raise ValueError(f"{num_candidates=} must be at most {NUM_STRUCTURED_CANDIDATES=} (resample_padded's uniform)")
     tokens, _ = sample(logits, arrays)
     is_random = arrays.temperature >= GREEDY_TEMPERATURE
     none = jnp.full((tokens.shape[0], num_candidates), -1, jnp.int32)

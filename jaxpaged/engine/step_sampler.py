@@ -179,8 +179,8 @@ def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask, can
     """Structured outputs' sample first: the rows drawn without their grammar mask are checked on the
     host (waiting for the step's tokens: a constrained step commits in this engine step anyway).
     A rejected row takes its grammar's forced token, or its first allowed candidate (`candidates`,
-    sampling.sample_first_padded: next-best tokens for greedy rows, draws without replacement for
-    sampled ones); only rows with neither draw again on the device, from the same logits under
+    sampling.sample_first_padded: draws without replacement for temperature rows, none for greedy
+    ones); only rows with neither draw again on the device, from the same logits under
     their mask, with an independent uniform. Greedy gives the argmax over the allowed tokens;
     sampling gives exactly p(t) / p(A) over the allowed set A (DESIGN.md). A step whose rejected
     rows are all fixed on the host returns those tokens as a host array, with no device call:

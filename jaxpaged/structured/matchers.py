@@ -24,10 +24,10 @@ checks, which equal its mask (test_structured_sample_first.py walks grammars tok
                 ──► allowed  <=>  t is that token; rejected: the token is put in (Fix.tokens)
     otherwise   ──► allowed  <=>  validate_tokens([t]) == 1 (eos: is_accepting()), or, where the
                     mask was filled ahead (temperature rows), its bit t; rejected: the row's first
-                    allowed candidate (the draw's next-best tokens, or its draws without
-                    replacement: sampling.sample_first_padded) is put in; with none, the device
-                    redraws it under its mask: that mask (copied), else computed now (greedy
-                    rows, rows not prefetched)
+                    allowed candidate (temperature rows: its draws without replacement,
+                    sampling.sample_first_padded) is put in; with none, the device redraws it
+                    under its mask: that mask (copied), else computed now (greedy rows, rows not
+                    prefetched)
 At commit, prefetch() consumes the step's tokens and computes these rows' forced tokens on the
 worker (~8 us each against ~40 us for a mask) and, for temperature rows the grammar does not force
 (masks_ahead), their masks into _ahead_mask after the masked rows': ~30% of them reject at T=1, and
