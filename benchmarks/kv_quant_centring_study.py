@@ -22,6 +22,8 @@ every backend reads it unchanged (the hook: kv_quant_inflight_study.py's `fake_q
   float8_e4m3fn_centred          K and V centred
   float8_e4m3fn_centred_v        V only
   float8_e4m3fn_centred_inflight_exact
+  float8_e4m3fn_sink_exact       fp8 as the engine's (not centred), position 0 never quantized
+  float8_e4m3fn_sink_exact_inflight_exact  ... and the step's own K/V read exact
 
 The channel rms for smoothing is that of the centred K/V on the same calibration tokens.
 
@@ -53,6 +55,8 @@ ROWS = {
     "float8_e4m3fn_centred": Variant("float8_e4m3fn", False, True, True),
     "float8_e4m3fn_centred_v": Variant("float8_e4m3fn", False, False, True),
     "float8_e4m3fn_centred_inflight_exact": Variant("float8_e4m3fn", False, True, True, inflight="all"),
+    "float8_e4m3fn_sink_exact": Variant("float8_e4m3fn", False, sink_exact=True),
+    "float8_e4m3fn_sink_exact_inflight_exact": Variant("float8_e4m3fn", False, sink_exact=True, inflight="all"),
 }
 
 
