@@ -85,14 +85,16 @@ def successive_draws(
     blocks = jnp.pad(probs, ((0, 0), (0, num_blocks * BLOCK - vocab_size))).reshape(num_rows, num_blocks, BLOCK)
     in_block = jnp.arange(BLOCK)  # [B]
 
+    def not_drawn(block_idx, taken):  # [R, B]: each row's block `block_idx`, its drawn tokens set to 0
+        ids = block_idx[:, None] * BLOCK + in_block  # [R, B]
+        return jnp.where(jnp.any(ids[:, :, None] == taken[:, None, :], axis=2), 0.0, blocks[rows, block_idx])
+
     def blocked_next(j, taken, block_sums):
         threshold = u[:, j - 1] * jnp.sum(block_sums, axis=1)
         block_cdf = jnp.cumsum(block_sums, axis=1)
         block_idx = jnp.minimum(jnp.sum(block_cdf < threshold[:, None], axis=1), num_blocks - 1)  # [R]
         before = block_cdf[rows, block_idx] - block_sums[rows, block_idx]
-        ids = block_idx[:, None] * BLOCK + in_block  # [R, B]
-        drawn_here = jnp.any(ids[:, :, None] == taken[:, None, :], axis=2)  # [R, B]
-        inside = jnp.where(drawn_here, 0.0, blocks[rows, block_idx])
+        inside = not_drawn(block_idx, taken)
         idx = jnp.sum(jnp.cumsum(inside, axis=1) < (threshold - before)[:, None], axis=1)
         positive = inside > 0
         idx = jnp.clip(idx, jnp.argmax(positive, axis=1), BLOCK - 1 - jnp.argmax(positive[:, ::-1], axis=1))
@@ -109,10 +111,8 @@ def successive_draws(
             # probability instead would leave float32 rounding of the old sum (~6e-8 of a dominant
             # token's ~1) where the rest of the block holds as little, and skew the next draws
             block_idx = jnp.maximum(last, 0) // BLOCK
-            ids = block_idx[:, None] * BLOCK + in_block  # [R, B]
-            left = jnp.where(jnp.any(ids[:, :, None] == taken[:, None, :], axis=2), 0.0, blocks[rows, block_idx])
             block_sums = block_sums.at[rows, block_idx].set(
-                jnp.where(last >= 0, jnp.sum(left, axis=1), block_sums[rows, block_idx]))
+                jnp.where(last >= 0, jnp.sum(not_drawn(block_idx, taken), axis=1), block_sums[rows, block_idx]))
         token = (blocked_next if blocked else full_next)(j, taken, block_sums)
         # Nothing left to draw (or rounding landed on a drawn or zero-probability token): -1 from here on.
         valid = (last >= 0) & (probs[rows, token] > 0) & ~jnp.any(token[:, None] == taken, axis=1)
