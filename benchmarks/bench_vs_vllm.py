@@ -52,6 +52,7 @@ from benchmarks.peers.peer_workloads import (
 )
 
 REPEATS = 3
+WORKLOAD_NAMES = ["chat-greedy", "w1-greedy", "w1-t0.6", "w2-cache-off", "w2-cache-on", "w3-preempt"]
 MAX_MODEL_LEN = 1024  # jaxpaged's CPU default; vLLM is given the same
 W3_POOL_TOKENS = 768  # W3's KV pool in tokens, the same for both engines (~16 x 136 tokens are wanted at the peak)
 W3_MAX_MODEL_LEN = 512  # vLLM refuses a pool smaller than max_model_len
@@ -220,6 +221,8 @@ def main() -> None:
     parser.add_argument("--serving-rates", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--peer-binding", choices=list(PEER_BINDINGS), default="0-1",
                         help="vLLM's thread binding in W2, W3 and S1: both cores computing (0-1) or its default (auto)")
+    parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOAD_NAMES,
+                        help="run only these offline workloads; phases left with none are skipped")
     args = parser.parse_args()
 
     from benchmarks.peers.vllm_peer import VllmWorker, find_vllm
@@ -236,7 +239,10 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(**phase.jaxpaged_args)
         load_s = time.perf_counter() - t0
-        phase_workloads = phase.make_workloads(llm.tokenizer)
+        phase_workloads = [w for w in phase.make_workloads(llm.tokenizer)
+                           if args.workloads is None or w.name in args.workloads]
+        if not phase_workloads:
+            continue
         workloads += phase_workloads
         jaxpaged_info[phase.name] = {
             "args": phase.jaxpaged_args, "load_s": round(load_s, 2),

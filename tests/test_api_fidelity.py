@@ -11,6 +11,7 @@ import pytest
 from compile_watch import backend_compiles
 from jaxpaged.config import EngineConfig
 from jaxpaged.entrypoints.cli import build_parser
+from jaxpaged import SamplingParams
 from test_llm_inputs import tiny_llm
 
 
@@ -80,3 +81,36 @@ def test_beam_search_compiles_nothing_after_warm_up():
     assert compiled == [], f"compiled after warm-up: {compiled}"
     assert beam_candidates._cache_size() == compiled_top_k, "the beam top-k compiled after warm-up"
     assert llm.stats()["num_compiles"] == compiled_steps
+
+
+# ------------------------------------------------------------------ vLLM's LLM methods a port calls
+
+def test_get_tokenizer_and_default_sampling_params_are_vllms():
+    llm = tiny_llm()
+    assert llm.get_tokenizer() is llm.tokenizer
+    default = llm.get_default_sampling_params()
+    # vLLM's defaults: temperature 1, top_p 1, top_k off, 16 tokens
+    assert (default.temperature, default.top_p, default.max_tokens) == (1.0, 1.0, 16) and default.top_k in (0, -1)
+    out = llm.generate([[1, 2, 3, 4, 5]])[0].outputs[0]  # no params: those defaults
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 16)
+
+
+def test_reset_prefix_cache_forgets_pages_and_can_recompute_running_requests():
+    llm = tiny_llm(enable_prefix_caching=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(1, 18))  # 4 full pages of 4 tokens
+    want = llm.generate([prompt], greedy)[0]
+    assert llm.generate([prompt], greedy)[0].num_cached_tokens == 16  # served from the cache
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], greedy)[0].num_cached_tokens == 0  # forgotten
+    # with reset_running_requests, a request in flight gives up its K/V and is recomputed: same tokens
+    recomputed0 = llm.stats()["num_recomputed_tokens"]
+    stream = llm.stream([prompt], greedy)
+    got = [next(stream)]  # the first token is out; the request is running
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    got += list(stream)
+    assert llm.stats()["num_recomputed_tokens"] > recomputed0
+    assert got[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm.stats()["num_used_pages"] == 0  # nothing leaked
+    with pytest.raises(ValueError, match="reset_running_requests='yes'; pass True or False"):
+        llm.reset_prefix_cache(reset_running_requests="yes")

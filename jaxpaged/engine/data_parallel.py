@@ -140,9 +140,8 @@ class DataParallelEngine:
         for engine in self.engines:
             engine.wake_up()
 
-    def reset_prefix_cache(self) -> None:
-        for engine in self.engines:
-            engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all([engine.reset_prefix_cache(reset_running_requests) for engine in self.engines])
 
     def page_ref_counts(self) -> dict[int, int]:
         merged: dict[int, int] = {}

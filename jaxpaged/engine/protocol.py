@@ -76,4 +76,5 @@ class EngineClient(Protocol):
     def wake_up(self) -> None:
         """Undoes sleep(); after level 2, update_params must bring weights before requests are added."""
 
-    def reset_prefix_cache(self) -> None: ...
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached page; with reset_running_requests, running requests are recomputed."""

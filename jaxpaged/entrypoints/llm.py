@@ -67,6 +67,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's spelling of `tokenizer` (for chat templates, encode/decode)."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when no SamplingParams is passed (vLLM's name)."""
+        return SamplingParams()
+
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
@@ -230,7 +238,7 @@ class LLM:
         """(text or None, token ids, params) per prompt, every prompt validated by the engine."""
         prompts = normalize_prompts(prompts, self.tokenizer)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -252,6 +260,18 @@ class LLM:
         closed), whose pages `num_used_pages` counts."""
         with self._lock:
             return self.engine.stats()
+
+    @no_type_check  # validates its argument itself: a ValueError that says what to pass
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every page of the prefix cache (device pool and host tier), e.g. after changing
+        weights outside `update_params`, which resets it itself. With reset_running_requests=True,
+        requests already running also give up their K/V and are recomputed from their tokens, as
+        vLLM preempts them. Returns True (vLLM's signature: the reset cannot fail here, pages in use
+        simply stop being shareable)."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests={reset_running_requests!r}; pass True or False")
+        with self._lock:
+            return self.engine.reset_prefix_cache(reset_running_requests)
 
     def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
         """Swaps in new weights of the same tree and shapes without recompiling; safe while other
