@@ -200,3 +200,28 @@ def test_bfloat16_model_stays_close_to_float32_hf(tiny_hf_model, hf_logits):
     assert prefill.dtype == np.float32
     np.testing.assert_allclose(prefill, expected[12], atol=0.1, rtol=0)
     np.testing.assert_allclose(decode, expected[13], atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 65])
+def test_tied_lm_head_vocab_major_is_the_same_product(rows):
+    """The CPU's vocabulary-major LM head gives x @ E^T (float64 reference), and is taken exactly for
+    2..64 rows: the barrier that keeps XLA from folding the transpose back is in the program."""
+    from jaxpaged.models.llama import tied_lm_head
+
+    emb = jax.random.normal(jax.random.key(0), (1000, 32), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (rows, 32), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(emb, np.float64).T
+    head = jax.jit(tied_lm_head, static_argnums=2)
+    for vocab_major in (False, True):
+        np.testing.assert_allclose(np.asarray(head(x, emb, vocab_major)), want, rtol=1e-5, atol=1e-5)
+    program = head.lower(x, emb, True).as_text()
+    assert ("optimization_barrier" in program) == (2 <= rows <= 64)
+    assert "optimization_barrier" not in head.lower(x, emb, False).as_text()
+
+
+def test_cpu_runner_takes_the_vocab_major_head():
+    config = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    runner = ModelRunner(config, init_params(config, jax.random.key(0)), num_pages=4, page_size=4,
+                         max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)
+    assert runner.model.vocab_major_head and runner.decode_model.vocab_major_head
