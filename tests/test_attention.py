@@ -56,19 +56,22 @@ ATTENTION_FNS = {"reference": reference_paged_attention,
                  # one-token prompt as a run of its own; the padding tokens are never a block.
                  "chunked-blocks-of-4": functools.partial(chunked_paged_attention, pages_per_chunk=2,
                                                           query_blocks=QueryBlocks(4, 1, 2)),
-                 "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_blocks=QueryBlocks(4, 2, 2))}
+                 "chunked-from-buffer-blocks-of-4": functools.partial(_from_buffer, query_blocks=QueryBlocks(4, 2, 2)),
+                 # Chunks of 2 pages, then 1-page tail chunks once at most a page is left: the
+                 # (2 page_size + 3)-key prompt takes a whole chunk and then a tail chunk.
+                 "chunked-blocks-with-tails": functools.partial(chunked_paged_attention, pages_per_chunk=2,
+                                                                query_blocks=QueryBlocks(8, 2, 2, 1)),
+                 "chunked-from-buffer-blocks-with-tails": functools.partial(_from_buffer,
+                                                                            query_blocks=QueryBlocks(4, 1, 2, 1))}
 
 
-@pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))
-@pytest.mark.parametrize("page_size,num_heads,num_kv_heads,soft_cap", [(4, 4, 2, None), (8, 6, 2, None), (4, 3, 3, 5.0)])
-def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_kv_heads, soft_cap):
-    rng = np.random.default_rng(0)
-    head_dim, num_pages, pages_per_seq = 16, 24, 5
-    # Sequences: two decode rows, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
-    seq_lens = [9, 6, 2 * page_size + 3, page_size, 1]
-    q_lens = [1, 1, page_size + 1, page_size, 1]
+def _check_against_naive(fn, page_size, num_heads, num_kv_heads, soft_cap, seq_lens, q_lens, pages_per_seq,
+                         num_pages=24, seed=0):
+    """Sequences of `seq_lens` keys whose last `q_lens` tokens are queries, on random pages of a
+    NaN-filled pool, plus a padding row and 3 padding tokens: `fn` must give the float64 naive result."""
+    rng = np.random.default_rng(seed)
+    head_dim = 16
     scale = head_dim**-0.5
-
     k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)
     v_pages = np.full_like(k_pages, np.nan)
     free = list(rng.permutation(np.arange(1, num_pages)))
@@ -90,7 +93,7 @@ def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_
     num_real = sum(q_lens)
     q = rng.standard_normal((num_real + 3, num_heads, head_dim)).astype(np.float32)  # 3 padding tokens
     query_start_loc = np.array([0, *np.cumsum(q_lens), num_real], np.int32)
-    out = ATTENTION_FNS[fn_name](
+    out = fn(
         jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(block_tables),
         jnp.asarray(np.array([*seq_lens, 0], np.int32)), jnp.asarray(query_start_loc),
         scale=scale, soft_cap=soft_cap,
@@ -99,6 +102,26 @@ def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_
     expected = _naive(q, ks, vs, q_lens, seq_lens, scale, soft_cap)
     np.testing.assert_allclose(out[:num_real], expected, atol=2e-5, rtol=1e-5)
     assert np.all(out[num_real:] == 0), "padding tokens must give zeros"
+
+
+@pytest.mark.parametrize("fn_name", sorted(ATTENTION_FNS))
+@pytest.mark.parametrize("page_size,num_heads,num_kv_heads,soft_cap", [(4, 4, 2, None), (8, 6, 2, None), (4, 3, 3, 5.0)])
+def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_kv_heads, soft_cap):
+    # Sequences: two decode rows, a prefill chunk starting mid-page, a whole prompt, a 1-token prompt.
+    _check_against_naive(ATTENTION_FNS[fn_name], page_size, num_heads, num_kv_heads, soft_cap,
+                         seq_lens=[9, 6, 2 * page_size + 3, page_size, 1], q_lens=[1, 1, page_size + 1, page_size, 1],
+                         pages_per_seq=5)
+
+
+@pytest.mark.parametrize("from_buffer", [False, True])
+def test_tail_chunks_walk_a_sequence_page_by_page(from_buffer):
+    """Chunks of 4 pages, then 1-page tail chunks once at most 2 pages are left: the 23-key prompt
+    chunk reads a whole chunk (keys 0-15) then tails at pages 4 and 5; the 6-key prompt tails only
+    (pages 0 and 1); with a decode row and a 1-token prompt around them."""
+    blocks = QueryBlocks(tokens=8, max_seqs=2, pages_per_chunk=4, tail_pages=1)
+    fn = (functools.partial(_from_buffer, query_blocks=blocks) if from_buffer
+          else functools.partial(chunked_paged_attention, pages_per_chunk=2, query_blocks=blocks))
+    _check_against_naive(fn, 4, 4, 2, None, seq_lens=[9, 23, 6, 1], q_lens=[1, 7, 6, 1], pages_per_seq=8, num_pages=32)
 
 
 @pytest.mark.parametrize("from_buffer", [False, True])

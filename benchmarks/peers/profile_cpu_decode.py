@@ -139,14 +139,19 @@ def pieces(params: dict, batch: int, vocab: int) -> dict:
     scanned = jax.jit(lambda x, ws: jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0])
     x = jnp.ones((batch, dim), jnp.float32) * 0.01
     lm_head = jax.jit(lambda h, e: jnp.einsum("SD,VD->SV", h, e))
+    tied_lm_head = getattr(importlib.import_module("jaxpaged.models.llama"), "tied_lm_head", None)
+    vocab_major = jax.jit(lambda h, e: tied_lm_head(h, e, True)) if tied_lm_head else None
     emb = params["params"]["embedding"]
     for fn, args in ((unrolled, (x, sliced)), (scanned, (x, mats)), (lm_head, (x, emb))):
         fn(*args).block_until_ready()
     out = {
         "layer_matmuls_presliced_ms": best_of(lambda: unrolled(x, sliced).block_until_ready(), 5)[0] * 1e3,
         "layer_matmuls_scan_ms": best_of(lambda: scanned(x, mats).block_until_ready(), 5)[0] * 1e3,
-        "lm_head_ms": best_of(lambda: lm_head(x, emb).block_until_ready(), 5)[0] * 1e3,
+        "lm_head_ms": best_of(lambda: lm_head(x, emb).block_until_ready(), 5)[0] * 1e3,  # x @ E^T
     }
+    if vocab_major is not None:  # the engine's CPU head (models/llama.py tied_lm_head)
+        vocab_major(x, emb).block_until_ready()
+        out["lm_head_vocab_major_ms"] = best_of(lambda: vocab_major(x, emb).block_until_ready(), 5)[0] * 1e3
     sampler = _import_first("jaxpaged.device.sampler", "jaxpaged.sampler")
     logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32)
     for label, temperature in (("sampler_greedy_ms", 0.0), ("sampler_t0.6_ms", 0.6)):
@@ -177,6 +182,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="steps timed and traced")
+    parser.add_argument("--split-attention", action="store_true",
+                        help="attention's page gather, its matmuls and its softmax as three categories")
     parser.add_argument("--engine-args", default="{}", help='JSON of LLM keyword arguments, e.g. {"per_layer_weights": false}')
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "results", "cpu_decode_profile.json"))
@@ -199,7 +206,8 @@ def main() -> None:
     step_cpu = (time.process_time() - cpu0) / args.steps  # CPU seconds of all threads: less load-sensitive than wall
     loads["trace"] = os.getloadavg()
     d, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
-    trace = trace_breakdown(runner, step_input, args.steps, {d, f, kv, cfg.num_heads * cfg.head_dim})
+    trace = trace_breakdown(runner, step_input, args.steps, {d, f, kv, cfg.num_heads * cfg.head_dim},
+                            split_attention=args.split_attention)
     loads["pieces"] = os.getloadavg()
     piece = pieces(llm.params, args.batch, cfg.vocab_size)
     loads["public"] = os.getloadavg()
@@ -233,8 +241,9 @@ def main() -> None:
                  "floor_ms": floors["whole step (weights + live KV once)"]})
     rows.append({"category": "generate() per decode step (slope)", "wall_ms": public["decode_step_ms"]})
     for key in ("sampler_greedy_ms", "sampler_t0.6_ms", "layer_matmuls_presliced_ms", "layer_matmuls_scan_ms",
-                "lm_head_ms"):
-        rows.append({"category": f"alone: {key[:-3]}", "wall_ms": piece[key]})
+                "lm_head_ms", "lm_head_vocab_major_ms"):
+        if key in piece:
+            rows.append({"category": f"alone: {key[:-3]}", "wall_ms": piece[key]})
     report = {
         "benchmark": "profile_cpu_decode", "environment": environment(), "loadavg": loads,
         "workload": {"batch": args.batch, "context": args.context, "steps": args.steps, "dtype": cfg.dtype},

@@ -48,8 +48,8 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
             cat = "attention (page gather, softmax, PV)"
         elif "scatter" in name or "scatter" in op_name:
             cat = "KV write (scatter)"
-        elif "dot_general" in op_name and "SD,DV->SV" in op_name:
-            cat = "LM head matmul"
+        elif "/lm_head/" in op_name or ("dot_general" in op_name and "SD,DV->SV" in op_name):
+            cat = "LM head matmul"  # the lm_head scope: with the CPU vocabulary-major head, its transpose too
         elif "dot_general" in op_name and "/mlp/" in op_name:
             cat = "MLP matmuls (gate, up, down)"
         elif "dot_general" in op_name and "/attn/" in op_name:

@@ -307,11 +307,12 @@ class CausalLM(nn.Module):
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
         x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
-        if c.tie_word_embeddings:
-            logits = tied_lm_head(x, embedding, self.vocab_major_head)
-        else:
-            lm_head = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
-            logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
+        lm_head = None if c.tie_word_embeddings else self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
+        with jax.named_scope("lm_head"):  # names the head's ops in profiles (benchmarks/peers/xla_cpu_trace.py)
+            if lm_head is None:
+                logits = tied_lm_head(x, embedding, self.vocab_major_head)
+            else:
+                logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
         if c.final_soft_cap is not None:
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pages

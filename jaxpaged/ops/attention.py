@@ -42,11 +42,14 @@ class QueryBlocks:
     tokens: query tokens per block (at most). max_seqs: a block finishes the tokens of at most this
     many sequences, reading each of them once; a run of decode tokens is a block of its own, each
     token reading its own keys. pages_per_chunk: pages of one sequence read and scored at a time.
+    tail_pages: once no more than half a chunk of a sequence's keys is left, they are read in chunks
+    of this many pages, so that a short prompt is not scored against a whole chunk of masked keys.
     """
 
     tokens: int = 64
     max_seqs: int = 4
     pages_per_chunk: int = 16
+    tail_pages: int = 4
 
 
 def reference_paged_attention(
@@ -239,6 +242,7 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
     pages_per_chunk = min(pages_per_chunk, pages_per_seq)
     # Each sequence's pages, padded with the padding page to a whole number of chunks of both sizes.
     seq_chunk_pages = min(blocks.pages_per_chunk, pages_per_seq)
+    tail_pages = blocks.tail_pages if seq_chunk_pages % blocks.tail_pages == 0 else seq_chunk_pages
     width = max(-(-pages_per_seq // n) * n for n in (pages_per_chunk, seq_chunk_pages))
     seq_pages = jnp.pad(block_tables, ((0, 0), (0, width - pages_per_seq)))
 
@@ -255,7 +259,8 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
         _, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
     else:
         by_seq = _Chunks(seq_chunk_pages, seq_chunk_pages * page_size, soft_cap, sliding_window)
-        _, l, acc = _by_query_block(by_token, by_seq, gather, gather_seq, qf, position, seq_idx, q_len == 1,
+        by_tail = _Chunks(tail_pages, tail_pages * page_size, soft_cap, sliding_window)
+        _, l, acc = _by_query_block(by_token, by_seq, by_tail, gather, gather_seq, qf, position, seq_idx, q_len == 1,
                                     seq_pages, query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
@@ -279,7 +284,10 @@ class _Chunks:
         return first, end
 
     def visible(self, c, positions):  # chunk c's keys seen by each of `positions`: [B, C]
-        key_pos = c * self.length + jnp.arange(self.length, dtype=jnp.int32)
+        return self.visible_from(c * self.length, positions)
+
+    def visible_from(self, first_key, positions):  # the chunk of keys from position `first_key`: [B, C]
+        key_pos = first_key + jnp.arange(self.length, dtype=jnp.int32)
         out = key_pos[None, :] <= positions[:, None]
         if self.sliding_window is not None:
             out &= key_pos[None, :] > positions[:, None] - self.sliding_window
@@ -318,19 +326,21 @@ def _by_token(chunks: _Chunks, gather, qf, position, pages):
     return jax.lax.fori_loop(*chunks.range(position), chunk_step, _init(*qf.shape))
 
 
-def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, position, seq_idx, single, seq_pages,
-                    num_real, block, max_seqs):
+def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather, gather_seq, qf, position, seq_idx,
+                    single, seq_pages, num_real, block, max_seqs):
     """Blocks of up to `block` tokens in order, each starting where the last one stopped:
 
       - a run of one-token sequences (decode tokens; `single`) goes by token;
       - otherwise the block finishes the tokens of its first `max_seqs` sequences (up to `block`) and
         reads each of those sequences once: its chunks up to its last token in the block, scored
-        against the whole block (the other sequences' tokens masked).
+        against the whole block (the other sequences' tokens masked). Chunks are `by_seq`'s while
+        more than half of one is left, then `by_tail`'s: 36 keys cost a 64-key chunk, not 256.
 
     The block's tokens past where it stops are masked (they stay "nothing seen yet") and the next
     block starts there.
     """
     num_tokens, num_kv_heads, group, head_dim = qf.shape
+    page_size = by_seq.length // by_seq.pages
     qf = jnp.pad(qf, ((0, block), (0, 0), (0, 0), (0, 0)))  # a block may start at any real token
     position = jnp.pad(position, (0, block), constant_values=-1)
     seq_idx, single = jnp.pad(seq_idx, (0, block)), jnp.pad(single, (0, block))
@@ -340,16 +350,28 @@ def _by_query_block(by_token: _Chunks, by_seq: _Chunks, gather, gather_seq, qf, 
 
         def seq_step(s, carry):
             mine = jnp.where(seq_b == s, pos_b, -1)  # positions of s's tokens, -1 for the others
+            stop = jnp.max(mine) + 1  # keys [.., stop) are seen; 0 when no token of the block is s's
 
-            def chunk_step(c, carry):
-                k, v = gather_seq(jax.lax.dynamic_slice_in_dim(seq_pages[s], c * by_seq.pages, by_seq.pages))
-                visible = by_seq.visible(c, mine)  # [B, C]
-                # Keys no token of the block sees may be stale or NaN: zero their values.
-                v = jnp.where(jnp.any(visible, axis=0)[:, None], v.astype(jnp.float32), 0.0)  # [K, C, H]
-                s_ = jnp.einsum("kbgh,kch->kbgc", qk, k.astype(jnp.float32))
-                return by_seq.update(carry, s_, visible[None, :, None, :], v, "kbgc,kch->kbgh")
+            def chunk_step(chunks: _Chunks):
+                def step(first_key, carry):  # `chunks.pages` pages of s from key position first_key
+                    pages = jax.lax.dynamic_slice_in_dim(seq_pages[s], first_key // page_size, chunks.pages)
+                    k, v = gather_seq(pages)
+                    visible = chunks.visible_from(first_key, mine)  # [B, C]
+                    # Keys no token of the block sees may be stale or NaN: zero their values.
+                    v = jnp.where(jnp.any(visible, axis=0)[:, None], v.astype(jnp.float32), 0.0)  # [K, C, H]
+                    s_ = jnp.einsum("kbgh,kch->kbgc", qk, k.astype(jnp.float32))
+                    return chunks.update(carry, s_, visible[None, :, None, :], v, "kbgc,kch->kbgh")
 
-            return jax.lax.fori_loop(*by_seq.range(mine), chunk_step, carry)
+                return step
+
+            def walk(state):  # whole chunks while more than half of one is left, then tail chunks
+                first_key, carry = state
+                whole = stop - first_key > by_seq.length // 2
+                carry = jax.lax.cond(whole, chunk_step(by_seq), chunk_step(by_tail), first_key, carry)
+                return first_key + jnp.where(whole, by_seq.length, by_tail.length), carry
+
+            first_chunk, _ = by_seq.range(mine)  # a sliding window skips whole chunks
+            return jax.lax.while_loop(lambda state: state[0] < stop, walk, (first_chunk * by_seq.length, carry))[1]
 
         last = jnp.max(jnp.where(pos_b >= 0, seq_b, seq_b[0]))
         m, l, acc = jax.lax.fori_loop(seq_b[0], last + 1, seq_step, _init(*qk.shape))
