@@ -107,10 +107,23 @@ def test_reset_prefix_cache_forgets_pages_and_can_recompute_running_requests():
     recomputed0 = llm.stats()["num_recomputed_tokens"]
     stream = llm.stream([prompt], greedy)
     got = [next(stream)]  # the first token is out; the request is running
-    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    hits0 = llm.stats()["prefix_hit_tokens"]
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
     got += list(stream)
     assert llm.stats()["num_recomputed_tokens"] > recomputed0
+    assert llm.stats()["prefix_hit_tokens"] == hits0  # recomputed from its tokens, not found in the cache
     assert got[-1].outputs[0].token_ids == want.outputs[0].token_ids
     assert llm.stats()["num_used_pages"] == 0  # nothing leaked
     with pytest.raises(ValueError, match="reset_running_requests='yes'; pass True or False"):
         llm.reset_prefix_cache(reset_running_requests="yes")
+    with pytest.raises(ValueError, match="reset_connector=1; pass True or False"):
+        llm.reset_prefix_cache(reset_connector=1)
+
+
+def test_chat_template_tokenize_gives_the_ids_hf_and_vllm_callers_expect():
+    tokenizer = tiny_llm().get_tokenizer()
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert ids == tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids, False) == text

@@ -113,6 +113,12 @@ def test_matches_naive_over_contiguous_cache(fn_name, page_size, num_heads, num_
                          pages_per_seq=5)
 
 
+@pytest.mark.parametrize("field", ["tokens", "max_seqs", "pages_per_chunk", "tail_pages"])
+def test_query_blocks_refuse_sizes_below_one(field):
+    with pytest.raises(ValueError, match=rf"QueryBlocks.{field}=0; it must be an int >= 1"):
+        QueryBlocks(**{field: 0})
+
+
 @pytest.mark.parametrize("from_buffer", [False, True])
 def test_tail_chunks_walk_a_sequence_page_by_page(from_buffer):
     """Chunks of 4 pages, then 1-page tail chunks once at most 2 pages are left: the 23-key prompt

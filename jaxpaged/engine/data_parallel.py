@@ -141,6 +141,9 @@ class DataParallelEngine:
             engine.wake_up()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests and any(engine.beams for engine in self.engines):
+            raise ValueError("reset_running_requests=True with beam searches running; finish them first "
+                             "or reset only the cache (reset_running_requests=False)")  # before any replica changes
         return all([engine.reset_prefix_cache(reset_running_requests) for engine in self.engines])
 
     def page_ref_counts(self) -> dict[int, int]:

@@ -72,7 +72,9 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` uses when no SamplingParams is passed (vLLM's name)."""
+        """What `generate` uses when no SamplingParams is passed (vLLM's name): `SamplingParams()`.
+        vLLM also applies a Hugging Face model's generation_config.json (e.g. temperature 0.6);
+        jaxpaged does not read that file, so pass such settings yourself."""
         return SamplingParams()
 
     @property
@@ -261,15 +263,18 @@ class LLM:
         with self._lock:
             return self.engine.stats()
 
-    @no_type_check  # validates its argument itself: a ValueError that says what to pass
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    @no_type_check  # validates its arguments itself: a ValueError that says what to pass
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forgets every page of the prefix cache (device pool and host tier), e.g. after changing
         weights outside `update_params`, which resets it itself. With reset_running_requests=True,
         requests already running also give up their K/V and are recomputed from their tokens, as
-        vLLM preempts them. Returns True (vLLM's signature: the reset cannot fail here, pages in use
-        simply stop being shareable)."""
-        if not isinstance(reset_running_requests, bool):
-            raise ValueError(f"reset_running_requests={reset_running_requests!r}; pass True or False")
+        vLLM preempts them. reset_connector: vLLM's external KV connector; jaxpaged has none, and
+        its host KV tier, part of the prefix cache, is reset either way. Returns True (vLLM returns
+        False when requests still hold blocks and it resets nothing; here pages in use simply stop
+        being shareable, so the reset always happens)."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}; pass True or False")
         with self._lock:
             return self.engine.reset_prefix_cache(reset_running_requests)
 

@@ -230,9 +230,13 @@ class Tokenizer:
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
+        tokenize: bool = False,
         **template_kwargs: Any,
-    ) -> str:
-        """Render `messages` ([{"role": "user", "content": "..."}, ...]) to the prompt text.
+    ) -> str | list[int]:
+        """Render `messages` ([{"role": "user", "content": "..."}, ...]) to the prompt text, or with
+        `tokenize=True` to its token ids (encoded without adding special tokens: the template writes
+        them). Unlike Hugging Face's, the defaults are text and a generation prompt; pass
+        `tokenize=True` for the ids a Hugging Face / vLLM caller expects from its default.
 
         Same jinja environment as Hugging Face's `apply_chat_template` (trim_blocks, lstrip_blocks,
         loop controls, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`), with the
@@ -258,9 +262,10 @@ class Tokenizer:
             self._compiled_template = _compile_template(self.chat_template)
         variables = dict(self._template_tokens)
         variables.update(template_kwargs)
-        return self._compiled_template.render(
+        text = self._compiled_template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
         )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 # Hugging Face's `clean_up_tokenization_spaces`: drop the space a word-level tokenizer put before punctuation.

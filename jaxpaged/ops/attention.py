@@ -20,6 +20,7 @@ Every key position p of sequence s lives at page `block_tables[s, p // page_size
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,12 @@ class QueryBlocks:
     max_seqs: int = 4
     pages_per_chunk: int = 16
     tail_pages: int = 4
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"QueryBlocks.{field.name}={value!r}; it must be an int >= 1")
 
 
 def reference_paged_attention(
@@ -242,7 +249,7 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
     pages_per_chunk = min(pages_per_chunk, pages_per_seq)
     # Each sequence's pages, padded with the padding page to a whole number of chunks of both sizes.
     seq_chunk_pages = min(blocks.pages_per_chunk, pages_per_seq)
-    tail_pages = blocks.tail_pages if seq_chunk_pages % blocks.tail_pages == 0 else seq_chunk_pages
+    tail_pages = math.gcd(seq_chunk_pages, blocks.tail_pages)  # divides a whole chunk: tails stay in the padding
     width = max(-(-pages_per_seq // n) * n for n in (pages_per_chunk, seq_chunk_pages))
     seq_pages = jnp.pad(block_tables, ((0, 0), (0, width - pages_per_seq)))
 
