@@ -127,3 +127,22 @@ def test_chat_template_tokenize_gives_the_ids_hf_and_vllm_callers_expect():
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert ids == tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids, False) == text
+
+
+def test_reset_running_requests_with_beams_on_any_replica_changes_no_replica():
+    """The data-parallel engine resets every replica or none: a beam search on the second replica
+    refuses the reset before the first replica's running requests lose their K/V."""
+    from jaxpaged.engine import weights
+
+    busy, searching = tiny_llm(enable_prefix_caching=True).engine, tiny_llm().engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    busy.add_request(list(range(1, 10)), greedy, request_id="r0")
+    busy.step()  # the prompt is computed: the request is running with its K/V
+    computed = [seq.num_computed_tokens for seq in busy.scheduler.running]
+    searching.beams = ["a beam search"]  # any beam search makes the engine refuse
+    with pytest.raises(ValueError, match="reset_running_requests=True with beam searches running"):
+        weights.reset_prefix_cache([busy, searching], reset_running_requests=True)
+    assert [seq.num_computed_tokens for seq in busy.scheduler.running] == computed and computed[0] > 0
+    searching.beams = []
+    assert weights.reset_prefix_cache([busy, searching], reset_running_requests=True) is True
+    assert not busy.scheduler.running and busy.scheduler.waiting[0].num_computed_tokens == 0

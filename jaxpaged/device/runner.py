@@ -129,12 +129,9 @@ class ModelRunner:
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
-        # XLA:CPU: the tied LM head as embedding @ x^T (models/llama.py, tied_lm_head)
-        vocab_major = platform == "cpu" and self.tp is None
-        self.model = CausalLM(model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
-                              vocab_major_head=vocab_major)
-        self.decode_model = CausalLM(model_config, attention_fn or reference_paged_attention, decode_only=True,
-                                     expert_fn=expert_fn, vocab_major_head=vocab_major)
+        model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
+                                  vocab_major_head=platform == "cpu" and self.tp is None)  # llama.tied_lm_head
+        self.model, self.decode_model = model(), model(decode_only=True)
         self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
         # Decode-only steps: 1 (2 on a GPU: XLA makes one-row GEMMs multiply + reduce with weight-sized

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from jaxpaged.engine import weights
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.outputs import RequestOutput
@@ -141,10 +142,7 @@ class DataParallelEngine:
             engine.wake_up()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        if reset_running_requests and any(engine.beams for engine in self.engines):
-            raise ValueError("reset_running_requests=True with beam searches running; finish them first "
-                             "or reset only the cache (reset_running_requests=False)")  # before any replica changes
-        return all([engine.reset_prefix_cache(reset_running_requests) for engine in self.engines])
+        return weights.reset_prefix_cache(self.engines, reset_running_requests)  # every replica, or none
 
     def page_ref_counts(self) -> dict[int, int]:
         merged: dict[int, int] = {}

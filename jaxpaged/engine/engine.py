@@ -359,16 +359,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.warmup(self.runner, self.sampler)  # the verification steps' programs
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's: forgets every cached page. With reset_running_requests, running requests also give
-        up their K/V and are recomputed from their tokens (outputs unchanged, under the same weights)."""
-        if reset_running_requests:
-            if self.beams:
-                raise ValueError("reset_running_requests=True with beam searches running; finish them first "
-                                 "or reset only the cache (reset_running_requests=False)")
-            weights.discard_kv(self.scheduler)
-        self.block_manager.reset_prefix_cache()
-        return True
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:  # vLLM's (engine/weights.py)
+        return weights.reset_prefix_cache([self], reset_running_requests)
 
     def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
         """New weights (a copy; same tree and shapes, any sharding), no recompiling, between two steps;

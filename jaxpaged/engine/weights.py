@@ -69,6 +69,21 @@ def update_params(engine, params, *, version: int | None, in_flight: str) -> Non
     engine.processor.start_weight_version(state.version)
 
 
+def reset_prefix_cache(engines, reset_running_requests: bool) -> bool:
+    """vLLM's reset_prefix_cache on one engine or every data-parallel replica: forgets every cached
+    page; with reset_running_requests, running requests also give up their K/V and are recomputed
+    from their tokens (same weights: same outputs). Refused, before any engine changes, while beam
+    searches run."""
+    if reset_running_requests and any(engine.beams for engine in engines):
+        raise ValueError("reset_running_requests=True with beam searches running; finish them first "
+                         "or reset only the cache (reset_running_requests=False)")
+    for engine in engines:
+        if reset_running_requests:
+            discard_kv(engine.scheduler)
+        engine.block_manager.reset_prefix_cache()
+    return True
+
+
 def sleep(engine, level: int) -> None:
     if level not in SLEEP_LEVELS:
         raise ValueError(f"level={level!r}; use 1 (weights kept in host memory) or 2 (weights dropped)")

@@ -322,7 +322,8 @@ class CausalLM(nn.Module):
 VOCAB_MAJOR_ROWS = (2, 64)
 
 
-def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array, "V D"], vocab_major: bool) -> Float[Array, "S V"]:
+def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array | np.ndarray, "V D"],
+                 vocab_major: bool) -> Float[Array, "S V"]:
     """float32 logits x @ embedding^T.
 
     vocab_major (XLA:CPU): for 2 <= S <= 64 rows the product is taken as embedding @ x^T, [V, S],

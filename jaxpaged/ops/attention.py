@@ -53,10 +53,9 @@ class QueryBlocks:
     tail_pages: int = 4
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"QueryBlocks.{field.name}={value!r}; it must be an int >= 1")
+        for name, value in dataclasses.asdict(self).items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"QueryBlocks.{name}={value!r}; it must be an int >= 1")
 
 
 def reference_paged_attention(
@@ -290,10 +289,7 @@ class _Chunks:
             first = jnp.clip(oldest // self.length, 0, end)
         return first, end
 
-    def visible(self, c, positions):  # chunk c's keys seen by each of `positions`: [B, C]
-        return self.visible_from(c * self.length, positions)
-
-    def visible_from(self, first_key, positions):  # the chunk of keys from position `first_key`: [B, C]
+    def visible_from(self, first_key, positions):  # chunk keys from `first_key` seen by each of `positions`: [B, C]
         key_pos = first_key + jnp.arange(self.length, dtype=jnp.int32)
         out = key_pos[None, :] <= positions[:, None]
         if self.sliding_window is not None:
@@ -325,7 +321,7 @@ def _by_token(chunks: _Chunks, gather, qf, position, pages):
         k, v = gather(jax.lax.dynamic_slice_in_dim(pages, c * chunks.pages, chunks.pages, axis=1))
         k = k.reshape(pages.shape[0], chunks.length, *k.shape[-2:]).astype(jnp.float32)  # [B, C, K, H]
         v = v.reshape(k.shape).astype(jnp.float32)
-        visible = chunks.visible(c, position)  # [B, C]
+        visible = chunks.visible_from(c * chunks.length, position)  # [B, C]
         v = jnp.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN would be NaN
         return chunks.update(carry, jnp.einsum("tkgh,tlkh->tkgl", qf, k), visible[:, None, None, :], v,
                              "tkgl,tlkh->tkgh")
@@ -361,8 +357,7 @@ def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather
 
             def chunk_step(chunks: _Chunks):
                 def step(first_key, carry):  # `chunks.pages` pages of s from key position first_key
-                    pages = jax.lax.dynamic_slice_in_dim(seq_pages[s], first_key // page_size, chunks.pages)
-                    k, v = gather_seq(pages)
+                    k, v = gather_seq(jax.lax.dynamic_slice_in_dim(seq_pages[s], first_key // page_size, chunks.pages))
                     visible = chunks.visible_from(first_key, mine)  # [B, C]
                     # Keys no token of the block sees may be stale or NaN: zero their values.
                     v = jnp.where(jnp.any(visible, axis=0)[:, None], v.astype(jnp.float32), 0.0)  # [K, C, H]
