@@ -18,6 +18,7 @@ from jaxpaged.device.backends import attention_fn
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models.llama import init_params
 from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.planner.request import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,25 @@ def test_host_tier_serves_evicted_prefixes(params, prompts):
 def test_quantized_pages_equal_the_quantized_reference(params, prompts, backend, kv_cache_dtype):
     want = _run(params, prompts, kv_cache_dtype=kv_cache_dtype)[0]
     assert _run(params, prompts, backend=backend, kv_cache_dtype=kv_cache_dtype)[0] == want
+
+
+@pytest.mark.parametrize("backend,kv_cache_dtype", [("reference", "auto"), ("chunked", "auto"), ("pallas", "auto"),
+                                                    ("chunked", "int8")])
+def test_requests_sharing_a_prefix_hit_it_in_the_step_that_computes_it(params, prompts, backend, kv_cache_dtype):
+    # Page size 8, budget 16: a 9-token prompt and two sharing its first page arrive together. The first
+    # computes that page in step 1, and the others hit it in the same step (as vLLM registers blocks when
+    # it schedules them): each layer writes the step's K/V before attention reads them. Oracle: the
+    # reference engine without a prefix cache.
+    head = prompts[4][:8]
+    shared = [head + [5], head + [6, 7], head + [9, 9, 9]]
+    oracle = tp_fixtures.make_engine(params, attention_fn=reference_paged_attention, kv_cache_dtype=kv_cache_dtype,
+                                     enable_prefix_caching=False)
+    want = tp_fixtures.run_greedy(oracle, shared, max_tokens=6)
+    engine = tp_fixtures.make_engine(params, attention_fn=attention_fn(backend), kv_cache_dtype=kv_cache_dtype)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p in shared]
+    done = {out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished}
+    assert engine.stats()["prefix_hit_tokens"] == 16  # the 2nd and 3rd prompts' first page, in step 1
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    assert [done[i] for i in ids] == want
+    assert engine.stats()["num_used_pages"] == 0

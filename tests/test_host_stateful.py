@@ -33,7 +33,8 @@ class FakeKVPool:
         self.pages = [[None] * page_size for _ in range(num_pages)]
         self.host_pages = {}  # host page id -> slot contents (swap space and the prefix cache's host tier)
 
-    def run(self, out):
+    def run(self, out, registered_before):
+        """`registered_before`: the (page id, hash) pairs registered before schedule() planned `out`."""
         ps = self.page_size
         for page_id, host_page_id in out.swap_out:  # before anything this step writes
             self.host_pages[host_page_id] = list(self.pages[page_id])
@@ -43,11 +44,23 @@ class FakeKVPool:
             self.pages[dst_page_id] = list(self.pages[src_page_id])
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
-                page_id = seq.block_table[pos // ps]
-                # Writing a shared or cached page would corrupt another sequence's context.
-                assert page_id != 0 and self.block_manager.ref_counts[page_id] == 1, (seq, pos)
-                assert self.block_manager.page_hash[page_id] is None, (seq, pos)
+                page_id = self.check_write(seq, pos, registered_before)
                 self.pages[page_id][pos % ps] = seq.token_ids[pos]
+
+    def check_write(self, seq, pos, registered_before):
+        """The page `seq` writes position `pos` into: one no other sequence reads, or one registered
+        by this very schedule() (a page cached before it is never written), whose sharers are this
+        step's hits: then what it is written with is what its key promises them."""
+        bm, ps = self.block_manager, self.page_size
+        page_id = seq.block_table[pos // ps]
+        assert page_id != 0, (seq, pos)
+        if bm.page_hash[page_id] is None:
+            assert bm.ref_counts[page_id] == 1, (seq, pos)
+        else:
+            assert (page_id, bm.page_hash[page_id]) not in registered_before, (seq, pos)
+            assert pos < seq.num_prompt_tokens, (seq, pos)
+            assert bm.page_key[page_id][2][pos % ps] == seq.token_ids[pos], (seq, pos)
+        return page_id
 
     def context(self, seq, num_tokens):
         """What attention reads for positions [0, num_tokens) of `seq`."""
@@ -55,8 +68,16 @@ class FakeKVPool:
         return [self.pages[seq.block_table[pos // ps]][pos % ps] for pos in range(num_tokens)]
 
 
-def check_pool(bm, seqs):
-    """free ∪ used = pages 1..num_pages-1, free ∩ used = ∅, ref counts = block-table references."""
+def registered(bm):
+    """The (page id, hash) pairs the prefix cache holds now."""
+    return {(page_id, h) for page_id, h in enumerate(bm.page_hash) if h is not None}
+
+
+def check_pool(bm, seqs, scheduled=None):
+    """free ∪ used = pages 1..num_pages-1, free ∩ used = ∅, ref counts = block-table references.
+
+    `scheduled`: seq_id -> tokens a planned step computes (registered from schedule() on)."""
+    scheduled = scheduled or {}
     free = set(bm.free_page_ids)
     assert len(free) == len(bm.free_page_ids)
     references = collections.Counter(page_id for seq in seqs for page_id in seq.block_table)
@@ -72,7 +93,7 @@ def check_pool(bm, seqs):
     for seq in seqs:
         for page_idx, page_id in enumerate(seq.block_table):
             if bm.page_hash[page_id] is not None:
-                assert page_idx < seq.num_computed_tokens // PAGE_SIZE
+                assert page_idx < (seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)) // PAGE_SIZE
                 stored = bm.page_key[page_id][2]
                 assert stored == tuple(seq.token_ids[page_idx * PAGE_SIZE : (page_idx + 1) * PAGE_SIZE])
 
@@ -136,6 +157,7 @@ class HostMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         had_work = self.sched.has_unfinished()
+        registered_before = registered(self.bm)
         out = self.sched.schedule()
         assert 1 <= out.num_batched_tokens <= 10 if had_work else out.num_batched_tokens == 0
         assert len(out.seqs) <= 4 and all(n >= 1 for n in out.num_new_tokens)
@@ -146,7 +168,7 @@ class HostMachine(RuleBasedStateMachine):
             assert len(seq.block_table) * PAGE_SIZE >= len(seq.token_ids)
         assert all(seq.status in (SequenceStatus.PREEMPTED, SequenceStatus.SWAPPED) and not seq.block_table
                    for seq in out.preempted)
-        self.pool.run(out)
+        self.pool.run(out, registered_before)
         self.pending = out
 
     @precondition(lambda self: self.pending is not None)
@@ -198,7 +220,9 @@ class HostMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self):
         unfinished = self.unfinished()
-        check_pool(self.bm, unfinished)
+        scheduled = {} if self.pending is None else {
+            seq.seq_id: num_new for seq, num_new in zip(self.pending.seqs, self.pending.num_new_tokens)}
+        check_pool(self.bm, unfinished, scheduled)
         arrival = [seq.arrival_idx for seq in unfinished]
         assert arrival == sorted(arrival)
         for seq in self.sched.waiting:

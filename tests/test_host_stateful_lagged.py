@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_host_stateful import ADD_ARGS, EOS, NUM_PAGES, PAGE_SIZE, FakeKVPool, check_pool
+from test_host_stateful import ADD_ARGS, EOS, NUM_PAGES, PAGE_SIZE, FakeKVPool, check_pool, registered
 
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SamplingParams
@@ -29,16 +29,14 @@ PREPARE_ARGS = dict(page_size=PAGE_SIZE, num_pages=NUM_PAGES, pages_per_seq=MAX_
 
 
 class LaggedKVPool(FakeKVPool):
-    def run(self, out, prev_tokens):
+    def run(self, out, prev_tokens, registered_before):
         """Writes each scheduled token; a placeholder reads the previous step's sampled row."""
         ps = self.page_size
         for src_page_id, dst_page_id in out.copies:
             self.pages[dst_page_id] = list(self.pages[src_page_id])
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
-                page_id = seq.block_table[pos // ps]
-                assert page_id != 0 and self.block_manager.ref_counts[page_id] == 1, (seq, pos)
-                assert self.block_manager.page_hash[page_id] is None, (seq, pos)
+                page_id = self.check_write(seq, pos, registered_before)
                 token_id = seq.token_ids[pos]
                 if token_id < 0:
                     assert prev_tokens is not None, "a placeholder whose step was already committed"
@@ -94,12 +92,13 @@ class LaggedHostMachine(RuleBasedStateMachine):
         # then commit the step before it; or commit this one at once (synchronous, or a fan-out
         # too wide for the next step to read).
         for _ in range(data.draw(st.integers(1, 4))):
+            registered_before = registered(self.bm)
             out = self.sched.schedule()
             if not out.seqs:
                 if self.in_flight is not None:
                     self.commit()
                 continue
-            self.pool.run(out, self.in_flight[1] if self.in_flight else None)
+            self.pool.run(out, self.in_flight[1] if self.in_flight else None, registered_before)
             # The engine's persistent block tables give the step input a rebuild from the lists gives.
             rebuilt = prepare_step_input(out, **PREPARE_ARGS)
             incremental = prepare_step_input(out, **PREPARE_ARGS, block_table_rows=self.block_table_rows)

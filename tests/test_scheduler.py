@@ -242,3 +242,50 @@ def test_the_last_budget_token_admits_a_one_token_chunk_of_a_waiting_prompt():
     assert batch == [(a.seq_id, 5), (b.seq_id, 1)] and out.num_batched_tokens == 6
     assert out.samples == [True, False]
     assert b.status is SequenceStatus.RUNNING and b.block_table == [3]
+
+
+def test_prompt_pages_are_findable_from_the_step_that_computes_them():
+    # vLLM registers a request's full prompt blocks when it schedules them, so a request admitted after
+    # it, in the same step, reuses them (each layer writes all the step's K/V before attention reads).
+    bm, sched = make(max_num_batched_tokens=20)
+    shared = list(range(100, 108))  # 2 full pages
+    a = request(shared + [1, 2, 3, 4, 5])  # 13 tokens: pages 0-2 full
+    b = request(shared + [7, 8, 9])  # shares a's first 2 pages
+    c = request(shared + [1, 2, 3, 4, 6, 6])  # shares 3 pages, but a's page 2 is only ready next step
+    for seq in (a, b, c):
+        sched.add(seq)
+
+    # Step 1 (budget 20): a's whole prompt; b hits pages 0-1 (computing only its 3 own tokens); c gets
+    # the last 4 tokens of the budget: it too hits a's 3 full pages, and computes tokens [12, 16).
+    out, batch = plan(sched)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 8 and c.num_cached_tokens == 12
+    assert batch == [(a.seq_id, 13), (b.seq_id, 3), (c.seq_id, 2)]
+    assert b.block_table[:2] == a.block_table[:2] and c.block_table[:3] == a.block_table[:3]
+    assert [bm.ref_counts[p] for p in a.block_table] == [3, 3, 2, 1]
+    assert bm.num_prefix_hit_tokens == 20
+    sched.update(out, [50, 60, 70])
+    assert [s.output_token_ids for s in (a, b, c)] == [[50], [60], [70]]
+
+
+def test_only_known_prompt_tokens_are_registered_at_schedule_time():
+    # A chunk registers the pages it fills, not the prompt's later pages; a decode's token is a
+    # placeholder until it lands, so its page is registered at commit, as before.
+    bm, sched = make(max_num_batched_tokens=6)
+    a = request(list(range(200, 210)), max_tokens=8)  # 10 tokens: pages 0, 1 full
+    sched.add(a)
+    out, batch = plan(sched)
+    assert batch == [(a.seq_id, 6)]
+    assert sorted(bm.hash_to_page.values()) == [a.block_table[0]]  # page 1 (tokens 4-7) is half done
+    sched.update(out, [999])
+    out, batch = plan(sched)
+    assert batch == [(a.seq_id, 4)]
+    assert sorted(bm.hash_to_page.values()) == a.block_table[:2]
+    sched.update(out, [51])  # token 10
+    out, _ = plan(sched)  # computes token 10 (a sampled token): page 2 is not full yet
+    sched.update(out, [52])
+    assert len(bm.hash_to_page) == 2
+    out, _ = plan(sched)  # computes token 11 and so fills page 2, but decodes register at commit only
+    assert len(bm.hash_to_page) == 2
+    sched.update(out, [53])
+    assert a.token_ids[8:12] == [208, 209, 51, 52]
+    assert len(bm.hash_to_page) == 3 and bm.hash_to_page[a.page_hashes[2]] == a.block_table[2]

@@ -14,7 +14,7 @@ from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import SamplingParams
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
-from test_host_stateful import FakeKVPool
+from test_host_stateful import FakeKVPool, registered
 
 PAGE_SIZE = 4
 NUM_PAGES = 41  # 160 token slots for up to 16 sequences of up to 96 tokens: preemption is certain
@@ -60,10 +60,11 @@ def run(requests, enable_prefix_caching):
         for seq in [next(arrivals, None) for _ in range(3)]:  # requests keep arriving while others run
             if seq is not None:
                 sched.add(seq)
+        registered_before = registered(bm)
         out = sched.schedule()
         assert 1 <= out.num_batched_tokens <= MAX_NUM_BATCHED_TOKENS
         assert len(out.seqs) <= MAX_NUM_SEQS and min(out.num_new_tokens) >= 1
-        pool.run(out)
+        pool.run(out, registered_before)
         sampled = []
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             num_context = seq.num_computed_tokens + num_new

@@ -264,6 +264,27 @@ class BlockManager(SwapSpace):
         end_page_idx = seq.num_computed_tokens // self.page_size
         if first_page_idx == end_page_idx:
             return
+        self._register_pages(seq, first_page_idx, end_page_idx)
+
+    def cache_scheduled_prompt_pages(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Register, at schedule time, the prompt pages this step fills, so that sequences admitted
+        later in the same schedule() (or in the next one, before this step's tokens land) hit them.
+
+        Sound because every layer of a step writes all its tokens' K/V before any attention reads
+        (DESIGN.md): a sequence reading these pages in the same step sees them written. The step is
+        always executed once scheduled, and a scheduled sequence is never preempted in the schedule()
+        that scheduled it, so a registered page always gets its K/V. Only prompt tokens qualify:
+        they are known (no placeholder) and final (no speculative draft token).
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_computed = seq.num_computed_tokens
+        first_page_idx = num_computed // self.page_size
+        end_page_idx = min(num_computed + num_new_tokens, len(seq.prompt_token_ids)) // self.page_size
+        if first_page_idx < end_page_idx:
+            self._register_pages(seq, first_page_idx, end_page_idx)
+
+    def _register_pages(self, seq: Sequence, first_page_idx: int, end_page_idx: int) -> None:
         hashes = seq.page_hashes
         if len(hashes) < first_page_idx:
             self._hash_full_pages(seq, first_page_idx)  # earlier pages: normally hashed already

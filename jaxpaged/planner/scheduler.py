@@ -104,6 +104,8 @@ class Scheduler:
         # 4. Out of pages, the running sequence that arrived last is preempted (it may be the one asking).
         #    An already scheduled sequence is never preempted: victims come from the tail of `running`,
         #    scheduled ones from its head. A step that preempts admits nothing new.
+        # 5. Prompt pages a step fills are registered as it is planned, so a later admission (this step
+        #    or the next) hits them: the step writes them before any attention reads; rule 4 keeps it so.
         budget = self.max_num_batched_tokens
         max_num_seqs = self.max_num_seqs
         block_manager = self.block_manager
@@ -151,6 +153,8 @@ class Scheduler:
                 copy = block_manager.append_slot(seq)
                 if copy is not None:
                     copies.append(copy)
+            if num_computed < len(seq.prompt_token_ids):  # a chunk of its prompt: findable from now on
+                block_manager.cache_scheduled_prompt_pages(seq, num_new)
             seqs.append(seq)
             samples.append(samples_now)
             num_new_tokens.append(num_new)
@@ -177,6 +181,8 @@ class Scheduler:
             samples.append(num_new <= budget)
             if num_new > budget:
                 num_new = budget
+            if seq.num_computed_tokens < len(seq.prompt_token_ids):  # later admissions hit its prompt pages
+                block_manager.cache_scheduled_prompt_pages(seq, num_new)
             seqs.append(seq)
             num_new_tokens.append(num_new)
             budget -= num_new
@@ -199,12 +205,10 @@ class Scheduler:
         tokens are recomputed as a prompt (PREEMPTED).
 
         A sequence whose token is still on the device may be swapped: the step in flight wrote its
-        last K/V into the same buffer the swap-out copies from (ordered on the device), and it is
-        readmitted only once its placeholders have landed, as after a recompute preemption.
-
-        A sequence with nothing left to compute (a beam that reported its candidates and waits for
-        its search) is recomputed, never swapped: readmitted with all its K/V it would have no token
-        to schedule, while its search drops the report of a preempted beam and waits for a new one."""
+        last K/V into the buffer the swap-out copies from (ordered on the device); it is readmitted
+        once its placeholders have landed. One with nothing left to compute (a beam waiting for its
+        search) is recomputed, never swapped: readmitted it would have no token to schedule, while its
+        search drops the report of a preempted beam and waits for a new one."""
         if (self.preemption_mode == "swap" and seq.num_computed_tokens < len(seq.token_ids)
                 and self.block_manager.can_swap_out(seq)):
             self.block_manager.swap_out_seq(seq)
@@ -367,11 +371,8 @@ class Scheduler:
         return seq
 
     def fork(self, seq: Sequence) -> Sequence:
-        """A RUNNING child of `seq` sharing all its pages, placed right after it in `running`.
-
-        Call once the prompt is computed (at the step the first token is sampled); each child then gets
-        its own tokens. Prefer passing a list of n tokens to update(), which forks for you.
-        """
+        """A RUNNING child of `seq` sharing all its pages, placed right after it in `running`. Call once
+        the prompt is computed; prefer passing a list of n tokens to update(), which forks for you."""
         if seq.status is not RUNNING:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}; fork only a running sequence")
         child = self.block_manager.fork(seq)
