@@ -71,6 +71,11 @@ class EngineConfig:
     # MoE (vLLM's engine argument): CompletionOutput.routed_experts gets every fed token's top-k expert
     # ids per layer, [len(prompt) + len(output) - 1, num_layers, top_k] (engine/routed_experts.py).
     enable_return_routed_experts: bool = False
+    # Default sampling parameters (vLLM's engine argument): "auto" = the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, penalties, max_new_tokens; a GGUF has none), "vllm" = none,
+    # or a directory holding a generation_config.json. Used by LLM.generate without SamplingParams and
+    # by the server for every field a request leaves out.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if self.per_layer_weights and self.enable_return_routed_experts:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxpaged.config import EngineConfig, default_max_num_seqs
 from jaxpaged.device.backends import attention_fn as backend_attention_fn
@@ -15,7 +16,11 @@ from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.models.loading import generation_defaults
 from jaxpaged.models.weights import load_model
+from jaxpaged.planner.request import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 # The most sequences a batch sized from the pool may hold (vLLM's default max_num_seqs).
@@ -33,6 +38,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     """
     # Before loading: too few devices is an error the user should see at once.
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
+    defaults = checked_generation_defaults(generation_defaults(model, config.generation_config))
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype)
     from_pool = max_num_seqs_from_pool and config.max_num_seqs is None
@@ -50,8 +56,25 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     if spec is not None and spec["method"] == "draft_model":  # the draft's pool is sized as the target's (DESIGN.md)
         draft_config, draft_params, _ = load_model(spec["model"], dtype=config.dtype)
         draft_model = (draft_config, draft_params)
-    return engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn,
-                             draft_model=draft_model)
+    engine = engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn,
+                               draft_model=draft_model)
+    for replica in getattr(engine, "engines", [engine]):
+        replica.generation_defaults = dict(defaults)
+    engine.generation_defaults = dict(defaults)
+    return engine
+
+
+def checked_generation_defaults(defaults: dict) -> dict:
+    """`defaults` (SamplingParams fields from a generation_config), refused at once if SamplingParams would."""
+    if defaults:
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the model's generation_config gives invalid sampling defaults {defaults} ({err}); "
+                             "pass generation_config='vllm' to ignore it") from None
+        logger.warning("Default sampling parameters have been overridden by the model's generation config: %s "
+                       "(pass generation_config='vllm' for SamplingParams' own defaults)", defaults)
+    return defaults
 
 
 def engine_from_parts(model_config, params, tokenizer, config: EngineConfig, *, num_pages: int,

@@ -37,6 +37,7 @@ class DataParallelEngine:
         self.config = engines[0].config
         self.model_config = engines[0].model_config
         self.tokenizer = engines[0].tokenizer
+        self.generation_defaults = engines[0].generation_defaults
         self.kv_bytes_per_page = engines[0].kv_bytes_per_page
         self._route: dict[str, tuple[int, str]] = {}  # our request id -> (replica index, replica's id)
         self._reverse: dict[tuple[int, str], str] = {}

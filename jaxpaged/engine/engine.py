@@ -70,6 +70,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.generation_defaults: dict = {}  # SamplingParams fields from generation_config (engine/build.py)
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
         num_swap_pages = (config.swap_space_bytes or 0) // page_bytes
         num_host_cache_pages = (config.host_cache_bytes or 0) // page_bytes

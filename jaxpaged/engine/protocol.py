@@ -23,6 +23,7 @@ class EngineClient(Protocol):
     config: EngineConfig  # resolved: no None defaults left
     model_config: object  # jaxpaged.models.config.ModelConfig
     tokenizer: object  # jaxpaged.models.tokenizer.Tokenizer
+    generation_defaults: dict  # SamplingParams fields the model's generation_config sets (EngineConfig.generation_config)
     kv_bytes_per_page: int  # bytes of one KV page, all layers, K and V (scales included when quantized)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

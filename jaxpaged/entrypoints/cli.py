@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default 4, at most 40%% of host memory)")
     e.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="keep prefix-cache pages evicted from the device in this much host memory")
+    e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters: auto = the model's generation_config.json, vllm = none, or "
+                        "a directory holding a generation_config.json (a request's own values always win)")
     e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH_OR_ID, '
@@ -122,7 +125,7 @@ def engine_args(args) -> dict:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         preemption_mode=args.preemption_mode, swap_space_bytes=None if args.swap_space is None else int(args.swap_space * (1 << 30)), host_cache_bytes=args.host_cache_bytes,
         logprobs_mode=args.logprobs_mode,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, generation_config=args.generation_config,
     )
 
 

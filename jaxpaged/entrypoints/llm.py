@@ -72,10 +72,10 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` uses when no SamplingParams is passed (vLLM's name): `SamplingParams()`.
-        vLLM also applies a Hugging Face model's generation_config.json (e.g. temperature 0.6);
-        jaxpaged does not read that file, so pass such settings yourself."""
-        return SamplingParams()
+        """What `generate` uses when no SamplingParams is passed (vLLM's name): `SamplingParams()`
+        with the model's generation_config.json applied (temperature, top_p, top_k, min_p, penalties,
+        max_new_tokens as max_tokens), as vLLM does; `LLM(..., generation_config="vllm")` ignores it."""
+        return SamplingParams(**self.engine.generation_defaults)
 
     @property
     def config(self) -> EngineConfig:

@@ -201,3 +201,36 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             else:
                 state_dict[name] = f.get_tensor(name)
     return state_dict
+
+
+# vLLM's `ModelConfig.get_diff_sampling_param` (0.32): the generation_config.json keys that become
+# default sampling parameters, max_new_tokens under SamplingParams' name. vLLM takes the file's
+# `to_diff_dict()`, which with transformers 5 (all defaults None) is every key the file sets.
+GENERATION_CONFIG_KEYS = {"repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                          "frequency_penalty": "frequency_penalty", "temperature": "temperature", "top_k": "top_k",
+                          "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model: str | os.PathLike | None, generation_config: str = "auto") -> dict[str, Any]:
+    """The model's default sampling parameters, as vLLM's `generation_config` engine argument gives them.
+
+    "auto": from `generation_config.json` in the model's Hugging Face directory (a GGUF has none);
+    "vllm": none (SamplingParams' own defaults); any other value: a directory holding a
+    generation_config.json. Returns {SamplingParams field: value} for the keys vLLM reads."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        source = resolve_model(model)
+        if source.kind != "hf_dir":
+            return {}
+        path = os.path.join(source.path, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+    else:
+        path = os.path.join(os.path.expanduser(generation_config), "generation_config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"generation_config={generation_config!r}: no generation_config.json there; "
+                                    "pass 'auto' (the model's own), 'vllm' (no defaults) or a directory holding one")
+    with open(path) as f:
+        config = json.load(f)
+    return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}

@@ -81,6 +81,11 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
                        param="logit_bias") from None
 
 
+# Request fields a model's generation_config may give defaults for (vLLM's server defaults).
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty")
+
+
 def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None,
                     prompt_param: str, prompt_logprobs: int | None = None,
                     structured_outputs=None) -> SamplingParams:
@@ -89,22 +94,24 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
         raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
                             "leaves no room for an output token; shorten the prompt", param=prompt_param)
     room = max_model_len - num_prompt_tokens
+    defaults = state.bridge.engine.generation_defaults  # the model's generation_config (vLLM's "server default")
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = min(room, defaults.get("max_tokens", room))
     elif max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
                             f"max_model_len={max_model_len}; ask for at most {room} tokens", param="max_tokens")
     if body.n > max_num_seqs:
         raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}; "
                             "ask for fewer samples", param="n")
+    # Priority as in vLLM: the request's value, else the model's default, else the protocol's.
+    given = body.model_fields_set
+    sampling = {name: getattr(body, name) if name in given or name not in defaults else defaults[name]
+                for name in DEFAULTABLE_FIELDS}
     try:
         return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
+            **sampling, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
             stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
+            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
             structured_outputs=structured_outputs)
     except ValueError as err:  # SamplingParams' rules, one for every entry point ("seed=... must be ...")
         field = str(err).split("=", 1)[0]
