@@ -21,6 +21,39 @@ def pytest_collection_modifyitems(config, items):
     for item in gpu_items:
         item.add_marker(skip)
 
+# XLA:CPU maps every compiled program's machine code into the process, several memory mappings each,
+# and JAX's caches keep the programs of finished tests' engines alive. Over the ~700 tests of one
+# process that reached the kernel's limit (vm.max_map_count, 65530 here) and the next compile or
+# cache load died inside LLVM (a segfault in CI, an abort here, always around the same test). So the
+# caches are cleared after each test module, once its module fixtures are gone: the count returns to
+# ~650 mappings (a module's own engines peak near 9,000).
+MAX_MAPPINGS_BETWEEN_MODULES = 20_000
+
+
+def _num_memory_mappings() -> int | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    num_mappings = _num_memory_mappings()
+    if num_mappings is not None and num_mappings > MAX_MAPPINGS_BETWEEN_MODULES:
+        pytest.fail(f"{num_mappings} memory mappings remain after this module (limit "
+                    f"{MAX_MAPPINGS_BETWEEN_MODULES}): something keeps compiled programs or engines alive "
+                    "past their tests, and the suite will reach vm.max_map_count", pytrace=False)
+
+
 # tests/multidevice/ needs 8 forced host devices, fixed when jax is first imported: it runs in its
 # own process (tests/test_tensor_parallel.py starts it with JAXPAGED_MULTIDEVICE=1), never in this one.
 collect_ignore = [] if os.environ.get("JAXPAGED_MULTIDEVICE") else ["multidevice"]
