@@ -49,8 +49,8 @@ class FakeKVPool:
 
     def check_write(self, seq, pos, registered_before):
         """The page `seq` writes position `pos` into: one no other sequence reads, or one registered
-        by this very schedule() (a page cached before it is never written), whose sharers are this
-        step's hits: then what it is written with is what its key promises them."""
+        by this very schedule() (a page held and cached before it is never written), whose sharers are
+        this step's hits: then what it is written with is what its key promises them."""
         bm, ps = self.block_manager, self.page_size
         page_id = seq.block_table[pos // ps]
         assert page_id != 0, (seq, pos)
@@ -69,8 +69,10 @@ class FakeKVPool:
 
 
 def registered(bm):
-    """The (page id, hash) pairs the prefix cache holds now."""
-    return {(page_id, h) for page_id, h in enumerate(bm.page_hash) if h is not None}
+    """The (page id, hash) pairs the prefix cache holds now in pages some sequence holds. (A free
+    cached page may be evicted and taken fresh by the next schedule(), which may register the same
+    tokens in it again: that write is legitimate, and the key check in `check_write` covers it.)"""
+    return {(page_id, h) for page_id, h in enumerate(bm.page_hash) if h is not None and bm.ref_counts[page_id] > 0}
 
 
 def check_pool(bm, seqs, scheduled=None):

@@ -23,6 +23,7 @@ class NeverFinishingEngine:
     def __init__(self):
         self.config = types.SimpleNamespace(max_num_seqs=1, max_model_len=64)
         self.tokenizer = None
+        self.generation_defaults = {}  # no generation_config: the protocol's defaults
         self.requests: dict[str, list[int]] = {}
         self.aborted: list[str] = []
 
