@@ -106,3 +106,16 @@ def test_the_cli_flag_reaches_the_engine_config(checkpoint):
     for value in ("vllm", checkpoint):
         args = build_parser().parse_args(["--generation-config", value])
         assert EngineConfig(**engine_args(args)).generation_config == value
+
+
+def test_a_data_parallel_engine_gives_its_replicas_defaults():
+    # build_engine sets the defaults on each replica; the data-parallel engine reports the first's.
+    import tp_fixtures
+    from jaxpaged.engine.data_parallel import DataParallelEngine
+
+    params = tp_fixtures.tiny_params()
+    replicas = [tp_fixtures.make_engine(params, warmup=False) for _ in range(2)]
+    for replica in replicas:
+        replica.generation_defaults = dict(DEFAULTS)
+    params = LLM.from_engine(DataParallelEngine(replicas)).get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 20, 5)

@@ -58,9 +58,8 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
         draft_model = (draft_config, draft_params)
     engine = engine_from_parts(model_config, params, tokenizer, config, num_pages=num_pages, attention_fn=attention_fn,
                                draft_model=draft_model)
-    for replica in getattr(engine, "engines", [engine]):
+    for replica in getattr(engine, "engines", [engine]):  # a DataParallelEngine reads its first replica's
         replica.generation_defaults = dict(defaults)
-    engine.generation_defaults = dict(defaults)
     return engine
 
 

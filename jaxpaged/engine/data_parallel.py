@@ -37,7 +37,6 @@ class DataParallelEngine:
         self.config = engines[0].config
         self.model_config = engines[0].model_config
         self.tokenizer = engines[0].tokenizer
-        self.generation_defaults = engines[0].generation_defaults
         self.kv_bytes_per_page = engines[0].kv_bytes_per_page
         self._route: dict[str, tuple[int, str]] = {}  # our request id -> (replica index, replica's id)
         self._reverse: dict[tuple[int, str], str] = {}
@@ -81,6 +80,11 @@ class DataParallelEngine:
         self._route[request_id] = (replica_idx, inner_id)
         self._reverse[(replica_idx, inner_id)] = request_id
         return request_id
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The replicas' (one model, one generation_config)."""
+        return self.engines[0].generation_defaults
 
     def abort_request(self, request_id: str) -> None:
         route = self._route.pop(request_id, None)
