@@ -76,8 +76,14 @@ class EngineConfig:
     # or a directory holding a generation_config.json. Used by LLM.generate without SamplingParams and
     # by the server for every field a request leaves out.
     generation_config: str = "auto"
+    # vLLM's engine argument: Hugging Face generation keys ({"temperature": 0.5, "max_new_tokens": 64})
+    # applied on top of generation_config's, "vllm" included.
+    override_generation_config: dict | None = None
 
     def __post_init__(self):
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config={self.override_generation_config!r} must be a dict of "
+                             "Hugging Face generation keys, e.g. {'temperature': 0.5, 'max_new_tokens': 64}")
         if self.per_layer_weights and self.enable_return_routed_experts:
             raise ValueError("enable_return_routed_experts reads the layer scan's routed ids: leave per_layer_weights None")
         if self.per_layer_weights and self.tensor_parallel_size > 1:

@@ -45,6 +45,16 @@ def test_the_defaults_are_the_keys_vllm_reads(checkpoint, tmp_path):
         generation_defaults(checkpoint, str(tmp_path))
 
 
+def test_override_generation_config_applies_on_top_in_every_mode(checkpoint, caplog):
+    override = {"temperature": 0.25, "max_new_tokens": 9}
+    assert generation_defaults(checkpoint, "auto", override) == {**DEFAULTS, "temperature": 0.25, "max_tokens": 9}
+    assert generation_defaults(checkpoint, "vllm", override) == {"temperature": 0.25, "max_tokens": 9}
+    assert generation_defaults(None, "auto", {"top_p": 0.5}) == {"top_p": 0.5}  # the GGUF has no file
+    with caplog.at_level("WARNING"):  # a key no sampling default comes from is named, not dropped silently
+        assert generation_defaults(None, "vllm", {"temprature": 0.5}) == {}
+    assert "temprature" in caplog.text
+
+
 def test_invalid_defaults_are_refused_before_loading(checkpoint, tmp_path):
     with open(tmp_path / "generation_config.json", "w") as f:
         json.dump({"top_p": 1.5}, f)
@@ -55,7 +65,7 @@ def test_invalid_defaults_are_refused_before_loading(checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def served(checkpoint):
     llm = LLM(checkpoint, **ENGINE)
-    plain = LLM(checkpoint, generation_config="vllm", **ENGINE)
+    plain = LLM(checkpoint, generation_config="vllm", override_generation_config={"max_new_tokens": 7}, **ENGINE)
     chat = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     expected = {
         "defaults": llm.get_default_sampling_params(),
@@ -76,9 +86,9 @@ def test_generate_without_params_takes_the_models_defaults(served):
         (0.0, 0.9, 20, 1.3, 5)
     assert expected["generate"].token_ids == expected["explicit"].token_ids
     assert 1 <= len(expected["generate"].token_ids) <= 5
-    # generation_config="vllm": SamplingParams' own defaults
+    # generation_config="vllm": SamplingParams' own defaults, but for the override's max_new_tokens
     plain = expected["plain_defaults"]
-    assert (plain.temperature, plain.repetition_penalty, plain.max_tokens) == (1.0, 1.0, 16)
+    assert (plain.temperature, plain.repetition_penalty, plain.max_tokens) == (1.0, 1.0, 7)
 
 
 def test_the_server_fills_what_a_request_leaves_out_and_the_request_wins(served):
@@ -106,6 +116,8 @@ def test_the_cli_flag_reaches_the_engine_config(checkpoint):
     for value in ("vllm", checkpoint):
         args = build_parser().parse_args(["--generation-config", value])
         assert EngineConfig(**engine_args(args)).generation_config == value
+    args = build_parser().parse_args(["--override-generation-config", '{"temperature": 0.5}'])
+    assert EngineConfig(**engine_args(args)).override_generation_config == {"temperature": 0.5}
 
 
 def test_a_data_parallel_engine_gives_its_replicas_defaults():

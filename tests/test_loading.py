@@ -188,3 +188,26 @@ def test_hub_download_failure_says_what_to_do(monkeypatch):
     with pytest.raises(FileNotFoundError, match="pass the local directory") as info:
         loading.resolve_model("SomeOrg/some-model")
     assert "SomeOrg/some-model" in str(info.value)
+
+
+def test_a_hub_id_is_downloaded_once_per_process(monkeypatch, tmp_path):
+    # build_engine reads the generation config, the model's config and (on a conversion) its weights:
+    # one snapshot_download for all of them, and a failed one is retried, not remembered.
+    import huggingface_hub
+
+    calls = []
+
+    def download(repo_id, **kwargs):
+        calls.append(repo_id)
+        if len(calls) == 1:
+            raise OSError("flaky network")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    loading._download_from_hub.cache_clear()
+    with pytest.raises(FileNotFoundError):
+        loading.resolve_model("SomeOrg/cached-model")
+    for _ in range(3):
+        assert loading.resolve_model("SomeOrg/cached-model").path == str(tmp_path)
+    assert calls == ["SomeOrg/cached-model"] * 2
+    loading._download_from_hub.cache_clear()

