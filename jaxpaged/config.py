@@ -79,8 +79,13 @@ class EngineConfig:
     # vLLM's engine argument: Hugging Face generation keys ({"temperature": 0.5, "max_new_tokens": 64})
     # applied on top of generation_config's, "vllm" included.
     override_generation_config: dict | None = None
+    # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
+    max_logprobs: int = 20
 
     def __post_init__(self):
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [0, 20] (20 is the most "
+                             "logprobs per token jaxpaged computes)")
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config={self.override_generation_config!r} must be a dict of "
                              "Hugging Face generation keys, e.g. {'temperature': 0.5, 'max_new_tokens': 64}")
@@ -172,6 +177,69 @@ class EngineConfig:
                 ("pallas" if on_gpu else "chunked") if self.attention_backend == "auto" else self.attention_backend
             ),
         )
+
+
+# vLLM `LLM(...)` / engine arguments that have a jaxpaged name or meaning (jaxpaged's own names work too).
+VLLM_RENAMED_ARGS = {"block_size": "page_size", "kv_cache_memory_bytes": "kv_memory_bytes",
+                     # vLLM: the share of device memory for weights, activations and KV; jaxpaged: the share
+                     # of the memory left after the weights that goes to KV pages (the closest knob).
+                     "gpu_memory_utilization": "kv_memory_fraction"}
+# Accepted, with an INFO line saying why they change nothing here.
+VLLM_NO_EFFECT_ARGS = {
+    "enforce_eager": "jaxpaged always runs compiled XLA programs (there are no CUDA graphs to turn off)",
+    "trust_remote_code": "jaxpaged runs no model code from the hub, only its own model definitions",
+    "enable_sleep_mode": "LLM.sleep / wake_up are always available",
+    "disable_log_stats": "jaxpaged logs no periodic statistics (the server's /metrics has them)",
+    "max_seq_len_to_capture": "there are no CUDA graphs to capture",
+    "disable_custom_all_reduce": "collectives are XLA's",
+}
+# Accepted at their default value only; anything else is refused by name.
+VLLM_DEFAULT_ONLY_ARGS = {"tokenizer": None, "tokenizer_mode": "auto", "skip_tokenizer_init": False,
+                          "quantization": None, "revision": None, "tokenizer_revision": None,
+                          "load_format": "auto", "distributed_executor_backend": None, "cpu_offload_gb": 0,
+                          "enable_lora": False, "max_logprobs": 20, "pipeline_parallel_size": 1}
+VLLM_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def engine_args_from_vllm(model: str | None, kwargs: dict) -> dict:
+    """`LLM(model, **kwargs)` written for vLLM, as EngineConfig's keyword arguments: vLLM's names
+    renamed, arguments that change nothing here accepted with an INFO line, the rest refused by
+    name unless at vLLM's default. jaxpaged's own arguments pass through unchanged."""
+    kwargs = dict(kwargs)
+    for old, new in VLLM_RENAMED_ARGS.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise ValueError(f"{old} and {new} are the same setting; pass one")
+            kwargs[new] = kwargs.pop(old)
+    for name, why in VLLM_NO_EFFECT_ARGS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            logger.info("%s=%r has no effect: %s", name, value, why)
+    for name, default in VLLM_DEFAULT_ONLY_ARGS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if name == "tokenizer" and value is not None and value == model:
+                continue  # the model's own tokenizer, named
+            if name == "max_logprobs" and isinstance(value, int) and 0 <= value <= default:
+                kwargs["max_logprobs"] = value
+                continue
+            if value != default:
+                raise ValueError(f"{name}={value!r} is not supported by jaxpaged (only {default!r}, vLLM's default); "
+                                 "leave it out")
+    if "swap_space" in kwargs:  # GiB, vLLM's unit
+        gib = kwargs.pop("swap_space")
+        if kwargs.get("preemption_mode") == "swap":
+            if "swap_space_bytes" in kwargs:
+                raise ValueError("swap_space and swap_space_bytes are the same setting; pass one")
+            kwargs["swap_space_bytes"] = int(gib * (1 << 30))
+        else:
+            logger.info("swap_space=%r has no effect: preemption recomputes, as vLLM's V1 engine does; pass "
+                        "preemption_mode='swap' to swap to host memory", gib)
+    if kwargs.get("dtype") in VLLM_DTYPES:
+        kwargs["dtype"] = VLLM_DTYPES[kwargs["dtype"]]
+    if "seed" in kwargs and kwargs["seed"] is None:  # vLLM: no fixed seed
+        kwargs["seed"] = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    return kwargs
 
 
 def default_max_num_seqs(on_gpu: bool) -> int:

@@ -12,7 +12,7 @@ from compile_watch import backend_compiles
 from jaxpaged.config import EngineConfig
 from jaxpaged.entrypoints.cli import build_parser
 from jaxpaged import SamplingParams
-from test_llm_inputs import tiny_llm
+from test_llm_inputs import IDS, tiny_llm
 
 
 # ------------------------------------------------------------------ item 5: vLLM's names and defaults
@@ -146,3 +146,122 @@ def test_reset_running_requests_with_beams_on_any_replica_changes_no_replica():
     searching.beams = []
     assert weights.reset_prefix_cache([busy, searching], reset_running_requests=True) is True
     assert not busy.scheduler.running and busy.scheduler.waiting[0].num_computed_tokens == 0
+
+
+# ------------------------------------------------------------------ code written for vLLM, run unchanged
+
+def test_vllm_engine_arguments_are_renamed_accepted_or_refused_by_name(caplog):
+    from jaxpaged.config import engine_args_from_vllm
+
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        args = engine_args_from_vllm("m", dict(block_size=8, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20,
+                                               enforce_eager=True, trust_remote_code=True, enable_sleep_mode=True,
+                                               dtype="auto", seed=None, tokenizer="m", max_logprobs=5, swap_space=4))
+    assert args["page_size"] == 8 and args["kv_memory_fraction"] == 0.5 and args["kv_memory_bytes"] == 1 << 20
+    assert args["dtype"] is None and isinstance(args["seed"], int) and args["max_logprobs"] == 5
+    assert not {"enforce_eager", "trust_remote_code", "enable_sleep_mode", "tokenizer", "swap_space"} & set(args)
+    logged = caplog.text
+    assert "enforce_eager=True has no effect" in logged and "swap_space=4 has no effect" in logged
+    EngineConfig(**args)  # all of it is a valid config
+    assert engine_args_from_vllm(None, dict(swap_space=1, preemption_mode="swap"))["swap_space_bytes"] == 1 << 30
+    for bad, match in ((dict(quantization="awq"), "quantization='awq' is not supported"),
+                       (dict(tokenizer="other/tok"), "tokenizer='other/tok'"),
+                       (dict(block_size=8, page_size=8), "same setting"),
+                       (dict(max_logprobs=50), "max_logprobs=50")):
+        with pytest.raises(ValueError, match=match):
+            engine_args_from_vllm("m", bad)
+
+
+def test_max_logprobs_caps_requests():
+    llm = tiny_llm(max_logprobs=2)
+    assert len(llm.generate([IDS], SamplingParams(max_tokens=1, logprobs=2))[0].outputs[0].logprobs[0]) >= 2
+    with pytest.raises(ValueError, match="max_logprobs=2"):
+        llm.generate([IDS], SamplingParams(max_tokens=1, logprobs=3))
+    with pytest.raises(ValueError, match="max_logprobs=2"):
+        llm.generate([IDS], SamplingParams(max_tokens=1, prompt_logprobs=5))
+    assert llm.stats()["num_used_pages"] == 0
+
+
+def test_sampling_params_are_mutable_and_cloned_as_vllms_and_each_request_keeps_its_own():
+    params = SamplingParams(temperature=0.0, max_tokens=2, seed=-1, logprobs=True)
+    assert params.seed is None and params.logprobs == 1  # vLLM: -1 = no seed; True = 1
+    clone = params.clone()
+    clone.max_tokens = 4
+    assert params.max_tokens == 2 and clone.max_tokens == 4
+    llm = tiny_llm()
+    assert len(llm.generate([IDS], clone)[0].outputs[0].token_ids) == 4
+    clone.max_tokens = 0  # a change since construction is validated when the request is added
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        llm.generate([IDS], clone)
+    assert llm.stats()["num_used_pages"] == 0
+
+
+def test_stop_reason_and_stop_token_text_end_to_end():
+    llm = tiny_llm()
+    free = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[2]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id and out.token_ids == free.token_ids[: first + 1]
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(free.token_ids[:first])  # the stop token's text is left out, as vLLM
+    kept = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_id],
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == tokenizer.decode(free.token_ids[: first + 1])
+    assert free.stop_reason is None and free.finish_reason == "length"
+
+
+def test_generation_config_eos_ids_stop_requests_as_vllm():
+    llm = tiny_llm()
+    free = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    end = free.token_ids[1]
+    llm.engine.generation_eos_ids = (end,)  # what build_engine reads from generation_config.json
+    out = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(end) + 1] and out.stop_reason == end
+    ignored = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert ignored.token_ids == free.token_ids
+
+
+def test_generation_eos_ids_are_read_from_the_file():
+    from jaxpaged.models.loading import generation_eos_ids
+
+    assert generation_eos_ids({"eos_token_id": [2, 7, 7, 9]}, 2) == (7, 9)
+    assert generation_eos_ids({"eos_token_id": 2}, 2) == () and generation_eos_ids({}, 2) == ()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generation_eos_ids({"eos_token_id": "x"}, 2)
+
+
+def test_chat_takes_vllms_arguments_and_never_adds_a_second_bos():
+    from tokenizers import processors
+
+    llm = tiny_llm()
+    tokenizer = llm.get_tokenizer()
+    # A Llama-3-like tokenizer: encode() adds a BOS, and the template writes one too.
+    tokenizer.backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    template = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}{% if tools %}T{{ tools | length }}{% endif %}" \
+               "{% if enable_thinking %}<think>{% endif %}"
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    out = llm.chat(messages, greedy, chat_template=template, tools=[{"type": "function"}],
+                   chat_template_kwargs={"enable_thinking": True})[0]
+    text = "<|im_start|><user>Hi\nthere<assistant>T1<think>"
+    assert out.prompt == text
+    assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False) != tokenizer.encode(text)
+    # continue_final_message: the last assistant message stays open (no generation prompt after it)
+    open_turn = messages + [{"role": "assistant", "content": "The answer"}]
+    out = llm.chat(open_turn, greedy, chat_template=template + "</end>", add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|><user>Hi\nthere<assistant>The answer"
+    for kwargs, match in ((dict(continue_final_message=True), "add_generation_prompt=False"),
+                          (dict(lora_request=object()), "lora_request"),
+                          (dict(chat_template_content_format="openai"), "chat_template_content_format")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(open_turn, greedy, **kwargs)
+    with pytest.raises(ValueError, match="content part of type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([IDS], greedy, priority=[3])
+    assert len(llm.generate([IDS], greedy, priority=[0], lora_request=None)) == 1
+    assert llm.stats()["num_used_pages"] == 0

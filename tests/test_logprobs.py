@@ -203,7 +203,7 @@ def test_bad_values_are_value_errors_and_the_engine_keeps_serving(llm):
             SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
-    assert SamplingParams(logprobs=True).logprobs == 0 and SamplingParams(logprobs=False).logprobs is None
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(logprobs=False).logprobs is None
     assert llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=2))[0].finished
 
 

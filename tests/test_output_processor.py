@@ -47,13 +47,14 @@ def streamed_text(tokenizer, ids: list[int], finished: bool) -> str:
     return text + detokenizer.flush() if finished else text
 
 
-def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0):
+def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0, stop_at: int | None = None, **extra):
     """Feeds each stream one token per step, as Scheduler.commit does; returns the final outputs and
     the concatenated streamed deltas per request."""
     processor = OutputProcessor(tokenizer)
     seqs = []
     for i, (ids, stop) in enumerate(zip(streams, stops)):
-        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True, min_tokens=min_tokens)
+        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True, min_tokens=min_tokens,
+                                stop_token_ids=[] if stop_at is None else [ids[stop_at]], **extra)
         seq = Sequence([1, 2, 3], params)
         seq.status = SequenceStatus.RUNNING
         processor.add_request(str(i), None, seq, params, seed=0)
@@ -68,6 +69,8 @@ def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0):
             seq.append_token(ids[step])
             if step + 1 == len(ids):
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            if step == stop_at:  # what Scheduler.commit does at a stop token
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
             appended.append((seq, ids[step]))
         outputs, stopped = processor.process(appended, list(range(len(appended))), None, only_finished=only_finished)
         for seq in stopped:  # what the engine does with Scheduler.finish
@@ -137,17 +140,68 @@ def test_stop_strings_same_in_both_modes_and_never_streamed(tokenizer):
     assert num_stopped > 30
 
 
-def test_a_stop_string_completed_by_the_min_tokens_th_token_stops(tokenizer):
-    """min_tokens = m: stop strings count from the m-th output token on (vLLM: once len(output) >=
-    min_tokens), so one completed by token m stops there; with min_tokens = m + 1 it is not a stop."""
+def test_stop_strings_count_only_in_text_after_the_min_tokens_th_token(tokenizer):
+    """vLLM's detokenizer (v1/engine/detokenizer.py, `num_output_tokens() > min_tokens`, searched
+    from the min_tokens-th token's end): with min_tokens = m, a stop string completed by token m or
+    earlier never stops; one that begins in that text and ends in a later token does."""
     ids = tokenizer.encode("one two three four five", add_special_tokens=False)
     m = next(k + 1 for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1]))
-    assert 2 <= m < len(ids)
-    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m)
+    four = next(k + 1 for k in range(len(ids)) if "three four" in tokenizer.decode(ids[: k + 1]))
+    assert 2 <= m < four < len(ids)
+    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m - 1)
     assert finals["0"].finish_reason == "stop" and finals["0"].token_ids == ids[:m]
     assert finals["0"].text == tokenizer.decode(ids[:m]).split("three")[0]
-    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m + 1)
+    assert finals["0"].stop_reason == "three"
+    finals, _, _ = run(tokenizer, [ids], [["three"]], only_finished=False, min_tokens=m)
     assert finals["0"].finish_reason == "length" and finals["0"].token_ids == ids
+    assert finals["0"].stop_reason is None
+    finals, _, _ = run(tokenizer, [ids], [["three four"]], only_finished=False, min_tokens=m)
+    assert finals["0"].finish_reason == "stop" and finals["0"].token_ids == ids[:four]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_streams_it(tokenizer):
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    m = next(k + 1 for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1]))
+    full = tokenizer.decode(ids[:m])
+    for only_finished in (True, False):
+        finals, deltas, _ = run(tokenizer, [ids], [["three"]], only_finished, include_stop_str_in_output=True)
+        assert finals["0"].text == full[: full.index("three") + len("three")] and finals["0"].stop_reason == "three"
+        assert finals["0"].token_ids == ids[:m]
+        if not only_finished:
+            assert deltas["0"] == finals["0"].text
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tokenizer):
+    # vLLM's detokenizer skips the stop token (eos or stop_token_ids) unless include_stop_str_in_output;
+    # stop_reason is the token id.
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    k = 2
+    for stops in ([], ["\u2603never"]):  # the lazy path and the stop-string path
+        for only_finished in (True, False):
+            finals, deltas, _ = run(tokenizer, [ids], [stops], only_finished, stop_at=k)
+            out = finals["0"]
+            assert out.token_ids == ids[: k + 1] and out.finish_reason == "stop" and out.stop_reason == ids[k]
+            assert out.text == tokenizer.decode(ids[:k])
+            if not only_finished:
+                assert deltas["0"] == out.text
+            finals, _, _ = run(tokenizer, [ids], [stops], only_finished, stop_at=k, include_stop_str_in_output=True)
+            assert finals["0"].text == tokenizer.decode(ids[: k + 1])
+
+
+def test_special_tokens_and_detokenize(tokenizer):
+    special = tokenizer.eos_token_id
+    ids = tokenizer.encode("one two", add_special_tokens=False) + [special] + tokenizer.encode(" three", add_special_tokens=False)
+    finals, _, _ = run(tokenizer, [ids], [[]], True)
+    assert finals["0"].text == tokenizer.decode(ids)  # skipped
+    finals, _, _ = run(tokenizer, [ids], [[]], True, skip_special_tokens=False)
+    assert finals["0"].text == tokenizer.decode(ids, skip_special_tokens=False) != tokenizer.decode(ids)
+    for only_finished in (True, False):
+        finals, deltas, delta_ids = run(tokenizer, [ids], [[]], only_finished, detokenize=False)
+        assert finals["0"].text == "" and finals["0"].token_ids == ids
+        if not only_finished:
+            assert deltas["0"] == "" and delta_ids["0"] == ids
+    with pytest.raises(ValueError, match="detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 class FakeSeq:
@@ -198,7 +252,7 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     from jaxpaged.engine.outputs import CompletionOutput, Logprob
 
     processor = OutputProcessor(tokenizer)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
     seq = Sequence([1, 2, 3], params)
     seq.status = SequenceStatus.RUNNING
     processor.add_request("r", None, seq, params, seed=0)

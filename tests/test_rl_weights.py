@@ -255,3 +255,32 @@ def test_data_parallel_engine_updates_sleeps_and_wakes_every_replica(params):
     outs = [_greedy(engine, p, 4) for p in prompts()[2:4]]
     assert all(o.weight_versions == [5] * 4 for o in outs)
     assert engine.stats()["num_used_pages"] == 0
+
+
+def test_llm_sleep_modes_and_wake_up_tags_as_vllm(params):
+    """vLLM's LLM.sleep(level, mode) / wake_up(tags) -> True: "wait" finishes a half-read stream
+    first (its outputs still reach it), "abort" ends it (pages freed); "keep" and level 0 are refused."""
+    llm = LLM.from_engine(make_engine(params))
+    expected = llm.generate([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0].token_ids
+    for bad in (dict(level=0), dict(mode="keep")):
+        with pytest.raises(ValueError, match="not supported"):
+            llm.sleep(**bad)
+    stream = llm.stream([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))
+    next(stream)
+    llm.sleep(level=1, mode="wait")
+    assert llm.stats()["sleep_level"] == 1 and llm.stats()["num_used_pages"] == 0
+    *_, last = stream  # its remaining outputs were kept for it
+    assert last.outputs[0].token_ids == expected and last.finished
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(tags=["everything"])
+    assert llm.wake_up(tags=["weights"]) is True and llm.wake_up(tags=["kv_cache"]) is True
+    assert llm.stats()["sleep_level"] == 0
+
+    stream = llm.stream([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))
+    next(stream)
+    llm.sleep(level=1)  # mode="abort"
+    assert llm.stats()["num_used_pages"] == 0 and llm.stats()["num_requests"] == 0
+    with pytest.raises(RuntimeError, match="aborted outside this call"):
+        next(stream)
+    assert llm.wake_up() is True
+    assert llm.generate([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0].token_ids == expected

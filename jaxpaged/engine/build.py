@@ -16,7 +16,7 @@ from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.protocol import EngineClient
-from jaxpaged.models.loading import generation_defaults
+from jaxpaged.models.loading import generation_config_file, generation_defaults, generation_eos_ids
 from jaxpaged.models.weights import load_model
 from jaxpaged.planner.request import SamplingParams
 
@@ -40,8 +40,14 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
     defaults = checked_generation_defaults(generation_defaults(model, config.generation_config,
                                                                         config.override_generation_config))
+    generation_file = generation_config_file(model, config.generation_config)
+    generation_eos_ids(generation_file, None)  # a malformed eos_token_id is refused before loading
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype)
+    eos_ids = generation_eos_ids(generation_file, tokenizer.eos_token_id)
+    if any(t >= model_config.vocab_size for t in eos_ids):
+        raise ValueError(f"generation_config.json's eos_token_id lists {list(eos_ids)}, outside the vocabulary "
+                         f"[0, {model_config.vocab_size}); fix the file or pass another generation_config directory")
     from_pool = max_num_seqs_from_pool and config.max_num_seqs is None
     if from_pool and config.num_pages is None and config.kv_memory_bytes is None and not on_gpu():
         config = dataclasses.replace(config, kv_memory_bytes=CPU_KV_BUDGET_BYTES)
@@ -61,6 +67,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
                                draft_model=draft_model)
     for replica in getattr(engine, "engines", [engine]):  # a DataParallelEngine reads its first replica's
         replica.generation_defaults = dict(defaults)
+        replica.generation_eos_ids = eos_ids
     return engine
 
 

@@ -20,7 +20,7 @@ import dataclasses
 
 from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, TokenDecoder
 from jaxpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpaged.planner.request import SamplingParams, stop_prefix_len, stop_string_start
+from jaxpaged.planner.request import SamplingParams, stop_prefix_len, stop_string_match
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
 
 FINISHED = SequenceStatus.FINISHED
@@ -34,6 +34,7 @@ class Sample:
     detokenizer: object  # tokenizer.detokenizer(prompt): .step(token_id) -> str, .flush() -> str, .decode(ids)
     text: str = ""  # detokenized output of seq.output_token_ids[:num_decoded], cut before a stop string
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (not eos)
     logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token_id: Logprob} per token
     num_sent_tokens: int = 0  # tokens already reported (streaming deltas)
     num_sent_chars: int = 0  # characters of `text` already reported
@@ -93,7 +94,7 @@ class OutputProcessor:
     def add_sample(self, request: RequestState, seq: Sequence) -> None:
         """`seq` becomes sample len(request.samples) of `request` (forks join in order)."""
         self.owner[seq.seq_id] = (request, len(request.samples))
-        sample = Sample(seq, self.tokenizer.detokenizer(seq.prompt_token_ids))
+        sample = Sample(seq, self._detokenizer(request.params, seq.prompt_token_ids))
         sample.num_decoded = len(seq.output_token_ids)  # its text starts with the tokens it gets from now on
         if request.samples:  # a fork: its tokens so far are its parent's (sample 0)
             sample.version_runs = list(request.samples[0].version_runs)
@@ -153,8 +154,8 @@ class OutputProcessor:
                 self._step_with_stops(request, request.samples[j], seq, token_id, stopped, done)
             elif seq.status is FINISHED:
                 sample = request.samples[j]
-                _catch_up(sample)
-                self._finish(request, sample, seq.finish_reason, done)
+                _catch_up(sample, _stopped_by_token(seq, params))
+                self._finish(request, sample, seq.finish_reason, done, _stop_token(seq))
             if not only_finished:
                 moved[request.request_id] = request
         for seq in stopped:  # tokens after the stop string (a speculative run) are not output
@@ -198,24 +199,35 @@ class OutputProcessor:
                          stopped: list[Sequence], done: list[RequestState]) -> None:
         """One token of a request with stop strings: decode it now and search the new text."""
         params = request.params
-        new_text = sample.detokenizer.step(token_id)
+        # A stop token's own text is left out unless include_stop_str_in_output (as vLLM).
+        new_text = "" if _stopped_by_token(seq, params) else sample.detokenizer.step(token_id)
         sample.num_decoded += 1
         if seq.status is FINISHED:
             new_text += sample.detokenizer.flush()
         if new_text and sample.finish_reason is None:
             sample.text += new_text
-            idx = stop_string_start(sample.text, len(new_text), params, seq.num_output_tokens)
-            if idx >= 0:
-                sample.text = sample.text[:idx]
-                self._finish(request, sample, "stop", done)
+            match = stop_string_match(sample.text, len(new_text), params, seq.num_output_tokens)
+            if match is not None:
+                stop, cut = match
+                sample.text = sample.text[:cut]
+                self._finish(request, sample, "stop", done, stop)
                 if not seq.is_finished:
                     stopped.append(seq)
         if seq.status is FINISHED and sample.finish_reason is None:
-            self._finish(request, sample, seq.finish_reason, done)
+            self._finish(request, sample, seq.finish_reason, done, _stop_token(seq))
+
+    def _detokenizer(self, params: SamplingParams, prompt_token_ids):
+        if not params.detokenize:
+            return NO_TEXT
+        if params.skip_special_tokens:
+            return self.tokenizer.detokenizer(prompt_token_ids)
+        return self.tokenizer.detokenizer(prompt_token_ids, skip_special_tokens=False)
 
     @staticmethod
-    def _finish(request: RequestState, sample: Sample, reason: str, done: list[RequestState]) -> None:
+    def _finish(request: RequestState, sample: Sample, reason: str, done: list[RequestState],
+                stop_reason: str | int | None = None) -> None:
         sample.finish_reason = reason
+        sample.stop_reason = stop_reason
         request.num_finished += 1
         if request.finished:
             done.append(request)
@@ -236,7 +248,7 @@ class OutputProcessor:
             elif num_new:
                 _catch_up(sample)
             text = sample.text
-            if stops and sample.finish_reason is None:
+            if stops and sample.finish_reason is None and not request.params.include_stop_str_in_output:
                 text = text[: len(text) - stop_prefix_len(text, stops)]  # what may be the start of a stop string
             routed = None if self.routed_experts is None else self.routed_experts.rows_of(
                 sample.seq.seq_id, sample.seq.num_prompt_tokens + len(output_ids) - 1)
@@ -244,7 +256,7 @@ class OutputProcessor:
             completions.append(CompletionOutput.snapshot(
                 j, text, output_ids, sample.finish_reason, sample.logprobs if want_logprobs else None,
                 text[sample.num_sent_chars :], output_ids[sample.num_sent_tokens :], tuple(sample.version_runs),
-                routed,
+                routed, sample.stop_reason,
             ))
             if len(text) > sample.num_sent_chars:
                 sample.num_sent_chars = len(text)
@@ -257,12 +269,42 @@ class OutputProcessor:
         )
 
 
-def _catch_up(sample: Sample) -> None:
-    """Decodes the sample's tokens not yet in its text (a lazily detokenized one: no stop strings);
-    flushes the detokenizer once its sequence has finished."""
+def _stopped_by_token(seq: Sequence, params: SamplingParams) -> bool:
+    """Whether `seq` just ended on a stop token (eos or stop_token_ids) whose text stays out."""
+    return seq.status is FINISHED and seq.finish_reason == "stop" and not params.include_stop_str_in_output
+
+
+def _stop_token(seq: Sequence) -> int | None:
+    """vLLM's stop_reason of a sequence the scheduler finished: its stop token id, None for eos."""
+    if seq.finish_reason != "stop" or not seq.output_token_ids:
+        return None
+    token = seq.output_token_ids[-1]
+    return token if token in seq.sampling_params.stop_token_ids else None
+
+
+class _NoText:
+    """The detokenizer of a request with detokenize=False: token ids only."""
+
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def decode(self, token_ids) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+NO_TEXT = _NoText()
+
+
+def _catch_up(sample: Sample, drop_last: bool = False) -> None:
+    """Decodes the sample's tokens not yet in its text (a lazily detokenized one: no stop strings),
+    without the last one if `drop_last` (a stop token); flushes the detokenizer once its sequence
+    has finished."""
     token_ids = sample.seq.output_token_ids
     if sample.num_decoded != len(token_ids):
-        new_ids = token_ids[sample.num_decoded :]
+        new_ids = token_ids[sample.num_decoded : len(token_ids) - drop_last]
         decode = getattr(sample.detokenizer, "decode", None)  # a detokenizer with only step() works too
         sample.text += decode(new_ids) if decode is not None else "".join([sample.detokenizer.step(t) for t in new_ids])
         sample.num_decoded = len(token_ids)

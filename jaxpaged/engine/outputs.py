@@ -30,9 +30,10 @@ LogprobsDict = dict[int, Logprob]
 class CompletionOutput:
     """One sample of a request (a request with `n=4` has four).
 
-    index: which of the request's n samples; text: detokenized output so far (stop string
-    excluded); token_ids: generated token ids so far; finish_reason: "stop" | "length" | "abort",
-    None while running; logprobs: one `{token_id: Logprob}` per token if SamplingParams.logprobs
+    index: which of the request's n samples; text: detokenized output so far (stop string and stop
+    token excluded unless include_stop_str_in_output); token_ids: generated token ids so far;
+    finish_reason: "stop" | "length" | "abort", None while running; stop_reason: the stop string or
+    stop token id that ended it, None otherwise (eos included), as vLLM; logprobs: one `{token_id: Logprob}` per token if SamplingParams.logprobs
     (None otherwise), cumulative_logprob their chosen tokens' sum;
     delta_text / delta_token_ids: what was added since the previous streamed update.
     weight_versions: per token, the weight `version` (`update_params`) it was sampled under (None
@@ -41,15 +42,16 @@ class CompletionOutput:
     [len(prompt) + len(token_ids) - 1, num_layers, top_k]: each fed token's expert ids; else None.
     """
 
-    __slots__ = ("index", "text", "finish_reason", "delta_text", "delta_token_ids",
+    __slots__ = ("index", "text", "finish_reason", "stop_reason", "delta_text", "delta_token_ids",
                  "_token_ids", "_num_tokens", "_logprobs", "_num_logprobs", "_version_runs", "routed_experts")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
                  logprobs: list[LogprobsDict] | None = None, delta_text: str = "",
-                 delta_token_ids: list[int] | None = None):
+                 delta_token_ids: list[int] | None = None, stop_reason: str | int | None = None):
         self.index = index
         self.text = text
         self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
         self.delta_text = delta_text
         self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
         self._token_ids, self._num_tokens = token_ids, None  # None: the list is this output's own
@@ -60,10 +62,11 @@ class CompletionOutput:
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
                  live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int],
-                 version_runs: tuple[tuple[int, int], ...] | None = None, routed_experts=None) -> CompletionOutput:
+                 version_runs: tuple[tuple[int, int], ...] | None = None, routed_experts=None,
+                 stop_reason: str | int | None = None) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
-        out.index, out.text, out.finish_reason = index, text, finish_reason
+        out.index, out.text, out.finish_reason, out.stop_reason = index, text, finish_reason, stop_reason
         out.delta_text, out.delta_token_ids = delta_text, delta_token_ids
         out._token_ids, out._num_tokens = live_token_ids, len(live_token_ids)
         out._logprobs = live_logprobs

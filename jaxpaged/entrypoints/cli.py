@@ -232,6 +232,7 @@ def _check_prompts(args, prompts: list[str], config, beam) -> list[str]:
     weights (seconds, not a load). ValueError / OSError otherwise."""
     from jaxpaged.entrypoints.cli_checks import check_requests
     from jaxpaged.models.config import ModelConfig
+    from jaxpaged.entrypoints.prompts import chat_prompt
     from jaxpaged.models.loading import load_model_files
 
     files = load_model_files(args.model, weights=False)
@@ -244,13 +245,14 @@ def _check_prompts(args, prompts: list[str], config, beam) -> list[str]:
             system = [{"role": "system", "content": args.system}] if args.system else []
             return system + [{"role": "user", "content": text}]
 
-        formatted = [tokenizer.apply_chat_template(conversation(p), add_generation_prompt=True) for p in prompts]
+        formatted = [chat_prompt(tokenizer, conversation(p)) for p in prompts]  # text and ids (no second BOS)
     else:
         formatted = prompts
     model_config = ModelConfig.from_hf(files.hf_config, dtype=config.dtype or "float32")
     import jax  # the platform decides the defaults (max_model_len, max_num_seqs)
 
-    check_requests([len(tokenizer.encode(p)) for p in formatted], config, model_config, tokenizer.eos_token_id,
+    lengths = [len(p["prompt_token_ids"]) if use_chat else len(tokenizer.encode(p)) for p in formatted]
+    check_requests(lengths, config, model_config, tokenizer.eos_token_id,
                    max_tokens=args.max_tokens, beam=beam, on_gpu=jax.default_backend() == "gpu")
     return formatted
 
@@ -314,11 +316,12 @@ def _stream(llm, prompts, formatted, params, args):
     finished_samples = set()  # (request id, sample index) whose --json object is out
     if live:
         sys.stdout.write(f">>> {prompts[0]}\n")
+    texts = [p["prompt"] if isinstance(p, dict) else p for p in formatted]
     for out in llm.stream(formatted, params):
         if out.request_id not in final:
             order.append(out.request_id)
         final[out.request_id] = out
-        prompt = prompts[formatted.index(out.prompt)]  # the text this request was given
+        prompt = prompts[texts.index(out.prompt)]  # the text this request was given
         if live:
             sys.stdout.write(out.outputs[0].delta_text)
         for c in out.outputs if args.json else ():

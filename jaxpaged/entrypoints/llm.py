@@ -15,12 +15,12 @@ from typing import no_type_check
 
 from tqdm.auto import tqdm
 
-from jaxpaged.config import EngineConfig
+from jaxpaged.config import EngineConfig, engine_args_from_vllm
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.build import build_engine
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.protocol import EngineClient
-from jaxpaged.entrypoints.prompts import Prompts, normalize_prompts
+from jaxpaged.entrypoints.prompts import Prompts, chat_prompt, flat_message, normalize_prompts
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -40,7 +40,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         # An LLMEngine, or data_parallel_size of them behind the same interface (engine/protocol.py).
-        self._init(build_engine(model, EngineConfig(**engine_args)))
+        # vLLM's engine arguments are taken too (block_size, gpu_memory_utilization, enforce_eager, ...).
+        self._init(build_engine(model, EngineConfig(**engine_args_from_vllm(model, engine_args))))
 
     @classmethod
     def from_engine(cls, engine: EngineClient) -> LLM:
@@ -90,12 +91,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request=None,
+        priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        vLLM's signature; LoRA, multimodal kwargs, tokenization kwargs and priorities other than 0
+        (the first-come-first-served order every request gets) are refused, never ignored.
 
         Safe to call from several threads at once (see the class docstring); it also advances the
         requests of other live calls, e.g. a stream left half-consumed.
         """
+        _refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                            mm_processor_kwargs=mm_processor_kwargs)
+        if priority is not None and any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
+            raise ValueError(f"priority={priority!r}: requests are served first come, first served; leave priority "
+                             "out (or 0)")
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
         bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
@@ -132,16 +145,52 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = False,
+        lora_request=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        """Applies the model's chat template (or `chat_template`) to one conversation or a list of
+        them, then generates; vLLM's signature. The prompt is the template's text encoded without
+        added special tokens, as in vLLM. `tools` and `chat_template_kwargs` (e.g. Qwen3's
+        `enable_thinking`) reach the template; `continue_final_message` leaves the last (assistant)
+        message open for the model to continue."""
+        _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: this engine renders "
+                             "text content as a string; pass 'auto' or 'string'")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message; it needs "
+                             "add_generation_prompt=False")
         if not messages or isinstance(messages, (str, dict)):
             raise ValueError(
                 f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, continue_final_message, kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> dict:
+        prompt = chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                             chat_template=chat_template, **kwargs)
+        if continue_final_message:  # the template closed the last message: cut its end-of-turn off
+            last = conversation[-1] if conversation else None
+            text = prompt["prompt"]
+            final = flat_message(last, len(conversation) - 1)["content"] if isinstance(last, dict) else None
+            if last.get("role") != "assistant" or not isinstance(final, str) or not final or final not in text:
+                raise ValueError("continue_final_message=True needs a last message with role 'assistant' and "
+                                 "non-empty text content")
+            text = text[: text.rindex(final) + len(final)]
+            prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return prompt
 
     @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def beam_search(self, prompts: Prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -293,17 +342,41 @@ class LLM:
         with self._lock:
             self.engine.update_params(params, version=version, in_flight=in_flight)
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Gives device memory back (e.g. to a trainer): level 1 frees the KV cache and moves the
         weights to host memory; level 2 frees the weights too (call update_params before generating
-        again). Refused (ValueError) while requests run; generating while asleep raises RuntimeError."""
+        again); generating while asleep raises RuntimeError. vLLM's `mode` says what happens to
+        requests still running (a stream left open, another thread's call): "abort" aborts them (a
+        call still waiting for one raises, as for any abort outside it), "wait" runs them to the end
+        first (their outputs reach their calls); "keep" (pause them across the sleep) is refused,
+        as is vLLM's level 0 (pause scheduling only)."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: sleep levels 1 (weights to host) and 2 (weights dropped) are "
+                             "supported; level 0 (pause scheduling only) is not supported")
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"mode={mode!r}: use 'abort' (end running requests) or 'wait' (finish them first); "
+                             "'keep' is not supported")
         with self._lock:
+            live = [i for i in self._owners if self.engine.has_request(i)]
+            if mode == "abort":
+                for request_id in live:
+                    self.engine.abort_request(request_id)
+            else:
+                call = _Call(only_finished=True)  # steps only; each output goes to its own call
+                while any(self.engine.has_request(i) for i in live):
+                    self._step_locked(call)
             self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Restores what sleep() freed; outputs are those of before the sleep."""
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restores what sleep() freed; outputs are those of before the sleep. vLLM's `tags`
+        ("weights", "kv_cache", "scheduling") wake parts one call at a time; here the first call
+        restores everything and the later ones have nothing left to do. Returns True (awake)."""
+        known = ("weights", "kv_cache", "scheduling")
+        if tags is not None and (isinstance(tags, str) or not all(t in known for t in tags)):
+            raise ValueError(f"tags={tags!r}: pass a list of {known} or None")
         with self._lock:
-            self.engine.wake_up()
+            self.engine.wake_up()  # awake already: nothing to do
+        return True
 
     @property
     def params(self):
@@ -318,3 +391,11 @@ class _Call:
         self.only_finished = only_finished  # generate: only final outputs are wanted
         self.pending: set[str] = set()
         self.outputs: deque[RequestOutput] = deque()
+
+
+def _refuse_unsupported(**kwargs) -> None:
+    """vLLM arguments this engine has no use for: refused by name when given, never dropped."""
+    given = [name for name, value in kwargs.items() if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not supported by jaxpaged (no LoRA adapters, multimodal inputs or "
+                         "custom tokenization); leave them out")

@@ -110,3 +110,35 @@ def _token_id_list(prompt, i: int) -> list[int]:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"prompt {i} has dtype {array.dtype}; token ids must be integers")
     return array.tolist()
+
+
+def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
+    """vLLM's TokensPrompt of one conversation: the chat template's text and its token ids, encoded
+    without added special tokens (the template writes the BOS itself where the model wants one; a
+    tokenizer that also adds one would start the prompt with two, as vLLM avoids).
+
+    OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) are joined into one string, as
+    vLLM's "string" content format does; any other part type is refused.
+    """
+    if not isinstance(conversation, (list, tuple)):
+        raise ValueError(f"a conversation must be a list of messages, got {type(conversation).__name__}")
+    messages = [flat_message(m, i) for i, m in enumerate(conversation)]
+    text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def flat_message(message, i: int):
+    """`message` with OpenAI content parts joined into one string (unchanged when already text)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"chat message {i} has a content part of type {kind!r}; this model takes text "
+                             "only: pass {'type': 'text', 'text': ...} parts or a string")
+    return {**message, "content": "\n".join(texts)}

@@ -230,23 +230,38 @@ def generation_defaults(model: str | os.PathLike | None, generation_config: str 
     Without the file vLLM falls back to `GenerationConfig.from_model_config(config)`, but with
     transformers 5 a config object keeps no legacy generation keys (a config.json's top-level
     `temperature` loads as None), so that fallback sets no sampling default: nothing to read here."""
-    if generation_config == "vllm":
-        config: dict[str, Any] = {}
-    elif generation_config == "auto":
-        source = resolve_model(model)
-        path = os.path.join(source.path, "generation_config.json") if source.kind == "hf_dir" else None
-        config = _read_json(path) if path and os.path.isfile(path) else {}
-    else:
-        path = os.path.join(os.path.expanduser(generation_config), "generation_config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"generation_config={generation_config!r}: no generation_config.json there; "
-                                    "pass 'auto' (the model's own), 'vllm' (no defaults) or a directory holding one")
-        config = _read_json(path)
+    config = {} if generation_config == "vllm" else generation_config_file(model, generation_config)
     if unread := sorted(set(override or {}) - set(GENERATION_CONFIG_KEYS)):
         logger.warning("override_generation_config: %s set no sampling default (the keys read are %s)",
                        unread, sorted(GENERATION_CONFIG_KEYS))
     config = {**config, **(override or {})}
     return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}
+
+
+def generation_config_file(model: str | os.PathLike | None, generation_config: str = "auto") -> dict[str, Any]:
+    """The generation_config.json that `generation_config` names, whole ({} if the model has none):
+    the model's for "auto" and "vllm" (vLLM still reads its eos ids), else the directory's."""
+    if generation_config in ("auto", "vllm"):
+        source = resolve_model(model)
+        path = os.path.join(source.path, "generation_config.json") if source.kind == "hf_dir" else None
+        return _read_json(path) if path and os.path.isfile(path) else {}
+    path = os.path.join(os.path.expanduser(generation_config), "generation_config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"generation_config={generation_config!r}: no generation_config.json there; "
+                                "pass 'auto' (the model's own), 'vllm' (no defaults) or a directory holding one")
+    return _read_json(path)
+
+
+def generation_eos_ids(config: dict[str, Any], eos_token_id: int | None) -> tuple[int, ...]:
+    """The end tokens a generation config adds to the tokenizer's `eos_token_id` (chat models list
+    their end-of-turn token there: Llama 3's <|eot_id|>, Gemma's <end_of_turn>). vLLM's
+    `update_from_generation_config` makes them stop tokens of every request without ignore_eos."""
+    ids = config.get("eos_token_id")
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"generation_config.json's eos_token_id={config.get('eos_token_id')!r} must be a "
+                         "token id or a list of them")
+    return tuple(t for t in dict.fromkeys(ids) if t != eos_token_id)
 
 
 def _read_json(path: str) -> dict[str, Any]:

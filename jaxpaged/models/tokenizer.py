@@ -231,6 +231,7 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` ([{"role": "user", "content": "..."}, ...]) to the prompt text, or with
@@ -241,12 +242,21 @@ class Tokenizer:
         Same jinja environment as Hugging Face's `apply_chat_template` (trim_blocks, lstrip_blocks,
         loop controls, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`), with the
         special-token strings (`bos_token`, `eos_token`, ...) as variables. Encode the result with
-        `add_special_tokens=False` when the template writes the BOS itself.
+        `add_special_tokens=False` when the template writes the BOS itself. `chat_template`: a jinja
+        template to use instead of the model's.
         """
-        if not self.chat_template:
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template.strip():
+                raise ValueError("chat_template must be a jinja template string (or None for the model's own)")
+            compiled = _compile_template(chat_template)
+        elif not self.chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass a plain prompt instead of messages"
             )
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = _compile_template(self.chat_template)
+            compiled = self._compiled_template
         for i, message in enumerate(messages):
             # Templates read message['content'] unguarded: without this, a missing key is a jinja
             # UndefinedError that names neither the message nor the fix. (An assistant turn that
@@ -258,11 +268,9 @@ class Tokenizer:
                     f"chat message {i} ({message!r}) needs a 'role' and a 'content', "
                     "e.g. {'role': 'user', 'content': 'Hello'}"
                 )
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
         variables = dict(self._template_tokens)
         variables.update(template_kwargs)
-        text = self._compiled_template.render(
+        text = compiled.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text

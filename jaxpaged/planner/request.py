@@ -6,17 +6,18 @@
     banned_token_ids          the min_tokens ban: stop tokens masked while fewer than min_tokens are out
     token_stop_reason         token-level stops at commit: "length" (max_tokens / max_model_len), "stop"
                               (eos unless ignore_eos, stop_token_ids), once min_tokens are out
-    stop_string_start         string-level stops: where a stop string ends in newly added text
+    stop_string_match         string-level stops: a stop string ending in newly added text, where to cut
     stop_prefix_len           what a stream holds back: the end of the text that may start a stop string
     placeholder_token_id/row  the stand-in for a token sampled on the device, not yet read back
 
 The scheduler calls `token_stop_reason` once per token at commit; the output processor calls
-`stop_string_start` on the text that token added; the sampler rows take `banned_token_ids`. Pure Python
+`stop_string_match` on the text that token added; the sampler rows take `banned_token_ids`. Pure Python
 (no jax).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import no_type_check
 
@@ -25,14 +26,16 @@ from jaxpaged.structured.params import StructuredOutputsParams
 
 # no_type_check: __post_init__ validates every field with a ValueError that says what to do; the
 # tests' run-time type checker (jaxtyping + beartype) would replace those with bare TypeErrors.
+# Mutable, as vLLM's (RL code sets `params.max_tokens = ...` between calls): the engine takes a
+# validated copy of it at add_request, so a change afterwards never reaches a running request.
 @no_type_check
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
     top_k: int = -1  # keep the k most likely tokens; -1 or 0 = off
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
-    seed: int | None = None  # per-request seed, any 64-bit int (SEED_MIN..SEED_MAX); None = the engine's stream
+    seed: int | None = None  # per-request seed, any 64-bit int (SEED_MIN..SEED_MAX); None (or -1, as vLLM) = random
     max_tokens: int | None = 16  # generate at most this many tokens ("length"); None = up to max_model_len
     min_tokens: int = 0  # eos / stop_token_ids do not stop before this many tokens
     stop: str | list[str] | tuple[str, ...] | None = ()  # stop strings (the engine checks text); a tuple, None = ()
@@ -40,7 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's eos token
     n: int = 1  # number of samples of the same prompt (forks share the prompt's pages)
     # Log-probabilities (vLLM): k in 0..MAX_LOGPROBS = the chosen token plus the k most likely, per
-    # generated token; None = none. True is accepted as 0 (the chosen token only), False as None.
+    # generated token; None = none. True is 1 (as in vLLM, where a bool is an int), False None.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (teacher-forced); None = none
     # Penalties and biases (vLLM / OpenAI semantics), applied on the device:
@@ -50,6 +53,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (in [-100, 100])
     allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn; None = all
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
+    # Output text (vLLM's fields):
+    include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text, in `text`
+    skip_special_tokens: bool = True  # leave special tokens (eos, chat markers) out of `text`
+    # Spaces between special tokens in `text`: vLLM's fast tokenizers ignore it, and so does jaxpaged.
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, `text` stays "" (no stop strings)
+    extra_args: dict | None = None  # for custom sampling code (vLLM's): carried, never read by the engine
 
     def __post_init__(self) -> None:
         # Normalise the two list fields to tuples, so the object is hashable and immutable; None
@@ -77,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0.0 to turn min-p off")
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's "no seed"
+            object.__setattr__(self, "seed", None)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (any signed or unsigned "
@@ -98,8 +110,8 @@ class SamplingParams:
             raise ValueError(f"n={self.n} must be >= 1; ask for at least one sample")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if isinstance(value, bool):  # the old boolean form: True = the chosen token only
-                object.__setattr__(self, name, 0 if value else None)
+            if isinstance(value, bool):  # True = 1 (vLLM: a bool is an int); False = none
+                object.__setattr__(self, name, 1 if value else None)
             elif value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}={value!r} must be None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -121,11 +133,23 @@ class SamplingParams:
                                  "token ids (ints >= 0), or None for all")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
 
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not self.detokenize and stop:
+            raise ValueError("stop strings need the text: detokenize=False gives token ids only; "
+                             "use stop_token_ids, or detokenize=True")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args={self.extra_args!r} must be a dict or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(
                 f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams "
                 "(from jaxpaged import StructuredOutputsParams) or None"
             )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`)."""
+        return copy.deepcopy(self)
 
     @property
     def needs_token_state(self) -> bool:
@@ -240,26 +264,35 @@ def token_stop_reason(token_idx: int, token_id: int, num_output_tokens: int, max
     return None
 
 
-def stop_string_start(text: str, num_new_chars: int, params: SamplingParams, num_output_tokens: int) -> int:
-    """String-level stop: where the text must be cut (the earliest stop string ending in the last
-    `num_new_chars` characters), or -1; none before `min_tokens` outputs are out."""
-    if num_output_tokens < params.min_tokens:
-        return -1
-    return find_stop(text, num_new_chars, params.stop)
+def stop_string_match(text: str, num_new_chars: int, params: SamplingParams,
+                      num_output_tokens: int) -> tuple[str, int] | None:
+    """String-level stop, as vLLM's detokenizer: the stop string completing earliest in the last
+    `num_new_chars` characters (ties: the first in `params.stop`) and where the text is cut (before
+    it, or after it with include_stop_str_in_output), or None. Under min_tokens only text after
+    the min_tokens-th token counts: its token and those before it never stop (a string begun there
+    may end in a later token), so call this with the characters the token after it added."""
+    if num_output_tokens <= params.min_tokens:
+        return None
+    found = find_stop(text, num_new_chars, params.stop)
+    if found is None:
+        return None
+    start, stop = found
+    return stop, start + len(stop) if params.include_stop_str_in_output else start
 
 
-def find_stop(text: str, num_new_chars: int, stops) -> int:
-    """Start of the earliest stop string that ends within the last `num_new_chars` characters, or -1.
+def find_stop(text: str, num_new_chars: int, stops) -> tuple[int, str] | None:
+    """(start, stop string) of the stop string that ends earliest within the last `num_new_chars`
+    characters (ties: the first in `stops`), or None.
 
         text:  ... a b c d | e f g        num_new_chars = 3, stop "cde": search from len - 3 - 3 + 1
                     ^ a hit must start here or later, so that it ends in the new characters
 
     """
-    best = -1
+    best = None
     for stop in stops:
         idx = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
-        if idx >= 0 and (best < 0 or idx < best):
-            best = idx
+        if idx >= 0 and (best is None or idx + len(stop) < best[0] + len(best[1])):
+            best = (idx, stop)
     return best
 
 

@@ -36,7 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, str(err), param="messages") from None
     except Exception as err:  # the template raised (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from None
-    token_ids = tokenizer.encode(text)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes the BOS (vLLM's default)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", param="top_logprobs")
     top_n = body.top_logprobs or 0
