@@ -209,7 +209,7 @@ HOSTILE = [
     ("negative temperature", "/v1/completions", AUTH, {"model": MODEL, "prompt": "a", "temperature": -1}, 400,
      "temperature"),
     ("huge n", "/v1/chat/completions", AUTH, {**CHAT, "n": 100000}, 400, "n"),
-    ("huge max_tokens", "/v1/chat/completions", AUTH, {**CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("zero max_tokens", "/v1/chat/completions", AUTH, {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("unknown model", "/v1/chat/completions", AUTH, {**CHAT, "model": "gpt-9"}, 404, "model"),
     ("no auth", "/v1/chat/completions", {}, CHAT, 401, None),
     ("wrong auth", "/v1/completions", {"Authorization": "Bearer nope"}, {"model": MODEL, "prompt": "a"}, 401, None),
@@ -218,6 +218,24 @@ HOSTILE = [
      "prompt"),
     ("token id outside vocab", "/v1/completions", AUTH, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
 ]
+
+
+def test_a_non_streaming_request_is_aborted_when_its_client_goes(served):
+    # A running request has an output every step: the disconnect check must not wait for a quiet spell.
+    body = {**CHAT, "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served["base"] + "/v1/chat/completions", headers=AUTH, json=body, timeout=httpx.Timeout(3.0))
+    _wait_idle(served, timeout=8.0)  # 450 tokens would take far longer than this
+
+
+def test_max_tokens_past_max_model_len_is_trimmed_as_vllm_does(served):
+    # vLLM's get_max_tokens: min(max_tokens, max_model_len - prompt); only the prompt itself can be too long.
+    prompt = list(range(100, 100 + SMALL["max_model_len"] - 3))
+    resp = httpx.post(served["base"] + "/v1/completions", headers=AUTH, timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 10**9, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and resp.json()["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize("name,path,headers,body,status,param", HOSTILE, ids=[h[0] for h in HOSTILE])

@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 MODEL = "tiny/random"  # a served name with "/", as a hub id is
 PROMPT = "Once upon a time"
-SEEDS = [-1, 2**40, 2**63 - 1, 2**64 - 1, -(2**63)]  # refused by the server at b8feddf
+SEEDS = [-2, 2**40, 2**63 - 1, 2**64 - 2, -(2**63)]  # refused by the server at b8feddf (-1 is vLLM's "no seed")
 NEVER = "\x07\x07 no model writes this"  # a stop string the output never starts
 
 
@@ -49,9 +49,10 @@ def _cli_token_ids(llm, seed: int) -> list[int]:
 def served():
     llm = tiny_llm()
     expected = {seed: llm.generate(PROMPT, _sampled(seed))[0].outputs[0] for seed in SEEDS + [0, 2**32]}
-    cli = {seed: _cli_token_ids(llm, seed) for seed in (-1, 2**40)}  # before the server takes the engine
+    cli = {seed: _cli_token_ids(llm, seed) for seed in (-2, 2**40)}  # before the server takes the engine
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     with running_server(llm.engine, served_model_name=MODEL) as (base, bridge):
-        yield dict(llm=llm, base=base, expected=expected, cli=cli, bridge=bridge)
+        yield dict(llm=llm, base=base, expected=expected, cli=cli, bridge=bridge, greedy=greedy)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def client(served):
 def test_64_bit_seeds_draw_alike_through_the_api_the_cli_and_the_server(served, client):
     expected = served["expected"]
     assert expected[0].token_ids != expected[2**32].token_ids  # 64 bits count: not folded modulo 2**32
-    assert expected[-1].token_ids == expected[2**64 - 1].token_ids  # the same seed, modulo 2**64
+    assert expected[-2].token_ids == expected[2**64 - 2].token_ids  # the same seed, modulo 2**64
     assert len({tuple(expected[s].token_ids) for s in SEEDS}) == len(SEEDS) - 1
     for seed in SEEDS:
         resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=seed,
@@ -72,6 +73,11 @@ def test_64_bit_seeds_draw_alike_through_the_api_the_cli_and_the_server(served, 
         assert resp.choices[0].text == expected[seed].text, seed
     for seed, token_ids in served["cli"].items():  # the CLI's --seed, on the same engine
         assert token_ids == expected[seed].token_ids, seed
+    # -1 is vLLM's "no seed" on every path: accepted, and drawn from the engine's stream.
+    assert SamplingParams(seed=-1).seed is None
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=-1,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 6
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
@@ -213,3 +219,67 @@ def test_start_logs_one_configuration_line_and_no_absl_or_jax_info(served, capsy
                  f"max_model_len={config.max_model_len}", f"backend={config.attention_backend}",
                  f"dtype={config.dtype}"):
         assert part in lines[0], (part, lines[0])
+
+
+def test_stop_reason_and_vllms_output_text_fields(served, client):
+    """vLLM's `stop_reason` in every choice, and its `include_stop_str_in_output` /
+    `skip_special_tokens` request fields (the engine's SamplingParams semantics)."""
+    greedy = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.0)
+    free = client.completions.create(**greedy, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    assert text == served["greedy"].text
+    stop = text.strip()[:2]
+    cut = text.index(stop)
+    assert free.choices[0].stop_reason is None
+    out = client.completions.create(**greedy, stop=[stop], extra_body={"ignore_eos": True})
+    assert (out.choices[0].text, out.choices[0].finish_reason, out.choices[0].stop_reason) == (text[:cut], "stop", stop)
+    out = client.completions.create(**greedy, stop=[stop], extra_body={"ignore_eos": True,
+                                                                       "include_stop_str_in_output": True})
+    assert out.choices[0].text == text[: cut + len(stop)] and out.choices[0].stop_reason == stop
+    # A stop token: its id is the stop_reason and its text is left out (unless asked for), streamed alike.
+    tokenizer = served["llm"].get_tokenizer()
+    stop_id = served["greedy"].token_ids[1]
+    for stream in (False, True):
+        resp = client.completions.create(**greedy, stream=stream, extra_body={"stop_token_ids": [stop_id]})
+        chunks = list(resp) if stream else [resp]
+        last = chunks[-1].choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == stop_id
+        first = served["greedy"].token_ids.index(stop_id)
+        assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(served["greedy"].token_ids[:first])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}], max_tokens=3, temperature=0.0,
+        extra_body={"skip_special_tokens": False, "ignore_eos": True})
+    assert chat.choices[0].stop_reason is None and chat.choices[0].finish_reason == "length"
+
+
+def test_vllms_request_fields_are_served_or_refused_never_dropped(served, client):
+    tokenizer = served["llm"].get_tokenizer()
+    ids = tokenizer.encode(PROMPT)
+    greedy = dict(model=MODEL, max_tokens=3, temperature=0.0)
+    out = client.completions.create(**greedy, prompt=ids, extra_body={"truncate_prompt_tokens": 2,
+                                                                      "return_token_ids": True,
+                                                                      "request_id": "abc"})
+    assert out.id == "cmpl-abc" and out.usage.prompt_tokens == 2
+    choice = out.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == ids[-2:] and len(choice["token_ids"]) == 3
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    # Chat: the template's variables, no generation prompt, continuing the assistant's message.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    open_text = rendered[: rendered.rindex("Hello there") + len("Hello there")]
+    chat = client.chat.completions.create(**greedy, messages=messages, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True})
+    assert chat.model_dump()["prompt_token_ids"] == tokenizer.encode(open_text, add_special_tokens=False)
+    assert len(chat.choices[0].model_dump()["token_ids"]) == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**greedy, messages=messages, extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+    for field, value in (("bad_words", ["x"]), ("use_beam_search", True), ("prompt_logprobs", 1), ("priority", 2),
+                         ("chat_template", "{{ 1 }}"), ("echo", True)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**greedy, messages=messages[:1], extra_body={field: value})
+        assert info.value.body["param"] == field, field
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**greedy, prompt=PROMPT, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert info.value.body["param"] == "stream_options"

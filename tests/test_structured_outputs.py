@@ -184,6 +184,19 @@ def test_lark_grammar(llm):
         assert re.fullmatch(r"[0-9()+*]+", text) and eval(re.sub(r"\b0+(?=[0-9])", "", text)) >= 0  # noqa: S307
 
 
+def test_gbnf_grammar(llm):
+    # vLLM's EBNF / llama.cpp's GBNF ("::="), converted to Lark by llguidance.
+    grammar = 'root ::= answer " " answer\nanswer ::= "yes" | "no"'
+    outs = llm.generate(["q"] * 2, [SamplingParams(temperature=t, seed=3, max_tokens=20,
+                                                   structured_outputs=StructuredOutputsParams(grammar=grammar))
+                                    for t in (0.0, 1.5)])
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(r"(yes|no) (yes|no)", out.outputs[0].text)
+    with pytest.raises(ValueError, match="not valid GBNF"):
+        llm.generate("q", SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= (")))
+    _assert_idle(llm)
+
+
 def test_mask_removes_only_forbidden_tokens(llm):
     """Where the unconstrained greedy output already satisfies the constraint, the constrained greedy
     output is the same tokens: the mask only removed tokens the model did not want anyway."""

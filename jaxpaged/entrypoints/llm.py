@@ -20,7 +20,7 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.build import build_engine
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.protocol import EngineClient
-from jaxpaged.entrypoints.prompts import Prompts, chat_prompt, flat_message, normalize_prompts
+from jaxpaged.entrypoints.prompts import Prompts, chat_prompt, normalize_prompts, open_final_message
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -182,13 +182,7 @@ class LLM:
         prompt = chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                              chat_template=chat_template, **kwargs)
         if continue_final_message:  # the template closed the last message: cut its end-of-turn off
-            last = conversation[-1] if conversation else None
-            text = prompt["prompt"]
-            final = flat_message(last, len(conversation) - 1)["content"] if isinstance(last, dict) else None
-            if last.get("role") != "assistant" or not isinstance(final, str) or not final or final not in text:
-                raise ValueError("continue_final_message=True needs a last message with role 'assistant' and "
-                                 "non-empty text content")
-            text = text[: text.rindex(final) + len(final)]
+            text = open_final_message(prompt["prompt"], conversation)
             prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
         return prompt
 

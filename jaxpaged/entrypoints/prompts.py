@@ -142,3 +142,15 @@ def flat_message(message, i: int):
             raise ValueError(f"chat message {i} has a content part of type {kind!r}; this model takes text "
                              "only: pass {'type': 'text', 'text': ...} parts or a string")
     return {**message, "content": "\n".join(texts)}
+
+
+def open_final_message(text: str, conversation: list[dict]) -> str:
+    """vLLM's continue_final_message: `text` (the template's rendering, no generation prompt) cut right
+    after the last message's content, so the model continues that (assistant) message."""
+    last = conversation[-1] if conversation else None
+    final = flat_message(last, len(conversation) - 1).get("content") if isinstance(last, dict) else None
+    if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(final, str) or not final \
+            or final not in text:
+        raise ValueError("continue_final_message=True needs a last message with role 'assistant' and non-empty "
+                         "text content")
+    return text[: text.rindex(final) + len(final)]

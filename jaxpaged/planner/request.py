@@ -253,14 +253,14 @@ def token_stop_reason(token_idx: int, token_id: int, num_output_tokens: int, max
                       stop_token_set: frozenset[int], min_tokens: int) -> str | None:
     """Why the token just committed at `token_idx` of token_ids ends its sequence, or None.
 
-    `num_output_tokens` counts it. "length": it is the max_num_tokens-th token (prompt + max_tokens,
-    capped by max_model_len); "stop": a stop token (eos unless ignore_eos, stop_token_ids) once
-    min_tokens outputs are out.
+    `num_output_tokens` counts it. "stop": a stop token (eos unless ignore_eos, stop_token_ids) once
+    min_tokens outputs are out, even as the last token allowed (vLLM's check_stop order);
+    "length": it is the max_num_tokens-th token (prompt + max_tokens, capped by max_model_len).
     """
-    if token_idx + 1 >= max_num_tokens:
-        return "length"
     if token_id in stop_token_set and num_output_tokens >= min_tokens:
         return "stop"
+    if token_idx + 1 >= max_num_tokens:
+        return "length"
     return None
 
 

@@ -16,6 +16,7 @@ import json
 import threading
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark  # a submodule: `llguidance.gbnf_to_lark` is not the function
 import numpy as np
 
 from jaxpaged.structured.params import StructuredOutputsParams
@@ -49,7 +50,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     text = spec.grammar
     if "::=" in text:  # GBNF (llama.cpp / vLLM's EBNF): llguidance converts it to Lark
         try:
-            text = llguidance.gbnf_to_lark(text)
+            text = gbnf_to_lark(text)
         except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions
             raise ValueError(f"structured_outputs.grammar is not valid GBNF: {e}") from None
     return llguidance.LLMatcher.grammar_from_lark(text)

@@ -10,8 +10,9 @@ from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
-    server_state, sse, start, usage,
+    server_state, sse, start, truncated_prompt, usage,
 )
+from jaxpaged.entrypoints.prompts import open_final_message
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
@@ -27,16 +28,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     tokenizer = state.tokenizer
     mode, tool_name = tool_mode(body)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message=true continues the last message; it needs "
+                            "add_generation_prompt=false", param="continue_final_message")
     try:
         messages = [{"role": m.role, "content": m.text(),
                      **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}}
                     for m in body.messages]
-        text = render_messages(tokenizer, messages, body.tools, mode)
+        text = render_messages(tokenizer, messages, body.tools, mode, add_generation_prompt=body.add_generation_prompt,
+                               **(body.chat_template_kwargs or {}))
+        if body.continue_final_message:
+            text = open_final_message(text, messages)
     except ValueError as err:
         raise APIError(400, str(err), param="messages") from None
     except Exception as err:  # the template raised (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from None
-    token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes the BOS (vLLM's default)
+    # The template writes the BOS: encoded without special tokens unless asked (vLLM's default).
+    token_ids = truncated_prompt(tokenizer.encode(text, add_special_tokens=body.add_special_tokens), body, state)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", param="top_logprobs")
     top_n = body.top_logprobs or 0
@@ -46,7 +54,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     calls_tools = mode in ("auto", "required", "named")
     tool_how = (mode, tool_name, body.parallel_tool_calls)
     stream = await start(state, token_ids, params, body.cache_salt)
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
+    rid, created, model = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), state.served_model_name
+    ids_of = (lambda ids: {"token_ids": list(ids)}) if body.return_token_ids else (lambda ids: {})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def logprobs_of(token_ids, lps):
@@ -58,22 +67,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     if body.stream:
         async def events():
-            yield sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for j in range(body.n)]))
+            first = chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for j in range(body.n)])
+            yield sse({**first, "prompt_token_ids": token_ids} if body.return_token_ids else first)
             final, done = None, set()  # done: choices whose finish_reason was sent
             tool_streams = {j: ToolCallStream(*tool_how) for j in range(body.n)} if calls_tools else None
             async for output in stream:
                 final = output
                 if calls_tools:  # content and tool-call fragments as they are generated (tool_stream.py)
                     choices = [{"index": c.index, "logprobs": logprobs_of(c.delta_token_ids, new_lps),
-                                **_tool_delta(c, tool_streams[c.index], tool_how)}
+                                **_tool_delta(c, tool_streams[c.index], tool_how), "stop_reason": c.stop_reason,
+                                **ids_of(c.delta_token_ids)}
                                for c, new_lps in deltas_to_send(output, done)]
                     choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None]
                 else:
                     # Never an empty delta: a choice goes out with new text, its finish, or (asked
                     # for) the logprobs of tokens whose text is still held back ("content": "").
                     choices = [{"index": c.index, "delta": {"content": c.delta_text},
-                                "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason}
+                                "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason, **ids_of(c.delta_token_ids)}
                                for c, new_lps in deltas_to_send(output, done)
                                if c.delta_text or c.finish_reason is not None or body.logprobs]
                 if choices:
@@ -89,9 +101,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return Response(status_code=499)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, **_message(c, *tool_how),
-                     "logprobs": logprobs_of(c.token_ids, c.logprobs or [])} for c in final.outputs],
-        "usage": usage(final),
+        "choices": [{"index": c.index, **_message(c, *tool_how), "stop_reason": c.stop_reason,
+                     "logprobs": logprobs_of(c.token_ids, c.logprobs or []), **ids_of(c.token_ids)}
+                    for c in final.outputs],
+        "usage": usage(final), **({"prompt_token_ids": token_ids} if body.return_token_ids else {}),
     }
 
 

@@ -70,6 +70,18 @@ def check_unsupported(body, fields: dict) -> None:
             raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out", param=name)
 
 
+def truncated_prompt(token_ids: list[int], body, state: ServerState) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len's worth)."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    k = state.config.max_model_len if k == -1 else k
+    if k == 0:
+        raise APIError(400, "truncate_prompt_tokens=0 leaves no prompt; use >= 1, or -1 for max_model_len",
+                       param="truncate_prompt_tokens")
+    return token_ids[-k:]
+
+
 def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}."""
     if logit_bias is None:
@@ -90,16 +102,17 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
                     prompt_param: str, prompt_logprobs: int | None = None,
                     structured_outputs=None) -> SamplingParams:
     max_model_len, max_num_seqs = state.config.max_model_len, state.config.max_num_seqs
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server; use "
+                            "include_usage (usage in the last chunk)", param="stream_options")
     if num_prompt_tokens + 1 > max_model_len:
         raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_model_len} "
                             "leaves no room for an output token; shorten the prompt", param=prompt_param)
     room = max_model_len - num_prompt_tokens
     defaults = state.bridge.engine.generation_defaults  # the model's generation_config (vLLM's "server default")
-    if max_tokens is None:
-        max_tokens = min(room, defaults.get("max_tokens", room))
-    elif max_tokens > room:
-        raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
-                            f"max_model_len={max_model_len}; ask for at most {room} tokens", param="max_tokens")
+    # As vLLM's get_max_tokens: the request's (or the model's default) max_tokens, trimmed to the room
+    # max_model_len leaves after the prompt.
+    max_tokens = min(room, defaults.get("max_tokens", room) if max_tokens is None else max_tokens)
     if body.n > max_num_seqs:
         raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}; "
                             "ask for fewer samples", param="n")
@@ -112,7 +125,9 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
             **sampling, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or (),
             stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias_ids(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens)
     except ValueError as err:  # SamplingParams' rules, one for every entry point ("seed=... must be ...")
         field = str(err).split("=", 1)[0]
         raise APIError(400, str(err), param=field if field.isidentifier() else None) from None
@@ -139,13 +154,19 @@ async def start(state: ServerState, token_ids: list[int], params: SamplingParams
 async def collect(stream: RequestStream, request: Request):
     """The final output; aborts the request if the client disconnects while it runs."""
     final = None
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + _DISCONNECT_POLL_S
     try:
         while not stream.finished:
             try:
                 final = await asyncio.wait_for(stream.__anext__(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                pass
+            # Checked on a clock, not only when no output came: a running request has one every step.
+            if loop.time() >= next_check:
                 if await request.is_disconnected():
                     break
+                next_check = loop.time() + _DISCONNECT_POLL_S
     finally:
         stream.close()
     return final

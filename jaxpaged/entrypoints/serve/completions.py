@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
-    server_state, sse, start,
+    server_state, sse, start, truncated_prompt,
 )
 from jaxpaged.entrypoints.serve.logprobs_format import completion_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
@@ -25,7 +25,7 @@ from jaxpaged.entrypoints.serve.tools import structured_spec
 router = APIRouter()
 
 
-def _prompts(tokenizer, prompt) -> list[tuple[str | None, list[int]]]:
+def _prompts(tokenizer, prompt, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt of the request."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
@@ -36,7 +36,7 @@ def _prompts(tokenizer, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(p, str):
             if not p:
                 raise APIError(400, "a prompt is empty; send some text", param="prompt")
-            out.append((p, tokenizer.encode(p)))
+            out.append((p, tokenizer.encode(p, add_special_tokens=add_special_tokens)))
         else:
             out.append((None, list(p)))
     return out
@@ -48,7 +48,10 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(state, body.model)
     check_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
     tokenizer = state.tokenizer
-    prompts = _prompts(tokenizer, body.prompt)
+    prompts = [(text, truncated_prompt(ids, body, state))
+               for text, ids in _prompts(tokenizer, body.prompt, body.add_special_tokens)]
+    if body.truncate_prompt_tokens is not None:  # the text no longer stands for the prompt
+        prompts = [(None, ids) for _, ids in prompts]
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens=0 generates nothing; use it with echo=true (prompt logprobs) or ask "
                             "for >= 1 token", param="max_tokens")
@@ -67,7 +70,12 @@ async def completions(body: CompletionRequest, request: Request):
         for stream in streams:
             stream.close()
         raise
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name
+    rid, created, model = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), state.served_model_name
+
+    def ids_of(p: int, token_ids, first: bool) -> dict:  # vLLM's return_token_ids
+        if not body.return_token_ids:
+            return {}
+        return {"token_ids": list(token_ids), **({"prompt_token_ids": prompts[p][1]} if first else {})}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def echo_text(p: int) -> str:
@@ -105,10 +113,12 @@ async def completions(body: CompletionRequest, request: Request):
                         echo = body.echo and c.index not in echoed
                         if not (c.delta_text or echo or c.finish_reason is not None or body.logprobs is not None):
                             continue  # tokens whose text is held back: nothing to send yet
+                        first = c.index not in echoed
                         echoed.add(c.index)
                         choices.append({
                             "index": p * body.n + c.index, "finish_reason": c.finish_reason,
-                            "text": (echo_text(p) if echo else "") + c.delta_text,
+                            "stop_reason": c.stop_reason, "text": (echo_text(p) if echo else "") + c.delta_text,
+                            **ids_of(p, c.delta_token_ids, first),
                             "logprobs": logprobs_of(p, output, c.delta_token_ids, new_lps, echo)})
                     if choices:
                         yield sse(chunk(choices, None))
@@ -136,6 +146,7 @@ async def completions(body: CompletionRequest, request: Request):
                 token_ids, entries, text = [], [], ""
             choices.append({
                 "index": p * body.n + c.index, "finish_reason": "length" if prompt_only else c.finish_reason,
+                "stop_reason": None if prompt_only else c.stop_reason, **ids_of(p, token_ids, True),
                 "text": (echo_text(p) if body.echo else "") + text,
                 "logprobs": logprobs_of(p, final, token_ids, entries, body.echo)})
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,

@@ -33,6 +33,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not supported: refused when set)
 
 
 class _SamplingFields(BaseModel):
@@ -62,7 +63,23 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
+    # vLLM's output-text fields (SamplingParams' meanings)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     user: str | None = None  # accepted and unused (OpenAI's servers only log it)
+    # vLLM's extra fields. Implemented: the prompt's last k tokens (-1: max_model_len's worth), the
+    # token ids in each choice and the prompt's ids in the response, the response id's suffix.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    return_token_ids: bool = False
+    request_id: str | None = None
+    # Not implemented: refused when set (UNSUPPORTED_VLLM_FIELDS), never dropped.
+    priority: int = 0
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    length_penalty: float = 1.0
 
     # Structured outputs (serve/tools.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict | None = None
@@ -71,9 +88,12 @@ class _SamplingFields(BaseModel):
 
 # Fields this server does not implement, with the values that mean "unused": any other value is a
 # 400 that names the field (common.check_unsupported) instead of being silently ignored.
-UNSUPPORTED_COMPLETION_FIELDS = {"best_of": (None, 1), "suffix": (None,)}
+UNSUPPORTED_VLLM_FIELDS = {"priority": (0,), "bad_words": (None, []), "use_beam_search": (False,),
+                           "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False,), "length_penalty": (1.0,)}
+UNSUPPORTED_COMPLETION_FIELDS = {"best_of": (None, 1), "suffix": (None,), **UNSUPPORTED_VLLM_FIELDS}
 UNSUPPORTED_CHAT_FIELDS = {"functions": (None, []), "function_call": (None, "none"), "audio": (None,),
-                           "prediction": (None,)}
+                           "prediction": (None,), "echo": (False,), "chat_template": (None,), "documents": (None,),
+                           **UNSUPPORTED_VLLM_FIELDS}
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,6 +104,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # the chosen token and the k most likely
     echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the output
+    add_special_tokens: bool = True  # vLLM's: text prompts are encoded with the tokenizer's special tokens
     best_of: int | None = None
     suffix: str | None = None
 
@@ -112,7 +133,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins text parts
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -123,6 +144,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     parallel_tool_calls: bool = True  # False: at most one call per response (OpenAI's field)
+    # vLLM's chat-template fields: the template's generation prompt, continuing the last (assistant)
+    # message instead, variables for the template (e.g. enable_thinking), and special tokens added
+    # when encoding the rendered text (False, as vLLM: the template writes them).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool = False
+    echo: bool = False  # vLLM's (the last message's text before the output): not supported
+    chat_template: str | None = None  # vLLM refuses it without --trust-request-chat-template: so does jaxpaged
+    documents: list | None = None
     functions: list | None = None
     function_call: str | dict | None = None
     audio: dict | None = None

@@ -109,12 +109,15 @@ def _spec(param: str, **fields) -> StructuredOutputsParams:
         raise APIError(400, f"{param}: {err}", param=param) from None
 
 
-def render_messages(tokenizer, messages: list[dict], tools, mode: str) -> str:
-    """The prompt text: tools shown unless mode is "none", through the template or in Hermes form."""
+def render_messages(tokenizer, messages: list[dict], tools, mode: str, add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+    """The prompt text: tools shown unless mode is "none", through the template or in Hermes form;
+    `template_kwargs` (vLLM's chat_template_kwargs) are the template's variables."""
     template = tokenizer.chat_template or ""
     shown = [t for t in (tools or ()) if mode != "none"]
     if "tool_calls" in template and "tools" in template:  # the template renders tools itself
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **({"tools": shown} if shown else {}))
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs, **({"tools": shown} if shown else {}))
     rendered = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -135,7 +138,7 @@ def render_messages(tokenizer, messages: list[dict], tools, mode: str) -> str:
             rendered[0] = {"role": "system", "content": rendered[0]["content"] + "\n\n" + system}
         else:
             rendered.insert(0, {"role": "system", "content": system})
-    return tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
 def _arguments(call: dict) -> object:
