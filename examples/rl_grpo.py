@@ -1,7 +1,7 @@
 """GRPO on the bundled SmolLM2-135M-Instruct with jaxpaged as the rollout engine and optax as the trainer.
 
     for each iteration:
-        rollouts    llm.generate(prompts, SamplingParams(n=G, logprobs=True))   (the engine)
+        rollouts    llm.generate(prompts, SamplingParams(n=G, logprobs=0))   (the engine)
         reward      1 if the completion says "blue", else 0                     (a toy verifiable task)
         advantage   (r - mean of its group) / (std of its group + 1e-4)        (GRPO: no value network)
         training    one optax step on the clipped policy-gradient loss over the completion tokens,
@@ -9,7 +9,7 @@
         weight sync llm.update_params(params)   (llm.sleep(level=2) frees the engine's memory while
                     the trainer runs; wake_up() brings its KV pool back)
 
-Old-policy log-probabilities are the engine's chosen-token logprobs (`SamplingParams(logprobs=True)`,
+Old-policy log-probabilities are the engine's chosen-token logprobs (`SamplingParams(logprobs=0)`,
 at temperature 1 the model's own distribution); the script prints how far the trainer's dense
 forward is from them (a check that trainer and engine run the same model).
 
@@ -151,7 +151,7 @@ def main():
     rewards = []
     for it in range(args.iterations):
         t0 = time.perf_counter()
-        sampling = SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, logprobs=True,
+        sampling = SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, logprobs=0,
                                   ignore_eos=True, seed=args.seed * 1000 + it)
         outputs = llm.generate(PROMPTS, sampling)
         t1 = time.perf_counter()

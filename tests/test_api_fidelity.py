@@ -1,6 +1,7 @@
 """vLLM's spellings and the weights accessor in the Python API (issue 30 items 5 and 6)."""
 
 import logging
+import math
 import os
 import warnings
 
@@ -265,3 +266,26 @@ def test_chat_takes_vllms_arguments_and_never_adds_a_second_bos():
         llm.generate([IDS], greedy, priority=[3])
     assert len(llm.generate([IDS], greedy, priority=[0], lora_request=None)) == 1
     assert llm.stats()["num_used_pages"] == 0
+
+
+def test_logit_bias_takes_any_float_and_minus_inf_bans_empty_generate_and_a_tqdm_factory():
+    llm = tiny_llm()
+    free = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    banned = {t: -math.inf for t in free.token_ids}
+    out = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias=banned))
+    assert not set(out[0].outputs[0].token_ids) & set(free.token_ids)
+    forced = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logit_bias={7: 1e9})
+    assert llm.generate([IDS], forced)[0].outputs[0].token_ids == [7, 7]
+    for bad in (math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias={3: bad})
+    assert llm.generate([]) == []
+    made = []
+
+    def factory(*args, **kwargs):  # vLLM's use_tqdm callable: called with tqdm's arguments
+        from tqdm import tqdm
+        made.append(kwargs)
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    llm.generate([IDS], forced, use_tqdm=factory)
+    assert len(made) == 1

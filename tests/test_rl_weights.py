@@ -284,3 +284,29 @@ def test_llm_sleep_modes_and_wake_up_tags_as_vllm(params):
         next(stream)
     assert llm.wake_up() is True
     assert llm.generate([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0].token_ids == expected
+
+
+def test_load_weights_takes_a_hugging_face_state_dict_as_vllm(tmp_path):
+    """A torch trainer's state_dict (HF names and layout) into a running LLM: its greedy tokens
+    then equal those of an LLM loaded from a checkpoint holding those weights."""
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+    from tiny_checkpoint import write_tiny_checkpoint
+    from jaxpaged.models.loading import load_safetensors_dir
+
+    source = write_tiny_checkpoint(str(tmp_path / "a"))
+    state = load_safetensors_dir(source)
+    scaled = {name: (w * 0.7 if w.ndim == 2 else w) for name, w in state.items()}
+    target = write_tiny_checkpoint(str(tmp_path / "b"))
+    for path in (tmp_path / "b").glob("*.safetensors"):
+        path.unlink()
+    save_file({k: np.ascontiguousarray(v) for k, v in scaled.items()}, str(tmp_path / "b" / "model.safetensors"))
+    engine_args = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=8, warmup=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = LLM(target, **engine_args).generate("hello there", greedy)[0].outputs[0].token_ids
+    llm = LLM(source, **engine_args)
+    before = llm.generate("hello there", greedy)[0].outputs[0].token_ids
+    llm.load_weights((name, torch.from_numpy(np.ascontiguousarray(w))) for name, w in scaled.items())
+    assert llm.generate("hello there", greedy)[0].outputs[0].token_ids == want != before
+    with pytest.raises(ValueError, match="every weight.*lm_head.weight"):
+        llm.load_weights({k: v for k, v in scaled.items() if k != "lm_head.weight"})

@@ -283,3 +283,34 @@ def test_vllms_request_fields_are_served_or_refused_never_dropped(served, client
         client.completions.create(**greedy, prompt=PROMPT, stream=True,
                                   stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert info.value.body["param"] == "stream_options"
+
+
+def test_tokenize_detokenize_version_and_ping_as_vllm(served):
+    base, tokenizer = served["base"], served["llm"].get_tokenizer()
+    ids = tokenizer.encode(PROMPT)
+    body = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30).json()
+    assert body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] > 0
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(base + "/tokenize", json={"messages": messages, "return_token_strs": True}, timeout=30).json()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False) and len(chat["token_strs"]) == chat["count"]
+    assert httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json() == \
+        {"prompt": tokenizer.decode(ids)}
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(base + "/tokenize", json={"prompt": "x", "messages": messages}, timeout=30).status_code == 400
+    assert httpx.get(base + "/version", timeout=30).json()["version"]
+    assert httpx.get(base + "/ping", timeout=30).status_code == httpx.post(base + "/ping", timeout=30).status_code == 200
+
+
+def test_vllms_metric_names_are_served(served, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.0)
+    text = httpx.get(served["base"] + "/metrics", timeout=30).text
+    labels = f'{{engine="0",model_name="{MODEL}"}}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert re.search(rf"^{re.escape(name + labels)} \S+$", text, re.M), name
+    generated = float(re.search(rf"^vllm:generation_tokens_total{re.escape(labels)} (\S+)$", text, re.M).group(1))
+    assert generated == float(re.search(r"^jaxpaged_generation_tokens_total (\S+)$", text, re.M).group(1)) >= 2
+    assert re.search(r'^vllm:request_success_total\{.*finished_reason="length".*\} [1-9]', text, re.M)

@@ -108,7 +108,7 @@ def test_penalties_and_logit_bias_are_honoured(served, client):
 @pytest.mark.parametrize("body, field", [
     (dict(prompt=TEXT, best_of=2), "best_of"), (dict(prompt=TEXT, suffix="x"), "suffix"),
     (dict(prompt=TEXT, logprobs=21), "logprobs"), (dict(prompt=TEXT, max_tokens=0), "max_tokens"),
-    (dict(prompt=TEXT, logit_bias={"999999": 1}), None),
+    (dict(prompt=TEXT, logit_bias={"999999": 1}), None), (dict(prompt=TEXT, logit_bias={"5": 101}), "logit_bias"),
 ])
 def test_unsupported_or_bad_fields_are_400s_naming_the_field(served, body, field):
     r = httpx.post(served["base"] + "/v1/completions", json={"model": MODEL, **body}, timeout=60)

@@ -96,6 +96,22 @@ def test_special_ids_and_sizes(tokenizer, hf_tokenizer):
     assert tokenizer.encode("<|im_end|>") == [2]  # a special token in text stays whole
 
 
+def test_hugging_face_spellings_agree_with_hf(tokenizer, hf_tokenizer):
+    """What code written against vLLM's get_tokenizer() (a Hugging Face tokenizer) calls."""
+    ids = tokenizer.encode(TEXTS[9])
+    assert len(tokenizer) == len(hf_tokenizer) and tokenizer.get_vocab() == hf_tokenizer.get_vocab()
+    assert tokenizer.convert_ids_to_tokens(ids) == hf_tokenizer.convert_ids_to_tokens(ids)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == hf_tokenizer.convert_ids_to_tokens(ids[0])
+    tokens = hf_tokenizer.convert_ids_to_tokens(ids)
+    assert tokenizer.convert_tokens_to_ids(tokens) == hf_tokenizer.convert_tokens_to_ids(tokens) == ids
+    assert tokenizer.all_special_ids == sorted(hf_tokenizer.all_special_ids)
+    assert set(tokenizer.all_special_tokens) == set(hf_tokenizer.all_special_tokens)
+    assert tokenizer.pad_token_id == hf_tokenizer.pad_token_id
+    assert tokenizer(TEXTS[0])["input_ids"] == hf_tokenizer(TEXTS[0])["input_ids"]
+    assert tokenizer(TEXTS[:3])["input_ids"] == hf_tokenizer(TEXTS[:3])["input_ids"]
+    assert tokenizer.batch_decode([ids, ids[:2]]) == hf_tokenizer.batch_decode([ids, ids[:2]], skip_special_tokens=True)
+
+
 def test_streaming_holds_back_a_split_character(tokenizer):
     """An emoji spread over several byte tokens is emitted only once its last byte arrives."""
     ids = tokenizer.encode("a😀")

@@ -89,7 +89,8 @@ class TokenDecoder:
     def __call__(self, token_id: int) -> str | None:
         text = self._cache.get(token_id)
         if text is None and token_id not in self._cache:
-            text = self._decode([token_id]) if self._decode is not None else None
+            # Special tokens show as themselves ("<|im_end|>"), as vLLM's decoded_token does.
+            text = self._decode([token_id], skip_special_tokens=False) if self._decode is not None else None
             self._cache[token_id] = text
         return text
 

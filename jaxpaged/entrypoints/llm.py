@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import no_type_check
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineConfig, engine_args_from_vllm
@@ -20,6 +21,7 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.build import build_engine
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.models.hf_weights import params_from_hf
 from jaxpaged.entrypoints.prompts import Prompts, chat_prompt, normalize_prompts, open_final_message
 from jaxpaged.planner.request import SamplingParams
 
@@ -109,9 +111,13 @@ class LLM:
         if priority is not None and any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
             raise ValueError(f"priority={priority!r}: requests are served first come, first served; leave priority "
                              "out (or 0)")
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            return []  # as vLLM
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
-        bar = tqdm(total=None, unit="tok", desc="generating", disable=not use_tqdm)
+        # use_tqdm: True / False, or vLLM's callable that makes the bar (tqdm's signature).
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=None, unit="tok", desc="generating",
+                                                          disable=not use_tqdm)
         start = self.engine.num_generated_tokens
 
         def progress():
@@ -335,6 +341,23 @@ class LLM:
         """
         with self._lock:
             self.engine.update_params(params, version=version, in_flight=in_flight)
+
+    def load_weights(self, weights, *, version: int | None = None, in_flight: str = "keep") -> None:
+        """New weights in Hugging Face names and layout (what a torch trainer's `state_dict()` holds,
+        vLLM's `model.load_weights` input): a mapping or an iterable of (name, array) pairs, arrays as
+        numpy, torch tensors or jax arrays. Every weight of the model must be there (a partial
+        update is refused, naming the first missing tensor). Then as `update_params`."""
+        pairs = weights.items() if hasattr(weights, "items") else weights
+        state_dict = {}
+        for name, array in pairs:
+            if hasattr(array, "detach"):  # a torch tensor (bf16 included): to float32 numpy
+                array = array.detach().float().cpu().numpy()
+            state_dict[name] = np.asarray(array)
+        try:
+            params = params_from_hf(self.engine.model_config, state_dict)
+        except KeyError as err:
+            raise ValueError(f"load_weights needs every weight of the model: {err.args[0]}") from None
+        self.update_params(params, version=version, in_flight=in_flight)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Gives device memory back (e.g. to a trainer): level 1 frees the KV cache and moves the

@@ -211,6 +211,48 @@ class Tokenizer:
                 text = text.replace(spaced, joined)
         return text
 
+    # ---- Hugging Face's spellings, for code written against vLLM's get_tokenizer() ------------
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """{"input_ids": ids} (a list of them for a list of texts), as a Hugging Face tokenizer's call."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens=add_special_tokens) for t in text]}
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens (bos, eos, unk, pad), as Hugging Face lists them."""
+        named = (self._template_tokens.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
+        return list(dict.fromkeys(t for t in named if t and self.backend.token_to_id(t) is not None))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self.backend.token_to_id(t) for t in self.all_special_tokens)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self._template_tokens.get("pad_token")
+        return self.backend.token_to_id(pad) if pad else None
+
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         """A streaming decoder for one sequence's output tokens: `.step(token_id) -> str`, `.flush()`.
 

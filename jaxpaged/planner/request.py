@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import no_type_check
 
 from jaxpaged.structured.params import StructuredOutputsParams
@@ -50,7 +51,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated; in [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens; in [-2, 2]
     repetition_penalty: float = 1.0  # HF: logits of prompt or generated tokens / p (> 0) or * p (<= 0); > 0
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (in [-100, 100])
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (finite, or -inf: banned)
     allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn; None = all
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
     # Output text (vLLM's fields):
@@ -119,12 +120,12 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]; 0 turns it off")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; 1 turns it off")
-        if self.logit_bias is not None:
+        if self.logit_bias is not None:  # any finite bias, or -inf to ban a token (vLLM takes any float)
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_token_id(k) and isinstance(v, (int, float)) and -100 <= v <= 100
-                    for k, v in self.logit_bias.items()):
-                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids (ints >= 0) to biases in "
-                                 "[-100, 100]")
+                    _is_token_id(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (math.isfinite(v) or v == -math.inf) for k, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids (ints >= 0) to finite biases "
+                                 "(or -inf to ban a token)")
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(

@@ -20,7 +20,8 @@ def build_server(engine, *, served_model_name: str, api_key: str | None = None, 
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
     from jaxpaged.entrypoints.serve.metrics import ServerMetrics
 
-    metrics = ServerMetrics(page_size=engine.config.page_size, bytes_per_page=engine.kv_bytes_per_page)
+    metrics = ServerMetrics(page_size=engine.config.page_size, bytes_per_page=engine.kv_bytes_per_page,
+                            model_name=served_model_name)
     bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
     app = build_app(bridge, metrics, served_model_name=served_model_name, api_key=api_key,
                     max_body_bytes=max_body_bytes)

@@ -1,7 +1,8 @@
 """The FastAPI app: error handlers, the auth and body-size guard, and the routes of each endpoint.
 
     GET  /health, /metrics, /v1/models,
-         /v1/models/{id}                   here
+         /v1/models/{id}, /version, /ping  here
+    POST /tokenize, /detokenize, /ping     here (vLLM's)
     POST /v1/completions                   completions.py
     POST /v1/chat/completions              chat.py
 
@@ -12,13 +13,16 @@ served name) is one `ServerState` on `app.state.server`.
 from __future__ import annotations
 
 from fastapi import APIRouter, FastAPI, Request
+from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
+from jaxpaged.entrypoints.prompts import open_final_message
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
+from jaxpaged.entrypoints.serve.protocol import ChatMessage
 
 router = APIRouter()
 
@@ -31,6 +35,73 @@ async def health():
 @router.get("/metrics")
 async def prometheus_metrics(request: Request):
     return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping():
+    """vLLM's (and SageMaker's) liveness probe."""
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version():
+    from jaxpaged import __version__
+
+    return {"version": __version__}
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template first."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    state = server_state(request)
+    check_model(state, body.model)
+    tokenizer = state.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send either 'prompt' (text) or 'messages' (a chat)", param="prompt")
+    if body.prompt is not None:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    else:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 **(body.chat_template_kwargs or {}))
+            if body.continue_final_message:
+                text = open_final_message(text, messages)
+        except Exception as err:  # noqa: BLE001 - a template error or a bad message: the client's to fix
+            raise APIError(400, f"these messages cannot be rendered: {err}", param="messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = server_state(request)
+    check_model(state, body.model)
+    vocab = state.bridge.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"tokens outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
 
 
 def _model_card(state) -> dict:

@@ -208,7 +208,7 @@ class EngineBridge:
         self._streams[command.request_id] = command.stream
         self._timings[command.request_id] = _Timing(arrival=time.perf_counter())
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
+            self.metrics.add_prompt_tokens(len(command.prompt_token_ids))
         command.stream.push(_ACCEPTED)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
@@ -222,13 +222,14 @@ class EngineBridge:
             timing.first_token = now
             queued = output.metrics.time_in_queue if output.metrics is not None else None
             if self.metrics is not None and queued is not None:
-                self.metrics.queue_time.observe(queued)
+                self.metrics.observe_queue_time(queued)
         timing.num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         if self.metrics is not None:
-            self.metrics.generation_tokens.inc(num_new)
+            self.metrics.add_generation_tokens(num_new)
         if output.finished:
             if self.metrics is not None:
-                self.metrics.request_done(timing.arrival, timing.first_token, now, timing.num_tokens)
+                self.metrics.request_done(timing.arrival, timing.first_token, now, timing.num_tokens,
+                                          output.outputs[0].finish_reason if output.outputs else None)
             self._retire(output.request_id, None)
 
     def _retire(self, request_id: str, error: BaseException | None) -> None:

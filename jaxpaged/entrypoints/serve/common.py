@@ -86,6 +86,8 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
     """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}."""
     if logit_bias is None:
         return None
+    if not all(-100 <= v <= 100 for v in logit_bias.values()):  # OpenAI's range
+        raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
     try:
         return {int(k): v for k, v in logit_bias.items()}
     except ValueError:

@@ -31,9 +31,11 @@ _REF_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 class ServerMetrics:
-    def __init__(self, *, page_size: int, bytes_per_page: int, registry: CollectorRegistry | None = None):
+    def __init__(self, *, page_size: int, bytes_per_page: int, registry: CollectorRegistry | None = None,
+                 model_name: str = "jaxpaged"):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.page_size = page_size
+        self.model_name = model_name
         self.bytes_per_page = bytes_per_page
         self._snapshot: dict = {}
         self._published_at = float("-inf")
@@ -58,7 +60,37 @@ class ServerMetrics:
         self.step_duration = Histogram(
             "jaxpaged_step_duration_seconds", "Wall time of one engine step (host + device)",
             buckets=_TOKEN_BUCKETS_S, registry=r)
+        # vLLM's names (v1 engine, labels model_name and engine), so its dashboards and alerts read
+        # jaxpaged unchanged; each is updated with its jaxpaged_* twin.
+        labels = dict(labelnames=["model_name", "engine"], registry=r)
+        self._vllm_labels = (model_name, "0")
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", **labels)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", **labels)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                   buckets=_LATENCY_BUCKETS_S, **labels)
+        self.vllm_tpot = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token, per request",
+                                   buckets=_TOKEN_BUCKETS_S, **labels)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                                  buckets=_LATENCY_BUCKETS_S, **labels)
+        self.vllm_queue_time = Histogram("vllm:request_queue_time_seconds", "Time in the waiting queue",
+                                         buckets=_LATENCY_BUCKETS_S, **labels)
+        self.vllm_request_success = Counter("vllm:request_success", "Finished requests, by finish reason",
+                                            labelnames=["model_name", "engine", "finished_reason"], registry=r)
         r.register(_EngineStateCollector(self))
+
+    # ---------------------------------------------------------------- bridge (event) side
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.inc(n)
+        self.vllm_prompt_tokens.labels(*self._vllm_labels).inc(n)
+
+    def add_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+        self.vllm_generation_tokens.labels(*self._vllm_labels).inc(n)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+        self.vllm_queue_time.labels(*self._vllm_labels).observe(seconds)
 
     # ---------------------------------------------------------------- engine thread
 
@@ -84,12 +116,19 @@ class ServerMetrics:
     def step_done(self, seconds: float) -> None:
         self.step_duration.observe(seconds)
 
-    def request_done(self, arrival: float, first_token: float | None, end: float, num_tokens: int) -> None:
+    def request_done(self, arrival: float, first_token: float | None, end: float, num_tokens: int,
+                     finish_reason: str | None = None) -> None:
+        vllm = self._vllm_labels
         self.e2e_latency.observe(end - arrival)
+        self.vllm_e2e.labels(*vllm).observe(end - arrival)
+        if finish_reason is not None:
+            self.vllm_request_success.labels(*vllm, finish_reason).inc()
         if first_token is not None:
             self.time_to_first_token.observe(first_token - arrival)
+            self.vllm_ttft.labels(*vllm).observe(first_token - arrival)
             if num_tokens > 1:
                 self.time_per_output_token.observe((end - first_token) / (num_tokens - 1))
+                self.vllm_tpot.labels(*vllm).observe((end - first_token) / (num_tokens - 1))
 
     # ---------------------------------------------------------------- scrape side
 
@@ -156,6 +195,24 @@ class _EngineStateCollector:
                     s.get("num_running", 0))
         yield gauge("jaxpaged_requests_waiting", "Sequences waiting for admission (vllm:num_requests_waiting)",
                     s.get("num_waiting", 0))
+
+        # The same state under vLLM's names and labels.
+        label_values = [self.metrics.model_name, "0"]
+
+        def vllm(kind, name, doc, value):
+            family = kind(name, doc, labels=["model_name", "engine"])
+            family.add_metric(label_values, value)
+            return family
+
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", s.get("num_running", 0))
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", s.get("num_waiting", 0))
+        yield vllm(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full",
+                   num_used / max(1, s["num_pages"]))
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens",
+                   s.get("prefix_query_tokens", 0))
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens",
+                   s.get("prefix_hit_tokens", 0))
+        yield vllm(CounterMetricFamily, "vllm:num_preemptions", "Preemptions", s.get("num_preemptions", 0))
 
         # Snapshot distribution of ref counts over used pages (a page shared by k sequences counts k).
         hist = s.get("ref_count_histogram", {})
