@@ -47,9 +47,10 @@ def streamed_text(tokenizer, ids: list[int], finished: bool) -> str:
     return text + detokenizer.flush() if finished else text
 
 
-def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0, stop_at: int | None = None, **extra):
-    """Feeds each stream one token per step, as Scheduler.commit does; returns the final outputs and
-    the concatenated streamed deltas per request."""
+def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0, stop_at: int | None = None,
+        per_step: int = 1, **extra):
+    """Feeds each stream `per_step` tokens per step (more than one: a speculative step), as
+    Scheduler.commit does; returns the final outputs and the concatenated streamed deltas per request."""
     processor = OutputProcessor(tokenizer)
     seqs = []
     for i, (ids, stop) in enumerate(zip(streams, stops)):
@@ -64,14 +65,15 @@ def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0, sto
     while processor.requests:
         appended = []
         for seq, ids in zip(seqs, streams):
-            if seq.is_finished:
-                continue
-            seq.append_token(ids[step])
-            if step + 1 == len(ids):
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-            if step == stop_at:  # what Scheduler.commit does at a stop token
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
-            appended.append((seq, ids[step]))
+            for t in range(step, step + per_step):
+                if seq.is_finished:
+                    break
+                seq.append_token(ids[t])
+                if t + 1 == len(ids):
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+                if t == stop_at:  # what Scheduler.commit does at a stop token
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+                appended.append((seq, ids[t]))
         outputs, stopped = processor.process(appended, list(range(len(appended))), None, only_finished=only_finished)
         for seq in stopped:  # what the engine does with Scheduler.finish
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
@@ -81,7 +83,7 @@ def run(tokenizer, streams, stops, only_finished: bool, min_tokens: int = 0, sto
             delta_ids[out.request_id] = delta_ids.get(out.request_id, []) + completion.delta_token_ids
             if out.finished:
                 finals[out.request_id] = completion
-        step += 1
+        step += per_step
     return finals, deltas, delta_ids
 
 
@@ -138,6 +140,27 @@ def test_stop_strings_same_in_both_modes_and_never_streamed(tokenizer):
             assert b.finish_reason == "length" and b.text == tokenizer.decode(ids)
         assert not any(s in b.text for s in stops[i])
     assert num_stopped > 30
+
+
+def test_several_tokens_per_step_give_what_one_per_step_gives(tokenizer):
+    """A speculative step commits several tokens of a sequence at once, the last one finishing it:
+    every token's text still counts, stop strings and min_tokens see each token's own number."""
+    rng = np.random.default_rng(4)
+    streams = random_streams(tokenizer, rng, 30)
+    stops = [[tokenizer.decode(ids)[3:5] or "x"] for ids in streams]
+    for only_finished in (True, False):
+        for kwargs in (dict(), dict(min_tokens=2), dict(stop_at=3)):
+            one, _, _ = run(tokenizer, streams, stops, only_finished, **kwargs)
+            three, deltas, _ = run(tokenizer, streams, stops, only_finished, per_step=3, **kwargs)
+            for key in one:
+                a, b = one[key], three[key]
+                assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason), key
+                if not only_finished:
+                    assert deltas[key] == b.text
+            lazy_one, _, _ = run(tokenizer, streams, [[]] * len(streams), only_finished, **kwargs)
+            lazy_three, _, _ = run(tokenizer, streams, [[]] * len(streams), only_finished, per_step=3, **kwargs)
+            assert {k: (o.text, o.token_ids) for k, o in lazy_one.items()} == \
+                {k: (o.text, o.token_ids) for k, o in lazy_three.items()}
 
 
 def test_stop_strings_count_only_in_text_after_the_min_tokens_th_token(tokenizer):

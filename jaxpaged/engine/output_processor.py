@@ -199,21 +199,24 @@ class OutputProcessor:
                          stopped: list[Sequence], done: list[RequestState]) -> None:
         """One token of a request with stop strings: decode it now and search the new text."""
         params = request.params
+        # A step may commit several tokens of a sequence (speculative decoding): only its last one
+        # ends the sequence, however early `seq` shows the finish.
+        ends = seq.status is FINISHED and sample.num_decoded + 1 == len(seq.output_token_ids)
         # A stop token's own text is left out unless include_stop_str_in_output (as vLLM).
-        new_text = "" if _stopped_by_token(seq, params) else sample.detokenizer.step(token_id)
-        sample.num_decoded += 1
-        if seq.status is FINISHED:
+        new_text = "" if ends and _stopped_by_token(seq, params) else sample.detokenizer.step(token_id)
+        sample.num_decoded += 1  # this token's number among the outputs
+        if ends:
             new_text += sample.detokenizer.flush()
         if new_text and sample.finish_reason is None:
             sample.text += new_text
-            match = stop_string_match(sample.text, len(new_text), params, seq.num_output_tokens)
+            match = stop_string_match(sample.text, len(new_text), params, sample.num_decoded)
             if match is not None:
                 stop, cut = match
                 sample.text = sample.text[:cut]
                 self._finish(request, sample, "stop", done, stop)
                 if not seq.is_finished:
                     stopped.append(seq)
-        if seq.status is FINISHED and sample.finish_reason is None:
+        if ends and sample.finish_reason is None:
             self._finish(request, sample, seq.finish_reason, done, _stop_token(seq))
 
     def _detokenizer(self, params: SamplingParams, prompt_token_ids):
