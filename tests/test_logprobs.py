@@ -79,7 +79,7 @@ def test_top20_logprobs_equal_hf_log_softmax_greedy_and_seeded(llm, hf):
             np.testing.assert_allclose(values, want[i][ids], atol=1e-5)
             assert entry[token].logprob == pytest.approx(want[i][token], abs=1e-5)
             assert entry[token].rank == 1 + int(np.sum(want[i] > want[i][token] + 1e-6))
-            assert entry[token].decoded_token == llm.tokenizer.decode([token])
+            assert entry[token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)  # as vLLM
         assert c.cumulative_logprob == pytest.approx(float(chosen(c).sum()), abs=1e-6)
     assert outs[1].outputs[0].token_ids != outs[0].outputs[0].token_ids  # the seeded row really sampled
 

@@ -220,7 +220,8 @@ def test_stops_max_tokens_logprobs_inside_accepted_runs(params):
     cases = [_greedy(logprobs=True)]
     for j in (3, 7, 11):
         cases += [_greedy(stop_token_ids=[out_ids[j]]), _greedy(max_tokens=j + 1),
-                  _greedy(stop=[f"{out_ids[j]},"])]
+                  _greedy(stop=[f"{out_ids[j]},"]),
+                  _greedy(stop=["never"], max_tokens=j + 1)]  # decoded token by token, ended by length
     prompts = [prompt] * len(cases)
     want = _run(plain, prompts, cases)
     got = _run(spec, prompts, cases)
