@@ -210,6 +210,19 @@ def test_stop_rules():
     assert sched.running == [ignore]
 
 
+def test_a_stop_token_that_is_also_the_last_allowed_token_is_a_stop():
+    # vLLM's check_stop looks at eos and stop_token_ids before max_tokens / max_model_len.
+    _, sched = make(max_model_len=8)
+    by_max_tokens = Sequence([1, 2], SamplingParams(max_tokens=2), eos_token_id=0)
+    by_model_len = Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=10, stop_token_ids=[5]), eos_token_id=0)
+    for seq in (by_max_tokens, by_model_len):
+        sched.add(seq)
+    result = sched.update(sched.schedule(), [9, 5])
+    assert result.finished == [by_model_len] and by_model_len.finish_reason == "stop"
+    result = sched.update(sched.schedule(), [0])
+    assert result.finished == [by_max_tokens] and by_max_tokens.finish_reason == "stop"
+
+
 def test_finish_and_abort_free_pages_at_once_and_update_skips_them():
     bm, sched = make()
     a, b, c = request([1] * 5), request([2] * 5), request([3] * 5)
