@@ -228,7 +228,8 @@ def test_data_parallel_w1_equals_one_replica(params, tp, w1_size):
     from jaxpaged.config import EngineConfig
 
     prompts, sampling = _w1_requests(*w1_size)
-    engine_args = dict(page_size=8, num_pages=160, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160)
+    engine_args = dict(page_size=8, num_pages=160, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160,
+                       warmup=False)  # compile only the buckets this batch uses
 
     def build(dp):
         config = EngineConfig(**engine_args, data_parallel_size=dp, tensor_parallel_size=tp).resolved(
