@@ -24,7 +24,8 @@ from jaxpaged.engine.protocol import EngineClient
 from tiny_checkpoint import write_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
+ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+              warmup=False)  # the CLI and the server below warm up, as users run them
 FLAGS = ["--max-model-len", "96", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8"]
 PROMPTS = ["hello there", "abc", "the quick brown fox", "x", "12345678", "dp"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
