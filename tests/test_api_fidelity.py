@@ -289,3 +289,21 @@ def test_logit_bias_takes_any_float_and_minus_inf_bans_empty_generate_and_a_tqdm
 
     llm.generate([IDS], forced, use_tqdm=factory)
     assert len(made) == 1
+
+
+def test_beam_search_answers_vllms_sequences_view_and_refuses_what_it_does_not_do():
+    from jaxpaged import BeamSearchParams
+
+    llm = tiny_llm()
+    (out,) = llm.beam_search([IDS], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    tokenizer = llm.get_tokenizer()
+    assert len(out.sequences) == len(out.beams) == 2
+    for seq, beam in zip(out.sequences, out.beams):
+        assert seq.tokens == IDS + beam.token_ids and seq.text == tokenizer.decode(seq.tokens)
+        assert seq.cum_logprob == beam.cumulative_logprob and seq.finish_reason == beam.finish_reason
+    for kwargs, match in ((dict(temperature=0.7), "temperature"), (dict(include_stop_str_in_output=True),
+                                                                   "include_stop_str_in_output")):
+        with pytest.raises(ValueError, match=match):
+            BeamSearchParams(beam_width=2, **kwargs)
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search([IDS], BeamSearchParams(beam_width=2), concurrency_limit=1)

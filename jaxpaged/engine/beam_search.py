@@ -49,6 +49,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
     ignore_eos: bool = False  # eos is an ordinary token (HF: eos_token_id=None)
     early_stopping: bool | str = False  # HF's: False (heuristic), True (k hypotheses), "never"
+    # vLLM's BeamSearchParams fields, at the values this search implements (others are refused):
+    temperature: float = 0.0  # beams ranked by the model's log-probabilities
+    include_stop_str_in_output: bool = False  # a beam's text leaves its eos out
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -64,6 +67,11 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty={self.length_penalty!r} must be a finite number (1.0 is HF's default)")
         if not (self.early_stopping is False or self.early_stopping is True or self.early_stopping == "never"):
             raise ValueError(f"early_stopping={self.early_stopping!r} must be False, True or 'never'")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature={self.temperature!r}: beam search here ranks by the model's own "
+                             "log-probabilities (temperature 0); leave temperature out")
+        if self.include_stop_str_in_output is not False:
+            raise ValueError("include_stop_str_in_output=True is not supported by beam search; leave it out")
 
     def num_candidates(self, num_stop_ids: int) -> int:
         """C: candidates kept per step (HF's beams_to_keep), enough that k of them do not stop."""
@@ -114,12 +122,26 @@ class BeamOutput:
 
 
 @dataclasses.dataclass
+class BeamSearchSequence:
+    """vLLM's view of one hypothesis: `tokens` and `text` include the prompt, as vLLM's do."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+    logprobs: None = None  # per-token alternatives are not kept by this search
+    stop_reason: None = None
+
+
+@dataclasses.dataclass
 class BeamSearchOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     beams: list[BeamOutput]  # best first, beam_width of them (fewer only if the search was aborted)
     finished: bool = True
+    # vLLM's `sequences` (BeamSearchSequence, best first), for code written against vLLM.
+    sequences: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -241,7 +263,9 @@ class BeamSearch:
                        score=float(h.score), finish_reason=h.reason)
             for h in self.finished
         ]
-        return BeamSearchOutput(self.request_id, self.prompt, self.prompt_token_ids, beams)
+        sequences = [BeamSearchSequence(self.prompt_token_ids + b.token_ids, decode(self.prompt_token_ids + b.token_ids),
+                                        b.cumulative_logprob, b.finish_reason) for b in beams]
+        return BeamSearchOutput(self.request_id, self.prompt, self.prompt_token_ids, beams, sequences=sequences)
 
 
 class BeamSearches:

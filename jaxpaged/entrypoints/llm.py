@@ -193,9 +193,13 @@ class LLM:
         return prompt
 
     @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
-    def beam_search(self, prompts: Prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search (Hugging Face's semantics) for every prompt; one BeamSearchOutput per prompt, in
-        order, its beams best first. Beams share their common prefix's pages (jaxpaged/engine/beam_search.py)."""
+        order, its beams best first (`.beams`, and vLLM's `.sequences` view). Beams share their common
+        prefix's pages (jaxpaged/engine/beam_search.py). vLLM's signature: LoRA is refused; every
+        search runs at once (a `concurrency_limit` is refused); `use_tqdm` shows nothing."""
+        _refuse_unsupported(lora_request=lora_request, concurrency_limit=concurrency_limit)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
         ids: list[str] = []
