@@ -224,8 +224,9 @@ def engine_args_from_vllm(model: str | None, kwargs: dict) -> dict:
                 kwargs["max_logprobs"] = value
                 continue
             if value != default:
-                raise ValueError(f"{name}={value!r} is not supported by jaxpaged (only {default!r}, vLLM's default); "
-                                 "leave it out")
+                allowed = "0..20 (20 is the most jaxpaged computes)" if name == "max_logprobs" else \
+                    f"only {default!r}, vLLM's default"
+                raise ValueError(f"{name}={value!r} is not supported by jaxpaged ({allowed}); leave it out")
     if "swap_space" in kwargs:  # GiB, vLLM's unit
         gib = kwargs.pop("swap_space")
         if kwargs.get("preemption_mode") == "swap":

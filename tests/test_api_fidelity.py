@@ -307,3 +307,44 @@ def test_beam_search_answers_vllms_sequences_view_and_refuses_what_it_does_not_d
             BeamSearchParams(beam_width=2, **kwargs)
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search([IDS], BeamSearchParams(beam_width=2), concurrency_limit=1)
+
+
+def test_data_parallel_stats_sum_token_counters_and_recompute_ratios():
+    import tp_fixtures
+    from jaxpaged import LLM
+    from jaxpaged.engine.data_parallel import DataParallelEngine
+
+    params = tp_fixtures.tiny_params()
+    engine = DataParallelEngine([tp_fixtures.make_engine(params, warmup=False) for _ in range(2)])
+    LLM.from_engine(engine).generate(tp_fixtures.prompts()[:4], SamplingParams(max_tokens=2, ignore_eos=True))
+    stats = engine.stats()
+    replicas = stats["replicas"]
+    assert all(r["prefix_query_tokens"] > 0 for r in replicas)
+    for key in ("prefix_query_tokens", "prefix_hit_tokens", "swap_bytes_out", "num_generated_tokens"):
+        assert stats[key] == sum(r[key] for r in replicas), key
+    assert stats["prefix_hit_rate"] == stats["prefix_hit_tokens"] / stats["prefix_query_tokens"]
+
+
+def test_chat_template_kwargs_may_not_set_reserved_names_and_a_trimmed_final_message_continues():
+    llm = tiny_llm()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    for reserved in ("tokenize", "chat_template", "add_generation_prompt"):
+        with pytest.raises(ValueError, match=f"may not set.*{reserved}"):
+            llm.chat([{"role": "user", "content": "Hi"}], greedy, chat_template_kwargs={reserved: True})
+    trims = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}"
+    out = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}], greedy,
+                   chat_template=trims, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<user>Hi</s><assistant>Sure,"  # HF's fallback: the stripped content
+
+
+def test_eos_in_stop_token_ids_has_no_stop_reason_as_vllm():
+    llm = tiny_llm()
+    free = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    llm.engine.tokenizer.eos_token_id, eos = free.token_ids[1], llm.engine.tokenizer.eos_token_id
+    try:
+        out = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[free.token_ids[1]]))
+    finally:
+        llm.engine.tokenizer.eos_token_id = eos
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason is None and len(c.token_ids) == free.token_ids.index(
+        free.token_ids[1]) + 1

@@ -163,6 +163,22 @@ def test_several_tokens_per_step_give_what_one_per_step_gives(tokenizer):
                 {k: (o.text, o.token_ids) for k, o in lazy_three.items()}
 
 
+def test_tokens_after_a_stop_string_in_the_finishing_step_are_dropped(tokenizer):
+    # One step commits the whole stream and the scheduler finishes it at its last token (length, or a
+    # stop token): the stop string inside the run still ends text and tokens there, as vLLM.
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    m = next(k + 1 for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1]))
+    for stop_at in (None, len(ids) - 1):
+        for only_finished in (True, False):
+            finals, deltas, delta_ids = run(tokenizer, [ids], [["three"]], only_finished, stop_at=stop_at,
+                                            per_step=len(ids))
+            out = finals["0"]
+            assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == \
+                (tokenizer.decode(ids[:m]).split("three")[0], ids[:m], "stop", "three")
+            if not only_finished:
+                assert deltas["0"] == out.text and delta_ids["0"] == out.token_ids
+
+
 def test_stop_strings_count_only_in_text_after_the_min_tokens_th_token(tokenizer):
     """vLLM's detokenizer (v1/engine/detokenizer.py, `num_output_tokens() > min_tokens`, searched
     from the min_tokens-th token's end): with min_tokens = m, a stop string completed by token m or

@@ -280,10 +280,18 @@ def test_llm_sleep_modes_and_wake_up_tags_as_vllm(params):
     next(stream)
     llm.sleep(level=1)  # mode="abort"
     assert llm.stats()["num_used_pages"] == 0 and llm.stats()["num_requests"] == 0
-    with pytest.raises(RuntimeError, match="aborted outside this call"):
+    with pytest.raises(RuntimeError, match=r"aborted outside this call \(LLM.sleep\(mode='abort'\)\)"):
         next(stream)
     assert llm.wake_up() is True
     assert llm.generate([prompts()[3]], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0].token_ids == expected
+    # A request added to the engine directly is not this LLM's to abort: refused before anything
+    # changes; "wait" runs it to the end.
+    llm.engine.add_request(prompts()[2], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(ValueError, match="mode='wait'"):
+        llm.sleep()
+    llm.sleep(mode="wait")
+    assert llm.stats()["num_requests"] == 0 and llm.stats()["sleep_level"] == 1
+    llm.wake_up()
 
 
 def test_load_weights_takes_a_hugging_face_state_dict_as_vllm(tmp_path):

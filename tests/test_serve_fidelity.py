@@ -275,7 +275,8 @@ def test_vllms_request_fields_are_served_or_refused_never_dropped(served, client
         client.chat.completions.create(**greedy, messages=messages, extra_body={"continue_final_message": True})
     assert info.value.body["param"] == "continue_final_message"
     for field, value in (("bad_words", ["x"]), ("use_beam_search", True), ("prompt_logprobs", 1), ("priority", 2),
-                         ("chat_template", "{{ 1 }}"), ("echo", True)):
+                         ("chat_template", "{{ 1 }}"), ("echo", True),
+                         ("chat_template_kwargs", {"chat_template": "{{ 1 }}"})):  # no way around the refusal
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**greedy, messages=messages[:1], extra_body={field: value})
         assert info.value.body["param"] == field, field

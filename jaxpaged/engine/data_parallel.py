@@ -27,6 +27,11 @@ from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.planner.request import SEED_MASK, SamplingParams
 
 
+# Counters without the num_ prefix: token and byte totals add up across replicas too.
+SUMMED_STATS = frozenset({"prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_tokens_device",
+                          "prefix_hit_tokens_host", "swap_bytes_out", "swap_bytes_in"})
+
+
 class DataParallelEngine:
     """`EngineClient` (engine/protocol.py) over several replicas (data_parallel_size > 1)."""
 
@@ -157,16 +162,20 @@ class DataParallelEngine:
         return merged
 
     def stats(self) -> dict:
-        """Counts (`num_*`) summed over replicas, other numbers averaged; `replicas` holds each one's."""
+        """Counts (`num_*` and SUMMED_STATS) summed over replicas, other numbers averaged; `replicas`
+        holds each one's."""
         per_replica = [e.stats() for e in self.engines]
         merged: dict = {}
         for key, value in per_replica[0].items():
             values = [s[key] for s in per_replica]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 merged[key] = value
-            elif key.startswith("num_"):
+            elif key.startswith("num_") or key in SUMMED_STATS:
                 merged[key] = sum(values)
             else:
                 merged[key] = sum(values) / len(values)
+        # Ratios of the whole, from the summed counts (not the mean of each replica's ratio).
+        merged["prefix_hit_rate"] = merged["prefix_hit_tokens"] / max(1, merged["prefix_query_tokens"])
+        merged["usage"] = merged["num_used_pages"] / max(1, merged["num_pages"])
         merged["replicas"] = per_replica
         return merged

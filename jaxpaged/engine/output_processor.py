@@ -138,7 +138,8 @@ class OutputProcessor:
         """
         moved: dict[str, RequestState] = {}
         done: list[RequestState] = []  # requests whose last sample finished in this step
-        stopped: list[Sequence] = []
+        stopped: list[Sequence] = []  # running sequences a stop string ended: the engine finishes them
+        cut: list[Sequence] = []  # every sequence a stop string ended, finished already or not
         owners = self.owner
         for (seq, token_id), row in zip(appended, rows):
             owner = owners.get(seq.seq_id)
@@ -151,14 +152,16 @@ class OutputProcessor:
             if params.logprobs is not None:
                 request.samples[j].logprobs.append(logprobs.entry(row, token_id, params.logprobs, self.decode_token))
             if params.stop:
-                self._step_with_stops(request, request.samples[j], seq, token_id, stopped, done)
+                self._step_with_stops(request, request.samples[j], seq, token_id, stopped, cut, done)
             elif seq.status is FINISHED:
                 sample = request.samples[j]
                 _catch_up(sample, _stopped_by_token(seq, params))
                 self._finish(request, sample, seq.finish_reason, done, _stop_token(seq))
             if not only_finished:
                 moved[request.request_id] = request
-        for seq in stopped:  # tokens after the stop string (a speculative run) are not output
+        # Tokens after a stop string (a speculative run) are not output, as in vLLM, even when the
+        # scheduler finished the sequence at a later token of the run (length, eos).
+        for seq in cut:
             request, j = owners[seq.seq_id]
             extra = len(seq.output_token_ids) - request.samples[j].num_decoded
             if extra > 0:
@@ -196,7 +199,7 @@ class OutputProcessor:
         return outputs
 
     def _step_with_stops(self, request: RequestState, sample: Sample, seq: Sequence, token_id: int,
-                         stopped: list[Sequence], done: list[RequestState]) -> None:
+                         stopped: list[Sequence], cut: list[Sequence], done: list[RequestState]) -> None:
         """One token of a request with stop strings: decode it now and search the new text."""
         params = request.params
         # A step may commit several tokens of a sequence (speculative decoding): only its last one
@@ -211,9 +214,10 @@ class OutputProcessor:
             sample.text += new_text
             match = stop_string_match(sample.text, len(new_text), params, sample.num_decoded)
             if match is not None:
-                stop, cut = match
-                sample.text = sample.text[:cut]
+                stop, end = match
+                sample.text = sample.text[:end]
                 self._finish(request, sample, "stop", done, stop)
+                cut.append(seq)
                 if not seq.is_finished:
                     stopped.append(seq)
         if ends and sample.finish_reason is None:
@@ -282,6 +286,8 @@ def _stop_token(seq: Sequence) -> int | None:
     if seq.finish_reason != "stop" or not seq.output_token_ids:
         return None
     token = seq.output_token_ids[-1]
+    if token == seq.eos_token_id and not seq.sampling_params.ignore_eos:
+        return None  # vLLM's check_stop tests eos first, even when it is in stop_token_ids too
     return token if token in seq.sampling_params.stop_token_ids else None
 
 

@@ -99,6 +99,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="default sampling parameters: auto = the model's generation_config.json, vllm = none, or "
                         "a directory holding a generation_config.json (a request's own values always win)")
+    e.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                   help="the most logprobs a request may ask for (vLLM's flag; at most 20)")
     e.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help='generation keys applied on top of --generation-config, Hugging Face names, e.g. '
                         '\'{"temperature": 0.5, "max_new_tokens": 64}\'')
@@ -129,7 +131,7 @@ def engine_args(args) -> dict:
         preemption_mode=args.preemption_mode, swap_space_bytes=None if args.swap_space is None else int(args.swap_space * (1 << 30)), host_cache_bytes=args.host_cache_bytes,
         logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config, generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
+        override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
     )
 
 

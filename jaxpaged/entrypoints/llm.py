@@ -22,7 +22,9 @@ from jaxpaged.engine.build import build_engine
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.protocol import EngineClient
 from jaxpaged.models.hf_weights import params_from_hf
-from jaxpaged.entrypoints.prompts import Prompts, chat_prompt, normalize_prompts, open_final_message
+from jaxpaged.entrypoints.prompts import (
+    Prompts, chat_prompt, check_template_kwargs, normalize_prompts, open_final_message,
+)
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -177,7 +179,7 @@ class LLM:
             raise ValueError(
                 f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        kwargs = dict(chat_template_kwargs or {})
+        kwargs = check_template_kwargs(chat_template_kwargs)
         if tools is not None:
             kwargs["tools"] = tools
         prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, continue_final_message, kwargs)
@@ -266,7 +268,7 @@ class LLM:
         lost = {i for i in call.pending if not self.engine.has_request(i)}
         if lost:  # retired without a final output reaching us: stepping would never end
             raise RuntimeError(
-                f"requests {sorted(lost)} were aborted outside this call (engine.abort_request); "
+                f"requests {sorted(lost)} were aborted outside this call ({call.aborted_by}); "
                 "their outputs are lost"
             )
         # Snapshots of unfinished requests only if some live call streams.
@@ -380,12 +382,16 @@ class LLM:
         with self._lock:
             live = [i for i in self._owners if self.engine.has_request(i)]
             if mode == "abort":
+                if self.engine.num_unfinished_requests > len(live):  # checked before anything is aborted
+                    raise ValueError("beam searches, or requests added to llm.engine directly, are running: "
+                                     "sleep(mode='abort') aborts only generate / stream requests; finish them "
+                                     "first or use mode='wait'")
                 for request_id in live:
                     self.engine.abort_request(request_id)
-            else:
-                call = _Call(only_finished=True)  # steps only; each output goes to its own call
-                while any(self.engine.has_request(i) for i in live):
-                    self._step_locked(call)
+                    self._owners[request_id].aborted_by = "LLM.sleep(mode='abort')"
+            call = _Call(only_finished=True)  # steps only; each output goes to its own call
+            while self.engine.has_unfinished_requests():  # "wait": everything; "abort": outputs still pending
+                self._step_locked(call)
             self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -409,6 +415,7 @@ class _Call:
     """One generate / stream call: its requests not yet finished, and outputs waiting for it."""
 
     def __init__(self, only_finished: bool):
+        self.aborted_by = "engine.abort_request"  # who aborts its requests outside it (the error names it)
         self.only_finished = only_finished  # generate: only final outputs are wanted
         self.pending: set[str] = set()
         self.outputs: deque[RequestOutput] = deque()

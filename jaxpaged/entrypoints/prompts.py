@@ -149,8 +149,30 @@ def open_final_message(text: str, conversation: list[dict]) -> str:
     after the last message's content, so the model continues that (assistant) message."""
     last = conversation[-1] if conversation else None
     final = flat_message(last, len(conversation) - 1).get("content") if isinstance(last, dict) else None
-    if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(final, str) or not final \
-            or final not in text:
+    if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(final, str) or not final.strip():
         raise ValueError("continue_final_message=True needs a last message with role 'assistant' and non-empty "
                          "text content")
-    return text[: text.rindex(final) + len(final)]
+    for piece in (final, final.strip()):  # a template may trim the content (Llama 3's does), as HF allows
+        if piece in text:
+            return text[: text.rindex(piece) + len(piece)]
+    raise ValueError("continue_final_message=True: the chat template's output does not contain the last message's "
+                     "content, so there is no place to continue it from")
+
+
+# Names a chat template's caller sets itself: chat_template_kwargs may not (vLLM refuses the same,
+# and a client's own template through it would bypass the server's refusal of request templates).
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                            "messages", "tools", "documents")
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """chat_template_kwargs, refused (ValueError) if not a dict or if it sets a reserved name."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {type(kwargs).__name__}")
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: those are arguments of their own "
+                         "(or, for chat_template, not accepted from a request)")
+    return dict(kwargs)

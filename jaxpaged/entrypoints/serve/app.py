@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
-from jaxpaged.entrypoints.prompts import open_final_message
+from jaxpaged.entrypoints.prompts import check_template_kwargs, open_final_message
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
 from jaxpaged.entrypoints.serve.protocol import ChatMessage
 
@@ -81,15 +81,19 @@ async def tokenize(body: TokenizeRequest, request: Request):
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
         try:
+            template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+        except ValueError as err:
+            raise APIError(400, str(err), param="chat_template_kwargs") from None
+        try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+                                                 **template_kwargs)
             if body.continue_final_message:
                 text = open_final_message(text, messages)
         except Exception as err:  # noqa: BLE001 - a template error or a bad message: the client's to fix
             raise APIError(400, f"these messages cannot be rendered: {err}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None  # vLLM's: the vocabulary's strings
     return {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids, "token_strs": strs}
 
 

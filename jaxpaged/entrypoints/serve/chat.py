@@ -12,7 +12,7 @@ from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt, usage,
 )
-from jaxpaged.entrypoints.prompts import open_final_message
+from jaxpaged.entrypoints.prompts import check_template_kwargs, open_final_message
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
@@ -28,6 +28,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     tokenizer = state.tokenizer
     mode, tool_name = tool_mode(body)
+    try:
+        template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    except ValueError as err:
+        raise APIError(400, str(err), param="chat_template_kwargs") from None
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message=true continues the last message; it needs "
                             "add_generation_prompt=false", param="continue_final_message")
@@ -36,7 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                      **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}}
                     for m in body.messages]
         text = render_messages(tokenizer, messages, body.tools, mode, add_generation_prompt=body.add_generation_prompt,
-                               **(body.chat_template_kwargs or {}))
+                               **template_kwargs)
         if body.continue_final_message:
             text = open_final_message(text, messages)
     except ValueError as err:
