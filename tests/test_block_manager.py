@@ -251,7 +251,7 @@ def test_sampling_params_errors_say_what_to_do():
         SamplingParams(min_p=1.5)
     params = SamplingParams(stop="###", stop_token_ids=[2, 3], temperature=0)
     assert params.stop == ("###",) and params.stop_token_ids == (2, 3) and params.greedy
-    assert hash(params) == hash(SamplingParams(stop=["###"], stop_token_ids=(2, 3), temperature=0))
+    assert params == SamplingParams(stop=["###"], stop_token_ids=(2, 3), temperature=0)  # lists normalised
 
 
 def test_reset_prefix_cache_while_pages_are_in_use():

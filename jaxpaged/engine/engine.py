@@ -50,7 +50,7 @@ from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine import weights
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.prefix_cache import versioned_salt
-from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, check_token_ids_in_vocab
+from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
@@ -70,9 +70,9 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.generation_defaults: dict = {}  # SamplingParams fields from generation_config (engine/build.py)
-        # generation_config.json's eos_token_id ids other than the tokenizer's eos: they stop a request
-        # as its stop_token_ids do, unless ignore_eos (vLLM's update_from_generation_config).
+        # From the model's generation_config (engine/build.py): SamplingParams defaults, and end tokens
+        # besides the tokenizer's eos that stop requests unless ignore_eos (vLLM's).
+        self.generation_defaults: dict = {}
         self.generation_eos_ids: tuple[int, ...] = ()
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
         num_swap_pages = (config.swap_space_bytes or 0) // page_bytes
@@ -159,16 +159,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
-        # The request's own copy, validated again: SamplingParams is mutable (as vLLM's), so a caller's
-        # later change never reaches it, and a change since construction is checked like a new one.
-        params = dataclasses.replace(params)
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.config.max_logprobs:
-                raise ValueError(f"{name}={getattr(params, name)} is more than this engine's max_logprobs="
-                                 f"{self.config.max_logprobs}; ask for fewer, or raise max_logprobs (at most 20)")
-        if self.generation_eos_ids and not params.ignore_eos:  # the generation config's other end tokens
-            params.stop_token_ids = tuple(dict.fromkeys((*params.stop_token_ids, *self.generation_eos_ids)))
-        check_token_ids_in_vocab(params, self.model_config.vocab_size)  # logit_bias, allowed and stop ids
+        params = request_params(params, self.config.max_logprobs, self.generation_eos_ids, self.model_config.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")

@@ -234,7 +234,7 @@ def _check_prompts(args, prompts: list[str], config, beam) -> list[str]:
     weights (seconds, not a load). ValueError / OSError otherwise."""
     from jaxpaged.entrypoints.cli_checks import check_requests
     from jaxpaged.models.config import ModelConfig
-    from jaxpaged.entrypoints.prompts import chat_prompt
+    from jaxpaged.entrypoints.chat_prompts import chat_prompt
     from jaxpaged.models.loading import load_model_files
 
     files = load_model_files(args.model, weights=False)

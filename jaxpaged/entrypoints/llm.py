@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import no_type_check
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineConfig, engine_args_from_vllm
@@ -21,10 +20,9 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.build import build_engine
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.protocol import EngineClient
-from jaxpaged.models.hf_weights import params_from_hf
-from jaxpaged.entrypoints.prompts import (
-    Prompts, chat_prompt, check_template_kwargs, normalize_prompts, open_final_message,
-)
+from jaxpaged.models.hf_weights import params_from_weights
+from jaxpaged.entrypoints.chat_prompts import chat_prompts
+from jaxpaged.entrypoints.prompts import Prompts, normalize_prompts
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -169,30 +167,12 @@ class LLM:
         `enable_thinking`) reach the template; `continue_final_message` leaves the last (assistant)
         message open for the model to continue."""
         _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: this engine renders "
-                             "text content as a string; pass 'auto' or 'string'")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=True continues the last message; it needs "
-                             "add_generation_prompt=False")
-        if not messages or isinstance(messages, (str, dict)):
-            raise ValueError(
-                f"messages={messages!r}; pass a conversation [{{'role': 'user', 'content': '...'}}, ...] or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        kwargs = check_template_kwargs(chat_template_kwargs)
-        if tools is not None:
-            kwargs["tools"] = tools
-        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, continue_final_message, kwargs)
-                   for c in conversations]
+        prompts = chat_prompts(self.tokenizer, messages, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs,
+                               chat_template_content_format=chat_template_content_format)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _chat_prompt(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> dict:
-        prompt = chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                             chat_template=chat_template, **kwargs)
-        if continue_final_message:  # the template closed the last message: cut its end-of-turn off
-            text = open_final_message(prompt["prompt"], conversation)
-            prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-        return prompt
 
     @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
@@ -353,17 +333,8 @@ class LLM:
         vLLM's `model.load_weights` input): a mapping or an iterable of (name, array) pairs, arrays as
         numpy, torch tensors or jax arrays. Every weight of the model must be there (a partial
         update is refused, naming the first missing tensor). Then as `update_params`."""
-        pairs = weights.items() if hasattr(weights, "items") else weights
-        state_dict = {}
-        for name, array in pairs:
-            if hasattr(array, "detach"):  # a torch tensor (bf16 included): to float32 numpy
-                array = array.detach().float().cpu().numpy()
-            state_dict[name] = np.asarray(array)
-        try:
-            params = params_from_hf(self.engine.model_config, state_dict)
-        except KeyError as err:
-            raise ValueError(f"load_weights needs every weight of the model: {err.args[0]}") from None
-        self.update_params(params, version=version, in_flight=in_flight)
+        self.update_params(params_from_weights(self.engine.model_config, weights), version=version,
+                           in_flight=in_flight)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Gives device memory back (e.g. to a trainer): level 1 frees the KV cache and moves the

@@ -82,3 +82,18 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) ->
     if not c.tie_word_embeddings:
         params["lm_head"] = tensor("lm_head.weight").T.astype(dtype)  # (V, D) -> (D, V)
     return {"params": params}
+
+
+def params_from_weights(config: ModelConfig, weights) -> dict:
+    """`params_from_hf` over what a trainer hands `LLM.load_weights`: a mapping or an iterable of
+    (Hugging Face name, array) pairs, arrays as numpy, torch tensors (bf16 included) or jax arrays.
+    ValueError naming the first missing tensor: every weight must be there."""
+    state_dict = {}
+    for name, array in (weights.items() if hasattr(weights, "items") else weights):
+        if hasattr(array, "detach"):  # a torch tensor: to float32 numpy without importing torch here
+            array = array.detach().float().cpu().numpy()
+        state_dict[name] = np.asarray(array)
+    try:
+        return params_from_hf(config, state_dict)
+    except KeyError as err:
+        raise ValueError(f"load_weights needs every weight of the model: {err.args[0]}") from None

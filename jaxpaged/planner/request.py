@@ -197,6 +197,24 @@ def seed_for(seed: int, sample_idx: int) -> int:
     return seed if sample_idx == 0 else (seed * 1_000_003 + sample_idx * 7_919) & SEED_MASK
 
 
+def request_params(params: SamplingParams, max_logprobs: int, extra_stop_ids: tuple[int, ...],
+                   vocab_size: int) -> SamplingParams:
+    """The copy of `params` a request keeps, validated again: SamplingParams is mutable (as vLLM's),
+    so a caller's later change never reaches a running request, and a change since construction is
+    checked like a new one. Logprobs are capped by the engine's max_logprobs; `extra_stop_ids` (a
+    generation config's other end tokens) join stop_token_ids unless ignore_eos; token ids must be
+    in the vocabulary."""
+    params = dataclasses.replace(params)
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > max_logprobs:
+            raise ValueError(f"{name}={getattr(params, name)} is more than this engine's max_logprobs="
+                             f"{max_logprobs}; ask for fewer, or raise max_logprobs (at most {MAX_LOGPROBS})")
+    if extra_stop_ids and not params.ignore_eos:
+        params.stop_token_ids = tuple(dict.fromkeys((*params.stop_token_ids, *extra_stop_ids)))
+    check_token_ids_in_vocab(params, vocab_size)  # logit_bias, allowed and stop ids
+    return params
+
+
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Raises ValueError for token ids in `params` outside a model's vocabulary [0, vocab_size)."""
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
-from jaxpaged.entrypoints.prompts import check_template_kwargs, open_final_message
+from jaxpaged.entrypoints.chat_prompts import check_template_kwargs, open_final_message
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
 from jaxpaged.entrypoints.serve.protocol import ChatMessage
 
@@ -45,9 +45,9 @@ async def ping():
 
 @router.get("/version")
 async def version():
-    from jaxpaged import __version__
+    from importlib.metadata import version as package_version
 
-    return {"version": __version__}
+    return {"version": package_version("jaxpaged")}
 
 
 class TokenizeRequest(BaseModel):

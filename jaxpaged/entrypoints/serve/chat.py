@@ -12,7 +12,7 @@ from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt, usage,
 )
-from jaxpaged.entrypoints.prompts import check_template_kwargs, open_final_message
+from jaxpaged.entrypoints.chat_prompts import check_template_kwargs, open_final_message
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
