@@ -16,7 +16,7 @@ from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.protocol import EngineClient
-from jaxpaged.models.loading import generation_config_file, generation_defaults, generation_eos_ids
+from jaxpaged.models.loading import generation_config_file, generation_eos_ids, sampling_defaults
 from jaxpaged.models.weights import load_model
 from jaxpaged.planner.request import SamplingParams
 
@@ -38,13 +38,14 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     """
     # Before loading: too few devices is an error the user should see at once.
     replica_meshes(config.data_parallel_size, config.tensor_parallel_size)
-    defaults = checked_generation_defaults(generation_defaults(model, config.generation_config,
-                                                                        config.override_generation_config))
+    # The generation config, read once: sampling defaults and end tokens, refused before loading if bad.
     generation_file = generation_config_file(model, config.generation_config)
-    generation_eos_ids(generation_file, None)  # a malformed eos_token_id is refused before loading
+    defaults = checked_generation_defaults(sampling_defaults(
+        {} if config.generation_config == "vllm" else generation_file, config.override_generation_config))
+    eos_ids = generation_eos_ids(generation_file, None)
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype)
-    eos_ids = generation_eos_ids(generation_file, tokenizer.eos_token_id)
+    eos_ids = tuple(t for t in eos_ids if t != tokenizer.eos_token_id)  # the tokenizer's own eos stops anyway
     if any(t >= model_config.vocab_size for t in eos_ids):
         raise ValueError(f"generation_config.json's eos_token_id lists {list(eos_ids)}, outside the vocabulary "
                          f"[0, {model_config.vocab_size}); fix the file or pass another generation_config directory")

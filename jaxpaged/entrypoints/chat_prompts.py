@@ -8,18 +8,21 @@ left open (`continue_final_message`), and the template variables a caller may no
 from __future__ import annotations
 
 
-def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
+def chat_prompt(tokenizer, conversation: list[dict], continue_final_message: bool = False, **template_kwargs) -> dict:
     """vLLM's TokensPrompt of one conversation: the chat template's text and its token ids, encoded
     without added special tokens (the template writes the BOS itself where the model wants one; a
     tokenizer that also adds one would start the prompt with two, as vLLM avoids).
 
     OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) are joined into one string, as
-    vLLM's "string" content format does; any other part type is refused.
+    vLLM's "string" content format does; any other part type is refused. `continue_final_message`:
+    the text ends right after the last message's content (`open_final_message`).
     """
     if not isinstance(conversation, (list, tuple)):
         raise ValueError(f"a conversation must be a list of messages, got {type(conversation).__name__}")
     messages = [flat_message(m, i) for i, m in enumerate(conversation)]
     text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    if continue_final_message:  # the template closed the last message: cut its end-of-turn off
+        text = open_final_message(text, messages)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
@@ -92,12 +95,5 @@ def chat_prompts(tokenizer, messages, *, chat_template: str | None, add_generati
     kwargs = check_template_kwargs(chat_template_kwargs)
     if tools is not None:
         kwargs["tools"] = tools
-    prompts = []
-    for conversation in conversations:
-        prompt = chat_prompt(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                             chat_template=chat_template, **kwargs)
-        if continue_final_message:  # the template closed the last message: cut its end-of-turn off
-            text = open_final_message(prompt["prompt"], conversation)
-            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        prompts.append(prompt)
-    return prompts
+    return [chat_prompt(tokenizer, c, continue_final_message, add_generation_prompt=add_generation_prompt,
+                        chat_template=chat_template, **kwargs) for c in conversations]

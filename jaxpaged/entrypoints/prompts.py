@@ -110,4 +110,3 @@ def _token_id_list(prompt, i: int) -> list[int]:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"prompt {i} has dtype {array.dtype}; token ids must be integers")
     return array.tolist()
-

@@ -230,7 +230,13 @@ def generation_defaults(model: str | os.PathLike | None, generation_config: str 
     Without the file vLLM falls back to `GenerationConfig.from_model_config(config)`, but with
     transformers 5 a config object keeps no legacy generation keys (a config.json's top-level
     `temperature` loads as None), so that fallback sets no sampling default: nothing to read here."""
-    config = {} if generation_config == "vllm" else generation_config_file(model, generation_config)
+    return sampling_defaults({} if generation_config == "vllm" else generation_config_file(model, generation_config),
+                             override)
+
+
+def sampling_defaults(config: dict[str, Any], override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{SamplingParams field: value} for the keys vLLM reads from a generation config's dict, with
+    `override` (Hugging Face key names) on top."""
     if unread := sorted(set(override or {}) - set(GENERATION_CONFIG_KEYS)):
         logger.warning("override_generation_config: %s set no sampling default (the keys read are %s)",
                        unread, sorted(GENERATION_CONFIG_KEYS))

@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
-from jaxpaged.entrypoints.chat_prompts import check_template_kwargs, open_final_message
+from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
 from jaxpaged.entrypoints.serve.protocol import ChatMessage
+from jaxpaged.entrypoints.serve.tools import render_messages
 
 router = APIRouter()
 
@@ -86,10 +87,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
             raise APIError(400, str(err), param="chat_template_kwargs") from None
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 **template_kwargs)
-            if body.continue_final_message:
-                text = open_final_message(text, messages)
+            text = render_messages(tokenizer, messages, None, "none", add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message, **template_kwargs)
         except Exception as err:  # noqa: BLE001 - a template error or a bad message: the client's to fix
             raise APIError(400, f"these messages cannot be rendered: {err}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))

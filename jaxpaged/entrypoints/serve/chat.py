@@ -12,7 +12,7 @@ from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt, usage,
 )
-from jaxpaged.entrypoints.chat_prompts import check_template_kwargs, open_final_message
+from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
@@ -40,9 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                      **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}}
                     for m in body.messages]
         text = render_messages(tokenizer, messages, body.tools, mode, add_generation_prompt=body.add_generation_prompt,
-                               **template_kwargs)
-        if body.continue_final_message:
-            text = open_final_message(text, messages)
+                               continue_final_message=body.continue_final_message, **template_kwargs)
     except ValueError as err:
         raise APIError(400, str(err), param="messages") from None
     except Exception as err:  # the template raised (e.g. roles out of order)

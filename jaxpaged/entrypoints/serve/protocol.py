@@ -25,6 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxpaged.entrypoints.chat_prompts import flat_message
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     """The one shape of every error response (OpenAI's)."""
@@ -126,14 +128,7 @@ class ChatMessage(BaseModel):
                 return None
             raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls "
                              "may leave it null)")
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM joins text parts
+        return flat_message({"content": self.content}, 0)["content"]  # text parts joined, as vLLM
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -25,6 +25,7 @@ import json
 import re
 import uuid
 
+from jaxpaged.entrypoints.chat_prompts import open_final_message
 from jaxpaged.entrypoints.serve.common import APIError
 from jaxpaged.structured import StructuredOutputsParams
 
@@ -110,9 +111,16 @@ def _spec(param: str, **fields) -> StructuredOutputsParams:
 
 
 def render_messages(tokenizer, messages: list[dict], tools, mode: str, add_generation_prompt: bool = True,
-                    **template_kwargs) -> str:
+                    continue_final_message: bool = False, **template_kwargs) -> str:
     """The prompt text: tools shown unless mode is "none", through the template or in Hermes form;
-    `template_kwargs` (vLLM's chat_template_kwargs) are the template's variables."""
+    `template_kwargs` (vLLM's chat_template_kwargs) are the template's variables;
+    `continue_final_message` ends it right after the last message's content."""
+    text = _rendered(tokenizer, messages, tools, mode, add_generation_prompt, template_kwargs)
+    return open_final_message(text, messages) if continue_final_message else text
+
+
+def _rendered(tokenizer, messages: list[dict], tools, mode: str, add_generation_prompt: bool,
+              template_kwargs: dict) -> str:
     template = tokenizer.chat_template or ""
     shown = [t for t in (tools or ()) if mode != "none"]
     if "tool_calls" in template and "tools" in template:  # the template renders tools itself
