@@ -81,6 +81,10 @@ class EngineConfig:
     override_generation_config: dict | None = None
     # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
     max_logprobs: int = 20
+    # vLLM's engine argument. None: weights in `dtype`. "gguf" (a .gguf model): layer projections
+    # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes, 1.25 bytes per weight, dequantized
+    # (bit-identically) layer by layer in the step (jaxpaged/models/gguf_blocks.py).
+    quantization: str | None = None
 
     def __post_init__(self):
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
@@ -89,6 +93,12 @@ class EngineConfig:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config={self.override_generation_config!r} must be a dict of "
                              "Hugging Face generation keys, e.g. {'temperature': 0.5, 'max_new_tokens': 64}")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={self.quantization!r}: jaxpaged supports only 'gguf' (a .gguf model's "
+                             "own Q4_0 / Q4_1 / Q8_0 blocks) or None")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' needs tensor_parallel_size=1 (GGUF blocks are not sharded yet); "
+                             "leave quantization None to shard float weights")
         if self.per_layer_weights and self.enable_return_routed_experts:
             raise ValueError("enable_return_routed_experts reads the layer scan's routed ids: leave per_layer_weights None")
         if self.per_layer_weights and self.tensor_parallel_size > 1:
@@ -195,7 +205,7 @@ VLLM_NO_EFFECT_ARGS = {
 }
 # Accepted at their default value only; anything else is refused by name.
 VLLM_DEFAULT_ONLY_ARGS = {"tokenizer": None, "tokenizer_mode": "auto", "skip_tokenizer_init": False,
-                          "quantization": None, "revision": None, "tokenizer_revision": None,
+                          "revision": None, "tokenizer_revision": None,
                           "load_format": "auto", "distributed_executor_backend": None, "cpu_offload_gb": 0,
                           "enable_lora": False, "max_logprobs": 20, "pipeline_parallel_size": 1}
 VLLM_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_multidevice(marker: str, timeout: int,
-                     modules=("test_tensor_parallel_mesh.py", "test_expert_parallel_mesh.py")) -> subprocess.CompletedProcess:
+                     modules=("test_tensor_parallel_mesh.py", "test_expert_parallel_mesh.py",
+                              "test_gguf_blocks_replicas.py")) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAXPAGED_MULTIDEVICE="1",
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     return subprocess.run(
@@ -28,7 +29,8 @@ def _run_multidevice(marker: str, timeout: int,
 
 def test_mesh_suite_on_eight_host_devices():
     """tp 2/4/8 greedy equality, real shardings, activation-only collectives, no compiles after warm-up,
-    data_parallel_size=2 equal to one replica, and MoE expert parallelism over 4 and 8 devices."""
+    data_parallel_size=2 equal to one replica, MoE expert parallelism over 4 and 8 devices, and GGUF
+    block codes (quantization="gguf") on two replicas."""
     proc = _run_multidevice("not slow", timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -117,6 +117,8 @@ def pieces(params: dict, batch: int, vocab: int) -> dict:
 
     layers = params["params"]["layers"]
     attn, mlp = layers["attn"], layers["mlp"]
+    if "q_proj" not in attn:  # quantization="gguf": block codes, no float matrices to time alone
+        return {}
     num_layers, dim = attn["q_proj"].shape[:2]
     mats = {  # stacked [L, in, out] matrices, in the order a layer uses them
         "q": attn["q_proj"].reshape(num_layers, dim, -1), "k": attn["k_proj"].reshape(num_layers, dim, -1),

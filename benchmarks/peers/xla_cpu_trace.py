@@ -54,6 +54,8 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
             cat = "MLP matmuls (gate, up, down)"
         elif "dot_general" in op_name and "/attn/" in op_name:
             cat = "attention projections (q, k, v, o)"
+        elif "gguf_dequantize" in op_name:
+            cat = "GGUF block dequantization"  # quantization="gguf": a layer's codes to float weights
         elif opcode == "fusion" and len(dims) == 2 and set(dims) <= weight_dims:
             cat = "per-layer weight slice copies"  # a layer's matrix copied out of the stacked params
         elif opcode in ("while", "conditional", "call"):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.device.param_dtypes import check_param_dtypes
+from jaxpaged.models.gguf_blocks import leaf_dtype
 
 
 def _with_layers(params, layers):
@@ -99,6 +100,6 @@ def own_copy(params, dtype, tp=None):
         return tp.place_params(params)
     # One device holds the whole model: a leaf on other devices (a trainer's mesh) comes via the host.
     default = jax.devices()[0]
-    return jax.tree.map(lambda x: jnp.array(
+    return jax.tree_util.tree_map_with_path(lambda path, x: jnp.array(
         np.asarray(x) if isinstance(x, jax.Array) and x.sharding.device_set != {default} else x,
-        dtype=dtype, copy=True), params)
+        dtype=leaf_dtype(str(getattr(path[-1], "key", "")), dtype), copy=True), params)

@@ -1,4 +1,5 @@
-"""What dtypes of weights an engine takes: floats, cast to the engine's dtype with a warning."""
+"""What dtypes of weights an engine takes: floats, cast to the engine's dtype with a warning (GGUF
+block leaves, quantization="gguf", keep their own: uint8 codes, float32 scales and mins)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+
+from jaxpaged.models.gguf_blocks import is_kept_leaf, leaf_dtype
 
 
 def check_param_dtypes(params, dtype) -> None:
@@ -16,6 +19,12 @@ def check_param_dtypes(params, dtype) -> None:
 
     def check(path, x):
         x_dtype = getattr(x, "dtype", None)
+        name = str(getattr(path[-1], "key", "")) if path else ""
+        if is_kept_leaf(name):  # GGUF codes, scales and mins (quantization="gguf") have fixed dtypes
+            if x_dtype is None or jnp.dtype(x_dtype) != leaf_dtype(name, dtype):
+                raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; GGUF block leaves are "
+                                 f"{leaf_dtype(name, dtype)} (models/gguf_blocks.py): pass them as llm.params has them")
+            return
         if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
             raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating "
                              f"point (they are cast to the model dtype {dtype})")

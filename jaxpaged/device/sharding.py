@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.device.expert_parallel import all_to_all_experts
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.gguf_blocks import leaf_dtype
 
 TP = "tp"
 
@@ -52,8 +53,12 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "experts": TP,  # expert parallelism: each device holds num_experts / tp whole experts
     "expert_mlp": None,
     "router_experts": None,  # the router's output axis: every device routes every token
+    "gguf_blocks": None,  # GGUF block leaves: [in / 32, 32, out] codes, [in / 32, out] scales and mins
+    "gguf_block": None,
+    "gguf_out": None,
 }
 
+GGUF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Parameter name (the last key of its path) -> logical axes. Parameters under "layers" carry a
 # leading stacked "layers" axis (nn.scan), added by `param_logical_axes`.
 PARAM_AXES: dict[str, tuple[str, ...]] = {
@@ -75,6 +80,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "embed", "expert_mlp"),
     "expert_up": ("experts", "embed", "expert_mlp"),
     "expert_down": ("experts", "expert_mlp", "embed"),
+    # GGUF block leaves (quantization="gguf", models/gguf_blocks.py): replicated, as tensor_parallel_size
+    # must be 1 with them; a data-parallel replica's one-device mesh places them whole.
+    **{f"{name}_codes": ("gguf_blocks", "gguf_block", "gguf_out") for name in GGUF_PROJECTIONS},
+    **{f"{name}_{part}": ("gguf_blocks", "gguf_out") for name in GGUF_PROJECTIONS for part in ("scales", "mins")},
 }
 # A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
 # last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).
@@ -224,12 +233,13 @@ class TensorParallel:
         dtype = jnp.dtype(self.config.dtype)
         params = replicate_kv_heads(params, self.kv_head_replicas)
 
-        def place(leaf, sharding):
+        def place(path, leaf, sharding):
+            leaf_type = leaf_dtype(str(getattr(path[-1], "key", "")), dtype)  # GGUF codes keep theirs
             if isinstance(leaf, jax.Array):  # already on a device (a checkpoint restore, a trainer's step)
-                return jax.device_put(leaf, sharding, may_alias=False).astype(dtype)
-            return jax.device_put(np.asarray(leaf).astype(dtype), sharding)
+                return jax.device_put(leaf, sharding, may_alias=False).astype(leaf_type)
+            return jax.device_put(np.asarray(leaf).astype(leaf_type), sharding)
 
-        return jax.tree.map(place, params, self.param_shardings(params))
+        return jax.tree_util.tree_map_with_path(place, params, self.param_shardings(params))
 
     def zeros_kv_pages(self, shape: Sequence[int], dtype) -> jax.Array:
         """The page buffer, created in place shard by shard (never whole on one device)."""

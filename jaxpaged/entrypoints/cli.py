@@ -84,6 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn (vLLM's fp8, fp8_e4m3) = "
                         "quantized values plus a scale per token and KV head (about 2x the sequences of a bfloat16 "
                         "cache in the same memory)")
+    e.add_argument("--quantization", "-q", choices=["gguf"], default=None,
+                   help="gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 projections as their block codes, dequantized "
+                        "layer by layer in each step to the same float values (a quarter of the weight bytes read)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                    help="logprobs of the model's distribution, or of the one each token was drawn from")
@@ -132,6 +135,7 @@ def engine_args(args) -> dict:
         logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
+        quantization=args.quantization,
     )
 
 

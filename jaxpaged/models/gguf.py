@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpaged.models import gguf_families
+from jaxpaged.models import gguf_blocks, gguf_families
 from jaxpaged.models.gguf_families import SUPPORTED_ARCHITECTURES
 
 # llama.cpp name (with `{i}` for the layer) -> Hugging Face name.
@@ -258,11 +258,13 @@ class HFConfig(dict):
         return self.get(name)
 
 
-def load_gguf(path_or_file, *, weights: bool = True):
+def load_gguf(path_or_file, *, weights: bool = True, keep_blocks: bool = False):
     """`(hf_config, state_dict, metadata)` of a GGUF Llama file.
 
     The state dict is float32 numpy in Hugging Face names and layout (None when `weights=False`:
     the config and tokenizer metadata come from the header alone, no tensor is dequantized).
+    `keep_blocks` (quantization="gguf"): layer projections stored as Q4_0 / Q4_1 / Q8_0 come as
+    `gguf_blocks.BlockCodes` instead, in the same (out, in) layout.
     A file without `output.weight` ties the LM head to the embedding: the config says
     `tie_word_embeddings=True` and the state dict has no `lm_head.weight` (as Hugging Face's own).
     Pass an open file (`open_gguf`) to parse the file's header once for config and tokenizer.
@@ -273,30 +275,45 @@ def load_gguf(path_or_file, *, weights: bool = True):
     config = gguf_to_hf_config(metadata, tie_word_embeddings="output.weight" not in tensor_names)
     if not weights:
         return config, None, metadata
-    state_dict = dequantize_state_dict(gguf_file, config, metadata["general.architecture"])
+    state_dict = dequantize_state_dict(gguf_file, config, metadata["general.architecture"], keep_blocks)
     gguf_families.fuse_experts(state_dict, config.num_hidden_layers)
     check_llama_state_dict(config, state_dict)
     return config, state_dict, metadata
 
 
-def dequantize_state_dict(gguf_file, config, arch: str = "llama") -> dict[str, np.ndarray]:
-    """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order."""
+# Layer projections that `keep_blocks` may keep as codes (the model dequantizes them: gguf_blocks.py).
+KEPT_PROJECTIONS = tuple(f"{name}.weight" for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                       "mlp.down_proj"))
+
+
+def dequantize_state_dict(gguf_file, config, arch: str = "llama", keep_blocks: bool = False) -> dict:
+    """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order;
+    with `keep_blocks`, layer projections of a kept block type as `BlockCodes` (reordered alike)."""
     permuted = arch in gguf_families.PERMUTED_QK_ARCHITECTURES
     from gguf.quants import dequantize
 
-    state_dict: dict[str, np.ndarray] = {}
+    state_dict: dict = {}
     for tensor in gguf_file.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        # [rows, bytes_per_row] -> float32 [rows, row_len] -> (out, in): no transpose needed.
-        weight = np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
+        if keep_blocks and tensor.qtype in gguf_blocks.KEPT_TYPES and hf_name.endswith(KEPT_PROJECTIONS):
+            weight = gguf_blocks.unpack(tensor.data, tensor.qtype, tensor.shape)
+        else:  # [rows, bytes_per_row] -> float32 [rows, row_len] -> (out, in): no transpose needed.
+            weight = np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_qk_rows(weight, config.num_attention_heads)
+            weight = reorder_rows(weight, lambda w: unpermute_qk_rows(w, config.num_attention_heads))
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_qk_rows(weight, config.num_key_value_heads)
-        state_dict[hf_name] = np.ascontiguousarray(weight)
+            weight = reorder_rows(weight, lambda w: unpermute_qk_rows(w, config.num_key_value_heads))
+        state_dict[hf_name] = weight if isinstance(weight, gguf_blocks.BlockCodes) else np.ascontiguousarray(weight)
     return state_dict
+
+
+def reorder_rows(weight, fn):
+    """`fn` (a row reordering) of a float matrix, or of each part of a `BlockCodes` (rows are whole blocks)."""
+    return weight.map_rows(lambda part: np.ascontiguousarray(fn(part))) if isinstance(
+        weight, gguf_blocks.BlockCodes) else fn(weight)
 
 
 def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.gguf_blocks import BlockCodes, stacked_leaves
 from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.phi3 import unfuse_phi3
 
@@ -28,19 +29,28 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) ->
     def tensor(name: str) -> np.ndarray:
         if name not in state_dict:
             raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
-        return np.asarray(state_dict[name], dtype=np.float32)
+        value = state_dict[name]
+        return value.dequantize() if isinstance(value, BlockCodes) else np.asarray(value, dtype=np.float32)
 
     def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
         return np.stack(layers).astype(dtype)
 
+    def linear(name: str, suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> dict[str, np.ndarray]:
+        """{name: stacked float weight}, or its codes' three leaves when every layer kept it as
+        GGUF blocks (quantization="gguf": models/gguf_blocks.py)."""
+        layers = [state_dict.get(f"model.layers.{i}.{suffix}") for i in range(c.num_layers)]
+        if all(isinstance(w, BlockCodes) for w in layers):
+            return stacked_leaves(name, layers)
+        return {name: stacked(suffix, convert)}
+
     dim, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     attn = {
         # (N*H, D) -> (D, N, H): rows of the HF weight are output features, head-major.
-        "q_proj": stacked("self_attn.q_proj.weight", lambda w: w.T.reshape(dim, n, h)),
-        "k_proj": stacked("self_attn.k_proj.weight", lambda w: w.T.reshape(dim, k, h)),
-        "v_proj": stacked("self_attn.v_proj.weight", lambda w: w.T.reshape(dim, k, h)),
-        "o_proj": stacked("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, dim)),  # (D, N*H)
+        **linear("q_proj", "self_attn.q_proj.weight", lambda w: w.T.reshape(dim, n, h)),
+        **linear("k_proj", "self_attn.k_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        **linear("v_proj", "self_attn.v_proj.weight", lambda w: w.T.reshape(dim, k, h)),
+        **linear("o_proj", "self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, dim)),  # (D, N*H)
     }
     if c.attention_bias:
         attn["q_bias"] = stacked("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
@@ -70,9 +80,9 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) ->
         layers["moe"] = {name: np.stack([p[name] for p in per_layer]).astype(dtype) for name in per_layer[0]}
     else:
         layers["mlp"] = {
-            "gate_proj": stacked("mlp.gate_proj.weight", lambda w: w.T),  # (F, D) -> (D, F)
-            "up_proj": stacked("mlp.up_proj.weight", lambda w: w.T),
-            "down_proj": stacked("mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
+            **linear("gate_proj", "mlp.gate_proj.weight", lambda w: w.T),  # (F, D) -> (D, F)
+            **linear("up_proj", "mlp.up_proj.weight", lambda w: w.T),
+            **linear("down_proj", "mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
         }
     params = {
         "embedding": tensor("model.embed_tokens.weight").astype(dtype),  # (V, D)

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
 from jaxpaged.models.config import LongRope, ModelConfig, RopeScaling
+from jaxpaged.models.gguf_blocks import linear_weight
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
@@ -133,9 +134,10 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
                  query_start_loc, is_local=None, kv_centres=None):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
-        q = jnp.einsum("TD,DNH->TNH", x, self.param("q_proj", _init, (dim, n, h), self.dtype))
-        key = jnp.einsum("TD,DKH->TKH", x, self.param("k_proj", _init, (dim, k, h), self.dtype))
-        value = jnp.einsum("TD,DKH->TKH", x, self.param("v_proj", _init, (dim, k, h), self.dtype))
+        weight = lambda name, shape: linear_weight(self, name, shape, self.dtype, _init)  # GGUF codes or float
+        q = jnp.einsum("TD,DNH->TNH", x, weight("q_proj", (dim, n, h)))
+        key = jnp.einsum("TD,DKH->TKH", x, weight("k_proj", (dim, k, h)))
+        value = jnp.einsum("TD,DKH->TKH", x, weight("v_proj", (dim, k, h)))
         if self.attention_bias:
             q = q + self.param("q_bias", _init, (n, h), self.dtype)
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
@@ -182,7 +184,7 @@ class Attention(nn.Module):
             out = (out.astype(jnp.float32) + jnp.repeat(centre[1], n // k, axis=0)).astype(out.dtype)
         # One plain [T, N*H] x [N*H, D] matmul (both reshapes are free). The einsum "TNH,NHD->TD" let XLA
         # contract (H, N) in that order: the CPU program transposed o_proj (and the activations) every layer.
-        o_proj = self.param("o_proj", _init, (n, h, dim), self.dtype)
+        o_proj = weight("o_proj", (n, h, dim))
         y = jnp.einsum("TM,MD->TD", out.astype(self.dtype).reshape(-1, n * h), o_proj.reshape(n * h, dim))
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
@@ -197,9 +199,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: Float[Array, "num_tokens dim"]) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
-        gate = jnp.einsum("TD,DF->TF", x, self.param("gate_proj", _init, (dim, f), self.dtype))
-        up = jnp.einsum("TD,DF->TF", x, self.param("up_proj", _init, (dim, f), self.dtype))
-        return jnp.einsum("TF,FD->TD", ACTIVATIONS[self.act](gate) * up, self.param("down_proj", _init, (f, dim), self.dtype))
+        weight = lambda name, shape: linear_weight(self, name, shape, self.dtype, _init)  # GGUF codes or float
+        gate = jnp.einsum("TD,DF->TF", x, weight("gate_proj", (dim, f)))
+        up = jnp.einsum("TD,DF->TF", x, weight("up_proj", (dim, f)))
+        return jnp.einsum("TF,FD->TD", ACTIVATIONS[self.act](gate) * up, weight("down_proj", (f, dim)))
 
 
 class DecoderLayer(nn.Module):

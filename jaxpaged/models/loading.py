@@ -135,7 +135,7 @@ def _download_from_hub(repo_id: str) -> str:
         ) from error
 
 
-def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -> LoadedModel:
+def load_model_files(model: str | os.PathLike | None, *, weights: bool = True, keep_blocks: bool = False) -> LoadedModel:
     """Config, weights (numpy, Hugging Face layout) and tokenizer of `model` (see `resolve_model`).
 
     Never imports torch, so never transformers either (its config and tokenizer classes import
@@ -147,7 +147,7 @@ def load_model_files(model: str | os.PathLike | None, *, weights: bool = True) -
     source = resolve_model(model)
     if source.kind == "gguf":
         gguf_file = gguf.open_gguf(source.path)  # parse the header once for config and tokenizer
-        hf_config, state_dict, metadata = gguf.load_gguf(gguf_file, weights=weights)
+        hf_config, state_dict, metadata = gguf.load_gguf(gguf_file, weights=weights, keep_blocks=keep_blocks)
         return LoadedModel(hf_config, state_dict, Tokenizer.from_gguf(metadata), source)
 
     with open(os.path.join(source.path, "config.json")) as f:

@@ -27,15 +27,23 @@ _FORMAT = "llama-scan-v1"  # bump when params_from_hf changes the parameter layo
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(model: str | None, dtype: str):
-    """Returns `(ModelConfig, params, Tokenizer)`; params are arrays in `dtype` (numpy or jax)."""
+def load_model(model: str | None, dtype: str, quantization: str | None = None):
+    """Returns `(ModelConfig, params, Tokenizer)`; params are arrays in `dtype` (numpy or jax).
+    quantization="gguf": a .gguf model's Q4_0 / Q4_1 / Q8_0 layer projections stay block codes
+    (models/gguf_blocks.py); other sources are refused."""
     files = loading.load_model_files(model, weights=False)
+    keep_blocks = quantization == "gguf"
+    if keep_blocks and files.source.kind != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks, but {files.source_id!r} is not a .gguf "
+                         "file; pass a .gguf model or leave quantization None")
     config = ModelConfig.from_hf(files.hf_config, dtype=dtype)
 
     def convert():
-        logger.info("converting %s to %s parameters (cached for the next start)", files.source_id, dtype)
-        return params_from_hf(config, loading.load_model_files(model).state_dict)
+        logger.info("converting %s to %s parameters%s (cached for the next start)", files.source_id, dtype,
+                    " with GGUF block codes" if keep_blocks else "")
+        return params_from_hf(config, loading.load_model_files(model, keep_blocks=keep_blocks).state_dict)
 
     # A cache that cannot be read or written costs a conversion, never a failed start.
-    params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert, format_tag=_FORMAT)
+    params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert,
+                                         format_tag=_FORMAT + ("-gguf-blocks" if keep_blocks else ""))
     return config, params, files.tokenizer

@@ -1,0 +1,122 @@
+"""GGUF weights kept as their block codes (`quantization="gguf"`), dequantized layer by layer in the step.
+
+GGUF's legacy block types store a weight row in blocks of 32 values, one scale (float16) per block:
+
+    Q4_0   18 bytes: d, 16 bytes of nibbles q in 0..15         w = d * (q - 8)
+    Q4_1   20 bytes: d, m, 16 bytes of nibbles q in 0..15      w = d * q + m
+    Q8_0   34 bytes: d, 32 int8 q in -128..127                 w = d * q
+
+(nibbles: byte j holds value j in its low four bits and value j + 16 in its high four). All three are
+kept here in one layout, one byte per value, so every kind stacks and dequantizes the same way:
+
+    codes uint8 [rows, cols]   scales float32 [rows, cols / 32]   mins float32 [rows, cols / 32]
+    w = scales * codes + mins  (Q4_0: codes q, mins -8d; Q8_0: codes q + 128, mins -128d)
+
+Each w is bit-identical to gguf's own float32 dequantization: scales * codes has at most 11 + 8
+significant bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m` is
+(fused multiply-add or not); for Q4_0 and Q8_0 the sum d * (q - 8), d * q is exact itself. The step
+reads 1.25 bytes per weight instead of 4 (a CPU decode step is bound by reading its weights:
+benchmarks/peers/README.md).
+
+In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
+`name_codes` [in/32, 32, out], `name_scales` and `name_mins` [in/32, out] (plus the leading layers
+axis), `in` and `out` being the float weight's first axis and the product of the others. Only layer
+projections are kept (q/k/v/o, gate/up/down); other tensors and other block types are float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+SUFFIXES = ("_codes", "_scales", "_mins")
+# gguf.GGMLQuantizationType values: Q4_0, Q4_1, Q8_0.
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+QUANTIZATIONS = (None, "gguf")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCodes:
+    """One GGUF matrix as codes: uint8 [rows, cols], float32 scales and mins [rows, cols / 32]."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.codes.shape
+        blocks = self.codes.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
+        return (self.scales[..., None] * blocks + self.mins[..., None]).reshape(rows, cols)
+
+    def map_rows(self, fn) -> "BlockCodes":
+        """The same matrix with `fn` (a reordering of rows) applied to codes, scales and mins."""
+        return BlockCodes(fn(self.codes), fn(self.scales), fn(self.mins))
+
+
+def unpack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> BlockCodes:
+    """Raw GGUF rows (uint8 [rows, bytes_per_row]) of a Q4_0 / Q4_1 / Q8_0 matrix `shape` as codes."""
+    rows, cols = shape
+    blocks = np.asarray(data).reshape(rows, cols // BLOCK, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == Q8_0:
+        q = blocks[..., 2:34].copy().view(np.int8)
+        codes, mins = (q.astype(np.int16) + 128).astype(np.uint8), d * np.float32(-128)
+    elif qtype in (Q4_0, Q4_1):
+        start = 2 if qtype == Q4_0 else 4
+        nibbles = blocks[..., start:start + BLOCK // 2]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+        mins = d * np.float32(-8) if qtype == Q4_0 else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        raise ValueError(f"GGUF block type {qtype} is not one of {sorted(KEPT_TYPES.values())}")
+    return BlockCodes(np.ascontiguousarray(codes.reshape(rows, cols)), np.ascontiguousarray(d),
+                      np.ascontiguousarray(mins))
+
+
+def stacked_leaves(name: str, layers: list[BlockCodes]) -> dict[str, np.ndarray]:
+    """The three leaves of weight `name` over all layers, from HF-layout (out, in) codes."""
+    out, cols = layers[0].shape
+    codes = np.stack([m.codes.T.reshape(cols // BLOCK, BLOCK, out) for m in layers])
+    return {name + "_codes": codes, name + "_scales": np.stack([m.scales.T for m in layers]),
+            name + "_mins": np.stack([m.mins.T for m in layers])}
+
+
+def is_kept_leaf(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def leaf_dtype(name: str, dtype):
+    """The dtype a parameter leaf is stored in: codes uint8, scales and mins float32, the rest `dtype`."""
+    if name.endswith("_codes"):
+        return np.dtype(np.uint8)
+    return np.dtype(np.float32) if is_kept_leaf(name) else dtype
+
+
+def has_kept_weights(params) -> bool:
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    return any(is_kept_leaf(str(getattr(path[-1], "key", ""))) for path, _ in paths)
+
+
+REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf'), so new weights must come "
+                  "in that same tree (`llm.params`: *_codes, *_scales, *_mins); to load float weights (a "
+                  "trainer's, Hugging Face names) build the LLM with quantization=None")
+
+
+def linear_weight(module, name: str, shape: tuple[int, ...], dtype, init):
+    """The float weight `name` of `shape` (in first) in a flax module: the param itself, or its
+    codes dequantized (float32 math, then cast to `dtype`) when the tree keeps it as codes."""
+    if not module.is_initializing() and module.has_variable("params", name + "_codes"):
+        codes = module.get_variable("params", name + "_codes")  # [in/32, 32, out]
+        scales = module.get_variable("params", name + "_scales")[:, None, :]
+        mins = module.get_variable("params", name + "_mins")[:, None, :]
+        with jax.named_scope("gguf_dequantize"):  # names the fusion in profiles (benchmarks/peers/xla_cpu_trace.py)
+            return (scales * codes.astype(jnp.float32) + mins).reshape(shape).astype(dtype)
+    return module.param(name, init, shape, dtype)
