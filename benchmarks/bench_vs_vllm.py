@@ -254,16 +254,21 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(**phase.jaxpaged_args)
         load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         gguf_llm = LLM(**phase.jaxpaged_args, quantization="gguf") if args.gguf_blocks else None
+        gguf_load_s = time.perf_counter() - t0
         phase_workloads = [w for w in phase.make_workloads(llm.tokenizer)
                            if args.workloads is None or w.name in args.workloads]
         if not phase_workloads:
             continue
         workloads += phase_workloads
-        jaxpaged_info[phase.name] = {
-            "args": phase.jaxpaged_args, "load_s": round(load_s, 2),
-            "config": {k: v for k, v in dataclasses.asdict(llm.config).items()
-                       if isinstance(v, (int, float, str, bool, type(None)))}}
+        for key, engine, seconds in [(phase.name, llm, load_s), *(
+                [(f"{phase.name}, {GGUF_SYSTEM}", gguf_llm, gguf_load_s)] if gguf_llm is not None else [])]:
+            jaxpaged_info[key] = {
+                "args": {**phase.jaxpaged_args, "quantization": engine.config.quantization},
+                "load_s": round(seconds, 2),
+                "config": {k: v for k, v in dataclasses.asdict(engine.config).items()
+                           if isinstance(v, (int, float, str, bool, type(None)))}}
         workers = {}
         try:
             for j, name in enumerate(phase.vllm_configs):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
+QUANTIZATIONS = (None, "gguf")  # weights as given, or a .gguf's block codes kept (models/gguf_blocks.py)
 # vLLM's spellings of the same storage, accepted and stored under jaxpaged's name ("fp8" is e4m3 in vLLM).
 KV_CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 # preemption_mode="swap" without swap_space_bytes: vLLM's default swap space (4 GiB), at most this
@@ -83,7 +84,7 @@ class EngineConfig:
     max_logprobs: int = 20
     # vLLM's engine argument. None: weights in `dtype`. "gguf" (a .gguf model): layer projections
     # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes, 1.25 bytes per weight, dequantized
-    # (bit-identically) layer by layer in the step (jaxpaged/models/gguf_blocks.py).
+    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py).
     quantization: str | None = None
 
     def __post_init__(self):
@@ -93,7 +94,7 @@ class EngineConfig:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config={self.override_generation_config!r} must be a dict of "
                              "Hugging Face generation keys, e.g. {'temperature': 0.5, 'max_new_tokens': 64}")
-        if self.quantization not in (None, "gguf"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: jaxpaged supports only 'gguf' (a .gguf model's "
                              "own Q4_0 / Q4_1 / Q8_0 blocks) or None")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:

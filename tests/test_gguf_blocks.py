@@ -41,21 +41,28 @@ class Weight(nn.Module):
         return gguf_blocks.linear_weight(self, "w", self.shape, jax.numpy.float32, nn.initializers.zeros)
 
 
+def assert_bits_equal(got: np.ndarray, expected: np.ndarray) -> None:
+    """float32 bit patterns equal, except that a zero may differ in sign (gguf's d * 0 is -0.0 for a
+    negative d, ours +0.0: models/gguf_blocks.py)."""
+    differ = got.view(np.uint32) != expected.view(np.uint32)
+    assert np.all(expected[differ] == 0) and np.all(got[differ] == 0), f"{differ.sum()} values differ"
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_codes_dequantize_to_ggufs_own_floats_bit_for_bit(kind):
-    weight = random_matrix(24, 96, seed=len(kind))
+    weight = random_matrix(24, 96, seed=list(TYPES).index(kind))
     raw = quantize(weight, TYPES[kind])
     expected = dequantize(raw, TYPES[kind]).reshape(weight.shape)
     assert not np.array_equal(expected, weight)  # it really is quantized
     codes = gguf_blocks.unpack(raw, int(TYPES[kind]), weight.shape)
     assert codes.codes.dtype == np.uint8 and codes.scales.dtype == codes.mins.dtype == np.float32
-    np.testing.assert_array_equal(codes.dequantize(), expected)
+    assert_bits_equal(codes.dequantize(), expected)
     # The step's math (jitted: XLA may fuse the multiply-add) on the parameter layout, [in, out]:
     leaves = {k.removeprefix("w"): v[0] for k, v in gguf_blocks.stacked_leaves("w", [codes]).items()}
     assert leaves["_codes"].shape == (96 // 32, 32, 24) and leaves["_scales"].shape == (96 // 32, 24)
     params = {"params": {"w" + suffix: value for suffix, value in leaves.items()}}
     got = jax.jit(Weight((96, 24)).apply)(params)
-    np.testing.assert_array_equal(np.asarray(got), expected.T)
+    assert_bits_equal(np.asarray(got), np.ascontiguousarray(expected.T))
 
 
 def test_unpack_refuses_other_block_types():
@@ -123,11 +130,25 @@ def test_weight_updates_take_the_codes_tree_and_refuse_floats(float_outputs):
         llm.update_params(floats)
     with pytest.raises(ValueError, match="quantization='gguf'"):  # a trainer's whole HF state dict
         llm.load_weights(load_model_files(None).state_dict)
-    llm.update_params(llm.params)  # a trainer holding this engine's own layout: accepted
+    codes = jax.device_get(llm.params)  # a trainer holding this engine's own layout, on the host
+    llm.sleep(level=2)  # the weights are gone: the refusal must not depend on them
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        llm.update_params(floats)
+    llm.update_params(codes)  # accepted
+    llm.wake_up()
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
     assert all(set(o.weight_versions) == {1} for o in outputs)  # sampled from the new weights
     _same_as_floats(outputs, float_outputs)
     assert llm.stats()["num_used_pages"] == 0
+
+
+def test_bfloat16_engine_with_codes_serves_the_bfloat16_float_engines_tokens():
+    """The codes dequantize in float32 and are cast to the engine dtype in the step; the float engine
+    casts the float32 weights at load: the same bfloat16 weights."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(dtype="bfloat16", **ENGINE).generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in LLM(dtype="bfloat16", quantization="gguf", **ENGINE).generate(
+        PROMPTS, params)] == want
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):
@@ -144,3 +165,87 @@ def test_bad_settings_are_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="is not a .gguf file"):
         load_model(write_tiny_checkpoint(str(tmp_path)), "float32", "gguf")
+
+
+# ---- a tiny GGUF with every kept kind, Q/K rows permuted as llama.cpp writes them ------------------
+
+# Per projection, the block type of layer 0 and layer 1 (None: float32). down_proj mixes a kept kind
+# with float, so it must stay float for every layer.
+TINY_TYPES = {"q_proj": ("Q4_0", "Q4_0"), "k_proj": ("Q4_1", "Q4_1"), "v_proj": ("Q8_0", "Q8_0"),
+              "o_proj": ("Q4_1", "Q4_1"), "gate_proj": ("Q8_0", "Q8_0"), "up_proj": ("Q4_0", "Q4_0"),
+              "down_proj": ("Q8_0", None)}
+
+
+def write_mixed_gguf(path, state_dict):
+    from test_gguf import TINY, _HF_TO_GGUF, llamacpp_permute
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in [("block_count", TINY["num_hidden_layers"]), ("context_length", 256),
+                       ("embedding_length", TINY["hidden_size"]), ("feed_forward_length", TINY["intermediate_size"]),
+                       ("attention.head_count", TINY["num_attention_heads"]),
+                       ("attention.head_count_kv", TINY["num_key_value_heads"]),
+                       ("rope.dimension_count", TINY["head_dim"])]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(TINY["vocab_size"])])
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    for name, value in state_dict.items():
+        if name in globals_:
+            writer.add_tensor(globals_[name], value)
+            continue
+        parts = name.split(".")  # model.layers.0.self_attn.q_proj.weight
+        layer, module = int(parts[2]), parts[-2]
+        if module in ("q_proj", "k_proj"):
+            value = llamacpp_permute(value, TINY["num_attention_heads" if module == "q_proj" else "num_key_value_heads"])
+        kind = TINY_TYPES.get(module, (None, None))[layer]
+        gguf_name = f"blk.{layer}.{_HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if kind is None:
+            writer.add_tensor(gguf_name, value)
+        else:
+            writer.add_tensor(gguf_name, quantize(value, TYPES[kind]), raw_dtype=TYPES[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, caplog):
+    from test_gguf import tiny_hf_state_dict
+
+    from jaxpaged.models import ModelConfig, params_from_hf
+    from jaxpaged.models import gguf as jgguf
+    from jaxpaged.models.llama import CausalLM
+    from jaxpaged.models.weights import check_kept
+
+    path = tmp_path / "mixed.gguf"
+    write_mixed_gguf(path, tiny_hf_state_dict(tie=False))
+    hf_config, floats, _ = jgguf.load_gguf(path)
+    _, blocks, _ = jgguf.load_gguf(path, keep_blocks=True)
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    want, got = params_from_hf(config, floats), params_from_hf(config, blocks)
+    assert gguf_blocks.kept_projections(got) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+    with caplog.at_level("WARNING", logger="jaxpaged"):
+        check_kept(got, "mixed.gguf")
+    assert "['down_proj'] of mixed.gguf stay float" in caplog.text
+    for group, names in PROJECTIONS.items():
+        for name in names:
+            layers = got["params"]["layers"][group]
+            if name == "down_proj":
+                np.testing.assert_array_equal(layers[name], want["params"]["layers"][group][name])
+                continue
+            c, s, m = (layers[name + suffix] for suffix in gguf_blocks.SUFFIXES)
+            weight = (s[:, :, None, :] * c.astype(np.float32) + m[:, :, None, :]).reshape(
+                want["params"]["layers"][group][name].shape)
+            assert_bits_equal(weight, want["params"]["layers"][group][name])  # rows un-permuted alike
+    # The model on both trees: one prefill of 12 tokens, logits equal up to float32 summation order.
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 12).astype(np.int32)
+    kv = jax.numpy.zeros((config.num_layers, 2, config.num_kv_heads, 4, 4, config.head_dim))
+    n = len(tokens)
+    args = (kv, tokens, np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), np.array([[0, 1, 2, 3]], np.int32),
+            np.array([n], np.int32), np.array([0, n], np.int32), np.arange(n, dtype=np.int32))
+    model = jax.jit(CausalLM(config).apply)
+    np.testing.assert_allclose(np.asarray(model(got, *args)[0]), np.asarray(model(want, *args)[0]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="has none"):  # a file none of whose projections is kept
+        check_kept(want, "floats.gguf")

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.device.expert_parallel import all_to_all_experts
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import leaf_dtype
+from jaxpaged.models.gguf_blocks import PROJECTIONS, leaf_dtype
 
 TP = "tp"
 
@@ -58,7 +58,6 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "gguf_out": None,
 }
 
-GGUF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Parameter name (the last key of its path) -> logical axes. Parameters under "layers" carry a
 # leading stacked "layers" axis (nn.scan), added by `param_logical_axes`.
 PARAM_AXES: dict[str, tuple[str, ...]] = {
@@ -82,8 +81,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "expert_down": ("experts", "expert_mlp", "embed"),
     # GGUF block leaves (quantization="gguf", models/gguf_blocks.py): replicated, as tensor_parallel_size
     # must be 1 with them; a data-parallel replica's one-device mesh places them whole.
-    **{f"{name}_codes": ("gguf_blocks", "gguf_block", "gguf_out") for name in GGUF_PROJECTIONS},
-    **{f"{name}_{part}": ("gguf_blocks", "gguf_out") for name in GGUF_PROJECTIONS for part in ("scales", "mins")},
+    **{f"{name}_codes": ("gguf_blocks", "gguf_block", "gguf_out") for name in PROJECTIONS},
+    **{f"{name}_{part}": ("gguf_blocks", "gguf_out") for name in PROJECTIONS for part in ("scales", "mins")},
 }
 # A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
 # last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).

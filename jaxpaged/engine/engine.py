@@ -126,7 +126,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._num_generated_tokens = 0
         self._num_steps = 0
-        self.weights = weights.WeightState()  # version, epoch, sleep level, aborted outputs (engine/weights.py)
+        self.weights = weights.WeightState(params)  # version, epoch, sleep level, aborted outputs (engine/weights.py)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
         # Tests set a list here to record ("dispatch", step) and ("readback", step) in order.
         self.events: list[tuple[str, int]] | None = None

@@ -20,15 +20,17 @@ While asleep, add_request raises (nothing is queued): call wake_up() first.
 
 from __future__ import annotations
 
-from jaxpaged.models.gguf_blocks import REFUSED_UPDATE, has_kept_weights
 from jaxpaged.device.sleep import SLEEP_LEVELS, sleep_runner, wake_runner
+from jaxpaged.models.gguf_blocks import REFUSED_UPDATE, has_kept_weights
 from jaxpaged.planner.weight_update import check_in_flight, discard_kv, resalt_waiting
 
 
 class WeightState:
     """Which weights the engine runs (user version, internal epoch) and whether it sleeps."""
 
-    def __init__(self):
+    def __init__(self, params=None):
+        # quantization="gguf": only trees of GGUF codes may replace these weights (kept across sleep).
+        self.keeps_gguf_codes = params is not None and has_kept_weights(params)
         self.version = 0  # the label users give (`update_params(version=)`); recorded per token
         self.epoch = 0  # bumped on every update: the prefix cache's salt (versions may repeat)
         self.sleep_level = 0  # 0: awake
@@ -51,7 +53,7 @@ def update_params(engine, params, *, version: int | None, in_flight: str) -> Non
     if in_flight != "keep" and engine.beams:
         raise ValueError(f"in_flight={in_flight!r} with beam searches running; use in_flight='keep' "
                          "or finish the searches first")
-    if has_kept_weights(engine.runner.served_params) and not has_kept_weights(params):
+    if state.keeps_gguf_codes and not has_kept_weights(params):
         raise ValueError(REFUSED_UPDATE)  # float weights for an engine serving GGUF codes (models/gguf_blocks.py)
     engine.runner.update_params(params)  # ValueError on a wrong tree/shape/dtype: nothing changed
     state.version = state.version + 1 if version is None else version

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from jaxpaged.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -84,9 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV page storage: auto = the model dtype; int8 / float8_e4m3fn (vLLM's fp8, fp8_e4m3) = "
                         "quantized values plus a scale per token and KV head (about 2x the sequences of a bfloat16 "
                         "cache in the same memory)")
-    e.add_argument("--quantization", "-q", choices=["gguf"], default=None,
+    e.add_argument("--quantization", "-q", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 projections as their block codes, dequantized "
-                        "layer by layer in each step to the same float values (a quarter of the weight bytes read)")
+                        "layer by layer in each step to the same float values (1.25 bytes per weight read)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                    help="logprobs of the model's distribution, or of the one each token was drawn from")

@@ -282,9 +282,8 @@ def load_gguf(path_or_file, *, weights: bool = True, keep_blocks: bool = False):
 
 
 # Layer projections that `keep_blocks` may keep as codes (the model dequantizes them: gguf_blocks.py).
-KEPT_PROJECTIONS = tuple(f"{name}.weight" for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                       "mlp.down_proj"))
+KEPT_PROJECTIONS = tuple(f"{'mlp' if name in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{name}.weight"
+                         for name in gguf_blocks.PROJECTIONS)
 
 
 def dequantize_state_dict(gguf_file, config, arch: str = "llama", keep_blocks: bool = False) -> dict:

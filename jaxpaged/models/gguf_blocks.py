@@ -12,16 +12,18 @@ kept here in one layout, one byte per value, so every kind stacks and dequantize
     codes uint8 [rows, cols]   scales float32 [rows, cols / 32]   mins float32 [rows, cols / 32]
     w = scales * codes + mins  (Q4_0: codes q, mins -8d; Q8_0: codes q + 128, mins -128d)
 
-Each w is bit-identical to gguf's own float32 dequantization: scales * codes has at most 11 + 8
-significant bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m` is
-(fused multiply-add or not); for Q4_0 and Q8_0 the sum d * (q - 8), d * q is exact itself. The step
-reads 1.25 bytes per weight instead of 4 (a CPU decode step is bound by reading its weights:
-benchmarks/peers/README.md).
+Each w equals gguf's own float32 dequantization: scales * codes has at most 11 + 8 significant
+bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m` is (fused
+multiply-add or not); for Q4_0 and Q8_0 the sum, d * (q - 8) or d * q, is exact itself. Bit for bit
+too, but for the sign of a zero: gguf's d * 0 is -0.0 where d is negative, here +0.0. The
+step reads 1.25 bytes per weight instead of 4 in a float32 engine (2 in bfloat16); a CPU decode step
+is bound by reading its weights (benchmarks/peers/README.md). Measured on the CPU only.
 
 In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
 `name_codes` [in/32, 32, out], `name_scales` and `name_mins` [in/32, out] (plus the leading layers
-axis), `in` and `out` being the float weight's first axis and the product of the others. Only layer
-projections are kept (q/k/v/o, gate/up/down); other tensors and other block types are float.
+axis), `in` and `out` being the float weight's first axis and the product of the others. Only dense
+layer projections are kept (`PROJECTIONS`); the embedding, an untied output head, MoE experts and
+other block types (K quants) stay float, and so does a projection any layer of which is not kept.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import numpy as np
 
 BLOCK = 32
 SUFFIXES = ("_codes", "_scales", "_mins")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KEPT_LEAVES = frozenset(name + suffix for name in PROJECTIONS for suffix in SUFFIXES)
 # gguf.GGMLQuantizationType values: Q4_0, Q4_1, Q8_0.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-QUANTIZATIONS = (None, "gguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,7 @@ def stacked_leaves(name: str, layers: list[BlockCodes]) -> dict[str, np.ndarray]
 
 
 def is_kept_leaf(name: str) -> bool:
-    return name.endswith(SUFFIXES)
+    return name in KEPT_LEAVES
 
 
 def leaf_dtype(name: str, dtype):
@@ -100,9 +103,14 @@ def leaf_dtype(name: str, dtype):
     return np.dtype(np.float32) if is_kept_leaf(name) else dtype
 
 
+def kept_projections(params) -> list[str]:
+    """The projections of `params` held as codes, e.g. ["q_proj", ..., "down_proj"]."""
+    names = {str(getattr(path[-1], "key", "")) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return [name for name in PROJECTIONS if name + "_codes" in names]
+
+
 def has_kept_weights(params) -> bool:
-    paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    return any(is_kept_leaf(str(getattr(path[-1], "key", ""))) for path, _ in paths)
+    return bool(kept_projections(params))
 
 
 REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf'), so new weights must come "

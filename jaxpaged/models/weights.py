@@ -18,7 +18,7 @@ import logging
 
 import jax.numpy as jnp
 
-from jaxpaged.models import checkpoint, loading
+from jaxpaged.models import checkpoint, gguf_blocks, loading
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.hf_weights import params_from_hf
 
@@ -46,4 +46,19 @@ def load_model(model: str | None, dtype: str, quantization: str | None = None):
     # A cache that cannot be read or written costs a conversion, never a failed start.
     params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert,
                                          format_tag=_FORMAT + ("-gguf-blocks" if keep_blocks else ""))
+    if keep_blocks:
+        check_kept(params, files.source_id)
     return config, params, files.tokenizer
+
+
+def check_kept(params, source_id: str) -> None:
+    """quantization="gguf": refuses a file none of whose projections are Q4_0 / Q4_1 / Q8_0 (it would
+    run as float, not as asked); names the projections that stay float in a mixed file."""
+    kept = gguf_blocks.kept_projections(params)
+    if not kept:
+        raise ValueError(f"quantization='gguf' keeps Q4_0 / Q4_1 / Q8_0 projections, and {source_id!r} has none "
+                         "(its layers use other block types, e.g. K quants, which jaxpaged dequantizes at load); "
+                         "leave quantization None")
+    if len(kept) < len(gguf_blocks.PROJECTIONS):
+        logger.warning("quantization='gguf': %s of %s stay float (a layer stores them in a block type other than "
+                       "Q4_0 / Q4_1 / Q8_0)", [n for n in gguf_blocks.PROJECTIONS if n not in kept], source_id)
