@@ -102,4 +102,4 @@ def own_copy(params, dtype, tp=None):
     default = jax.devices()[0]
     return jax.tree_util.tree_map_with_path(lambda path, x: jnp.array(
         np.asarray(x) if isinstance(x, jax.Array) and x.sharding.device_set != {default} else x,
-        dtype=leaf_dtype(str(getattr(path[-1], "key", "")), dtype), copy=True), params)
+        dtype=leaf_dtype(path, dtype), copy=True), params)

@@ -8,7 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.gguf_blocks import is_kept_leaf, leaf_dtype
+from jaxpaged.models.gguf_blocks import is_kept_leaf, leaf_dtype, leaf_name
 
 
 def check_param_dtypes(params, dtype) -> None:
@@ -19,11 +19,10 @@ def check_param_dtypes(params, dtype) -> None:
 
     def check(path, x):
         x_dtype = getattr(x, "dtype", None)
-        name = str(getattr(path[-1], "key", "")) if path else ""
-        if is_kept_leaf(name):  # GGUF codes, scales and mins (quantization="gguf") have fixed dtypes
-            if x_dtype is None or jnp.dtype(x_dtype) != leaf_dtype(name, dtype):
+        if is_kept_leaf(leaf_name(path)):  # GGUF codes, scales and mins (quantization="gguf") have fixed dtypes
+            if x_dtype is None or jnp.dtype(x_dtype) != leaf_dtype(path, dtype):
                 raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; GGUF block leaves are "
-                                 f"{leaf_dtype(name, dtype)} (models/gguf_blocks.py): pass them as llm.params has them")
+                                 f"{leaf_dtype(path, dtype)} (models/gguf_blocks.py): pass them as llm.params has them")
             return
         if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
             raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating "

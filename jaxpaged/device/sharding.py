@@ -233,7 +233,7 @@ class TensorParallel:
         params = replicate_kv_heads(params, self.kv_head_replicas)
 
         def place(path, leaf, sharding):
-            leaf_type = leaf_dtype(str(getattr(path[-1], "key", "")), dtype)  # GGUF codes keep theirs
+            leaf_type = leaf_dtype(path, dtype)  # GGUF codes, scales and mins keep theirs
             if isinstance(leaf, jax.Array):  # already on a device (a checkpoint restore, a trainer's step)
                 return jax.device_put(leaf, sharding, may_alias=False).astype(leaf_type)
             return jax.device_put(np.asarray(leaf).astype(leaf_type), sharding)

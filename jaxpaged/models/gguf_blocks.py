@@ -96,16 +96,23 @@ def is_kept_leaf(name: str) -> bool:
     return name in KEPT_LEAVES
 
 
-def leaf_dtype(name: str, dtype):
-    """The dtype a parameter leaf is stored in: codes uint8, scales and mins float32, the rest `dtype`."""
-    if name.endswith("_codes"):
-        return np.dtype(np.uint8)
-    return np.dtype(np.float32) if is_kept_leaf(name) else dtype
+def leaf_name(path) -> str:
+    """The last key of a jax key path: the parameter's own name ("" for a bare array)."""
+    return str(getattr(path[-1], "key", "")) if path else ""
+
+
+def leaf_dtype(path, dtype):
+    """The dtype the parameter leaf at `path` is stored in: codes uint8, scales and mins float32,
+    every other leaf `dtype`."""
+    name = leaf_name(path)
+    if not is_kept_leaf(name):
+        return dtype
+    return np.dtype(np.uint8) if name.endswith("_codes") else np.dtype(np.float32)
 
 
 def kept_projections(params) -> list[str]:
     """The projections of `params` held as codes, e.g. ["q_proj", ..., "down_proj"]."""
-    names = {str(getattr(path[-1], "key", "")) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    names = {leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     return [name for name in PROJECTIONS if name + "_codes" in names]
 
 
