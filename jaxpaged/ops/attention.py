@@ -166,22 +166,21 @@ def chunked_paged_attention(
     Same contract and padding rules as the reference; tested against it.
     """
 
-    def read(pool, head, chunk_pages):  # [T, P_c] -> [T, P_c, page_size, H] of one KV head, dequantized if quantized
-        if isinstance(pool, QuantizedKV):
-            return dequantize(pool.pages[head, chunk_pages], pool.scales[head, chunk_pages])
-        return pool[head, chunk_pages]
+    def read(pool, head, pages):  # [(K if head is a slice,) *pages.shape, page_size, H], dequantized if quantized
+        quantized = isinstance(pool, QuantizedKV)
+        return dequantize(pool.pages[head, pages], pool.scales[head, pages]) if quantized else pool[head, pages]
 
-    def gather_head(chunk_pages, head):  # [T, P_c] -> K and V of KV head `head` as [T, P_c, page_size, H]
+    def gather(chunk_pages, head):  # [T, P_c] -> K and V of KV head `head` as [T, P_c, page_size, H]
         return read(k_pages, head, chunk_pages), read(v_pages, head, chunk_pages)
 
     def read_seq(pool, pages):  # [P_c] -> [K, P_c * page_size, H]
-        x = dequantize(pool.pages[:, pages], pool.scales[:, pages]) if isinstance(pool, QuantizedKV) else pool[:, pages]
+        x = read(pool, slice(None), pages)
         return x.reshape(x.shape[0], -1, x.shape[-1])
 
     def gather_seq(pages):  # one sequence's pages [P_c] -> K and V as [K, P_c * page_size, H]
         return read_seq(k_pages, pages), read_seq(v_pages, pages)
 
-    return _chunked_attention(q, gather_head, gather_seq, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
+    return _chunked_attention(q, gather, gather_seq, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                               pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
 
@@ -209,13 +208,12 @@ def chunked_paged_attention_from_buffer(
     marked `reads_whole_kv_buffer` this way.
     """
 
-    def read(kv, head, pages):  # advanced indices first: [*pages.shape, page_size, H] (head an int) or
-        # [*pages.shape, K, page_size, H] (head a slice)
+    def read(kv, head, pages):  # advanced indices first: [*pages.shape, (K if head is a slice,) page_size, H]
         if isinstance(kv_pages, QuantizedKV):  # dequantize only the gathered pages
             return dequantize(kv_pages.pages[layer_idx, kv, head, pages], kv_pages.scales[layer_idx, kv, head, pages])
         return kv_pages[layer_idx, kv, head, pages]
 
-    def gather_head(chunk_pages, head):  # [T, P_c] -> K and V of KV head `head` as [T, P_c, page_size, H]
+    def gather(chunk_pages, head):  # [T, P_c] -> K and V of KV head `head` as [T, P_c, page_size, H]
         return read(0, head, chunk_pages), read(1, head, chunk_pages)
 
     def read_seq(kv, pages):  # [P_c] -> [P_c, K, page_size, H] -> [K, P_c * page_size, H]
@@ -225,7 +223,7 @@ def chunked_paged_attention_from_buffer(
     def gather_seq(pages):  # one sequence's pages [P_c] -> K and V as [K, P_c * page_size, H]
         return read_seq(0, pages), read_seq(1, pages)
 
-    return _chunked_attention(q, gather_head, gather_seq, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
+    return _chunked_attention(q, gather, gather_seq, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                               pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
 
@@ -234,7 +232,7 @@ chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
 chunked_paged_attention_from_buffer.has_decode_kernel = True  # told decode_only: the by-token path
 
 
-def _chunked_attention(q, gather_head, gather_seq, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
+def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
                        scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_blocks):
     """Decode-only steps: every token gathers its own sequence's keys (`_by_token`, one token per
     sequence). Other steps go by query blocks (`_by_query_block`): a prompt chunk's tokens share one
@@ -263,11 +261,11 @@ def _chunked_attention(q, gather_head, gather_seq, num_kv_heads, page_size, bloc
     qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
     by_token = _Chunks(pages_per_chunk, pages_per_chunk * page_size, soft_cap, sliding_window)
     if decode_only:
-        _, l, acc = _by_token(by_token, gather_head, qf, position, seq_pages[seq_idx])
+        _, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
     else:
         by_seq = _Chunks(seq_chunk_pages, seq_chunk_pages * page_size, soft_cap, sliding_window)
         by_tail = _Chunks(tail_pages, tail_pages * page_size, soft_cap, sliding_window)
-        _, l, acc = _by_query_block(by_token, by_seq, by_tail, gather_head, gather_seq, qf, position, seq_idx, q_len == 1,
+        _, l, acc = _by_query_block(by_token, by_seq, by_tail, gather, gather_seq, qf, position, seq_idx, q_len == 1,
                                     seq_pages, query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
@@ -310,37 +308,30 @@ class _Chunks:
         return m_new, l * correction + jnp.sum(p, axis=-1), acc
 
 
-def _init(*shape):  # (m, l, acc) of queries [*shape, H]
-    # A finite floor instead of -inf keeps e^(m - m') defined before the first visible key.
+def _init(*shape):  # (m, l, acc) of queries [*shape, H]; m's finite floor keeps e^(m - m') defined at the start
     return jnp.full(shape[:-1], jnp.float32(-1e30)), jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape, jnp.float32)
 
 
-def _by_token(chunks: _Chunks, gather_head, qf, position, pages):
-    """Each token reads its own copy of its sequence's keys: qf [B, K, G, H], position [B], pages [B, P].
-
-    One KV head at a time: a head's keys and values come in the pool's own order ([B, C, H], a page's
-    page_size * H values in a row) and the score and value matmuls take them as they are. Gathered
-    for all heads at once, as [B, C, K, H], XLA:CPU transposed every key and value it read: the
-    layer loop's attention at batch 16 ran 1.2-1.5x slower over 64-512 keys (benchmarks/peers/README.md).
-    """
+def _by_token(chunks: _Chunks, gather, qf, position, pages):
+    """Each token reads its own copy of its sequence's keys: qf [B, K, G, H], position [B], pages [B, P]; one KV
+    head at a time, [B, C, H] as the pool holds it (all heads at once XLA:CPU transposed: 1.3-1.4x slower)."""
     num_tokens, num_kv_heads = qf.shape[:2]
 
     def chunk_step(c, carry):
         chunk_pages = jax.lax.dynamic_slice_in_dim(pages, c * chunks.pages, chunks.pages, axis=1)
         visible = chunks.visible_from(c * chunks.length, position)  # [B, C]
-        heads = []
-        for head in range(num_kv_heads):
-            k, v = gather_head(chunk_pages, head)  # [B, P_c, page_size, H] each
-            k = k.reshape(num_tokens, chunks.length, -1).astype(jnp.float32)  # [B, C, H]
-            v = jnp.where(visible[:, :, None], v.reshape(k.shape).astype(jnp.float32), 0.0)  # 0 * NaN would be NaN
-            heads.append(chunks.update(tuple(x[:, head] for x in carry), jnp.einsum("tgh,tch->tgc", qf[:, head], k),
-                                       visible[:, None, :], v, "tgc,tch->tgh"))
-        return tuple(jnp.stack(x, axis=1) for x in zip(*heads))  # (m, l, acc) of every head: [B, K, G(, H)]
+        def head_step(head):  # this KV head's (m, l, acc), its pages [B, P_c, page_size, H] read as [B, C, H]
+            k, v = (x.reshape(num_tokens, chunks.length, -1).astype(jnp.float32) for x in gather(chunk_pages, head))
+            v = jnp.where(visible[:, :, None], v, 0.0)  # 0 * NaN would be NaN
+            return chunks.update(tuple(x[:, head] for x in carry), jnp.einsum("tgh,tch->tgc", qf[:, head], k),
+                                 visible[:, None, :], v, "tgc,tch->tgh")
+
+        return tuple(jnp.stack(x, axis=1) for x in zip(*map(head_step, range(num_kv_heads))))  # [B, K, G(, H)]
 
     return jax.lax.fori_loop(*chunks.range(position), chunk_step, _init(*qf.shape))
 
 
-def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather_head, gather_seq, qf, position, seq_idx,
+def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather, gather_seq, qf, position, seq_idx,
                     single, seq_pages, num_real, block, max_seqs):
     """Blocks of up to `block` tokens in order, each starting where the last one stopped:
 
@@ -391,7 +382,7 @@ def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather
         return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
     def per_token(qb, pos_b, seq_b):
-        return _by_token(by_token, gather_head, qb, pos_b, seq_pages[seq_b])
+        return _by_token(by_token, gather, qb, pos_b, seq_pages[seq_b])
 
     def block_step(carry):
         start, out = carry  # the token at `start` is real and not done
