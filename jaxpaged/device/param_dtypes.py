@@ -20,9 +20,10 @@ def check_param_dtypes(params, dtype) -> None:
     def check(path, x):
         x_dtype = getattr(x, "dtype", None)
         if is_kept_leaf(leaf_name(path)):  # GGUF codes, scales and mins (quantization="gguf") have fixed dtypes
-            if x_dtype is None or jnp.dtype(x_dtype) != leaf_dtype(path, dtype):
+            kept_dtype = leaf_dtype(path, dtype)
+            if x_dtype is None or jnp.dtype(x_dtype) != kept_dtype:
                 raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; GGUF block leaves are "
-                                 f"{leaf_dtype(path, dtype)} (models/gguf_blocks.py): pass them as llm.params has them")
+                                 f"{kept_dtype} (models/gguf_blocks.py): pass them as llm.params has them")
             return
         if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
             raise ValueError(f"param {jax.tree_util.keystr(path)} has dtype {x_dtype}; weights must be floating "
