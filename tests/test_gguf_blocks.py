@@ -116,10 +116,24 @@ def _same_as_floats(outputs, float_outputs):
             np.testing.assert_allclose([a[t].logprob for t in a], [b[t].logprob for t in a], atol=2e-4)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla-dequantize"])
 @pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
-def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_layer_weights):
+def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_layer_weights, kernel, monkeypatch):
+    """Both ways of multiplying the codes: the CPU kernel (ops/gguf_matmul.cc) or XLA's dequantize-then-dot."""
+    from jaxpaged.ops import gguf_matmul
+
+    if kernel and not gguf_matmul.available():
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    monkeypatch.setenv(gguf_matmul.DISABLE_ENV, "1" if kernel else "0")
     llm = LLM(quantization="gguf", per_layer_weights=per_layer_weights, **ENGINE)
-    assert gguf_blocks.has_kept_weights(llm.params)
+    runner = llm.engine.runner
+    assert gguf_blocks.has_kept_weights(llm.params) and runner.gguf_kernel == kernel
+    # The decode program: the kernel's calls read the codes where they lie, no uint8 slice is copied.
+    hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
+    calls_per_program = 7 * (len(runner.served_params["params"]["layers"]) if per_layer_weights else 1)  # unrolled
+    assert hlo.count('custom_call_target="jaxpaged_gguf_matmul"') == (calls_per_program if kernel else 0)
+    sliced_codes = [line for line in hlo.splitlines() if "= u8[" in line and "dynamic-slice" in line]
+    assert not sliced_codes if kernel else (sliced_codes or per_layer_weights)
     _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
 
 

@@ -27,6 +27,7 @@ from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.gguf_blocks import cpu_kernel_serves
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
@@ -38,11 +39,8 @@ from jaxpaged.device.sharding import TensorParallel
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
 # are leaves; `decode_only` is metadata, part of the tree structure, hence static under jit.
 _STEP_META_FIELDS = ("decode_only",)
-jax.tree_util.register_dataclass(
-    StepInput,
-    data_fields=[f.name for f in dataclasses.fields(StepInput) if f.name not in _STEP_META_FIELDS],
-    meta_fields=list(_STEP_META_FIELDS),
-)
+jax.tree_util.register_dataclass(StepInput, meta_fields=list(_STEP_META_FIELDS), data_fields=[
+    f.name for f in dataclasses.fields(StepInput) if f.name not in _STEP_META_FIELDS])
 __all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "prepare_step_input"]
 
 
@@ -69,9 +67,8 @@ class ModelRunner:
     real step for that sharding's devices (e.g. an H100 from a CPU host: benchmarks/h100/), and
     `execute` refuses.
 
-    `per_layer_weights`: serve from one weight buffer per layer, layers unrolled (device/layer_params.py:
-    no weight copies in the step); None: on a GPU, single device. The CPU default stays one scan over
-    stacked weights: unrolled, a CPU program compiles ~5x longer and measured no faster.
+    `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
+    copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster).
     """
 
     def __init__(
@@ -129,8 +126,10 @@ class ModelRunner:
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
+        self.gguf_kernel = cpu_kernel_serves(params, platform, self.tp is not None, model_config.dtype)  # gguf_matmul.cc
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
-                                  vocab_major_head=platform == "cpu" and self.tp is None)  # llama.tied_lm_head
+                                  vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
+                                  gguf_kernel=self.gguf_kernel)
         self.model, self.decode_model = model(), model(decode_only=True)
         self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights

@@ -14,6 +14,7 @@ reading its own weights in place. Either way the KV buffer
 rides in the carry, so XLA updates it in place when the caller donates it.
 """
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -25,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
 from jaxpaged.models.config import LongRope, ModelConfig, RopeScaling
-from jaxpaged.models.gguf_blocks import linear_weight
+from jaxpaged.models.gguf_blocks import linear, stack_of
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
@@ -129,15 +130,18 @@ class Attention(nn.Module):
     # window: passed as is. Two (Gemma's local + global): `is_local` (traced, per layer) picks
     # between two calls by lax.cond, so each backend sees a static window.
     windows: tuple[int | None, ...] = (None,)
+    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-                 query_start_loc, is_local=None, kv_centres=None):
+                 query_start_loc, is_local=None, kv_centres=None, gguf_stack=None):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
-        weight = lambda name, shape: linear_weight(self, name, shape, self.dtype, _init)  # GGUF codes or float
-        q = jnp.einsum("TD,DNH->TNH", x, weight("q_proj", (dim, n, h)))
-        key = jnp.einsum("TD,DKH->TKH", x, weight("k_proj", (dim, k, h)))
-        value = jnp.einsum("TD,DKH->TKH", x, weight("v_proj", (dim, k, h)))
+        # Float weights, or GGUF codes: dequantized by XLA or multiplied by the CPU kernel (models/gguf_blocks.py).
+        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernel=self.gguf_kernel,
+                                    stack=gguf_stack, layer=layer_idx)
+        q = project("q_proj", x, (dim, n, h), "TD,DNH->TNH")
+        key = project("k_proj", x, (dim, k, h), "TD,DKH->TKH")
+        value = project("v_proj", x, (dim, k, h), "TD,DKH->TKH")
         if self.attention_bias:
             q = q + self.param("q_bias", _init, (n, h), self.dtype)
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
@@ -184,8 +188,7 @@ class Attention(nn.Module):
             out = (out.astype(jnp.float32) + jnp.repeat(centre[1], n // k, axis=0)).astype(out.dtype)
         # One plain [T, N*H] x [N*H, D] matmul (both reshapes are free). The einsum "TNH,NHD->TD" let XLA
         # contract (H, N) in that order: the CPU program transposed o_proj (and the activations) every layer.
-        o_proj = weight("o_proj", (n, h, dim))
-        y = jnp.einsum("TM,MD->TD", out.astype(self.dtype).reshape(-1, n * h), o_proj.reshape(n * h, dim))
+        y = project("o_proj", out.astype(self.dtype).reshape(-1, n * h), (n, h, dim), "TM,MD->TD", matrix=True)
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
         return y, kv_pages
@@ -195,14 +198,16 @@ class MLP(nn.Module):
     intermediate_size: int
     dtype: jnp.dtype
     act: str = "silu"
+    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
 
     @nn.compact
-    def __call__(self, x: Float[Array, "num_tokens dim"]) -> Float[Array, "num_tokens dim"]:
+    def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, gguf_stack=None) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
-        weight = lambda name, shape: linear_weight(self, name, shape, self.dtype, _init)  # GGUF codes or float
-        gate = jnp.einsum("TD,DF->TF", x, weight("gate_proj", (dim, f)))
-        up = jnp.einsum("TD,DF->TF", x, weight("up_proj", (dim, f)))
-        return jnp.einsum("TF,FD->TD", ACTIVATIONS[self.act](gate) * up, weight("down_proj", (f, dim)))
+        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernel=self.gguf_kernel,
+                                    stack=gguf_stack, layer=layer_idx)  # float or GGUF codes (models/gguf_blocks.py)
+        gate = project("gate_proj", x, (dim, f), "TD,DF->TF")
+        up = project("up_proj", x, (dim, f), "TD,DF->TF")
+        return project("down_proj", ACTIVATIONS[self.act](gate) * up, (f, dim), "TF,FD->TD")
 
 
 class DecoderLayer(nn.Module):
@@ -212,10 +217,12 @@ class DecoderLayer(nn.Module):
     attention_fn: AttentionFn
     decode_only: bool = False
     expert_fn: ExpertFn = grouped_experts
+    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
-                 kv_centres=None):
+                 kv_centres=None, gguf_stack=None):
+        # gguf_stack: {"attn": {...}, "mlp": {...}} kept leaves of every layer, or None (gguf_blocks.linear)
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
         x, kv_pages = carry
@@ -226,11 +233,12 @@ class DecoderLayer(nn.Module):
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
-            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), name="attn",
+            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.gguf_kernel, name="attn",
         )
+        stack = gguf_stack or {}
         h, kv_pages = attn(
             norm("input_norm")(x), cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-            query_start_loc, is_local, kv_centres,
+            query_start_loc, is_local, kv_centres, stack.get("attn"),
         )
         x = x + (norm("attn_out_norm")(h) if c.sandwich_norms else h)
         h = norm("post_attn_norm")(x)  # the norm in front of the MLP
@@ -238,7 +246,7 @@ class DecoderLayer(nn.Module):
             h = MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.hidden_act,
                     dtype, self.expert_fn, name="moe")(h)
         else:
-            h = MLP(c.intermediate_size, dtype, c.hidden_act, name="mlp")(h)
+            h = MLP(c.intermediate_size, dtype, c.hidden_act, self.gguf_kernel, name="mlp")(h, layer_idx, stack.get("mlp"))
         x = x + (norm("mlp_out_norm")(h) if c.sandwich_norms else h)
         return (x, kv_pages), None
 
@@ -253,6 +261,10 @@ class CausalLM(nn.Module):
     # Static: a tied LM head computes embedding @ x^T where that is faster (tied_lm_head); the
     # runner sets it for XLA:CPU. Same logits up to float32 summation order.
     vocab_major_head: bool = False
+    # Static: layer projections kept as GGUF codes are multiplied by the CPU kernel (ops/gguf_matmul.cc)
+    # in steps of up to gguf_blocks.KERNEL_MAX_ROWS tokens; the runner sets it on XLA:CPU. Same
+    # dequantized weights, float32 sums in another order.
+    gguf_kernel: bool = False
 
     @nn.compact
     def __call__(
@@ -291,7 +303,7 @@ class CausalLM(nn.Module):
             # One parameter tree per layer (the runner's serving layout, device/layer_params.py): the
             # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
             # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
-            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, parent=None)
+            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.gguf_kernel, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
@@ -301,11 +313,14 @@ class CausalLM(nn.Module):
                 DecoderLayer,
                 variable_axes={"params": 0, "intermediates": 0},  # a leading num_layers axis (intermediates: MoE ids)
                 split_rngs={"params": True},
-                in_axes=(0, 0) + (nn.broadcast,) * 6,  # layer_idx and is_local scanned, the step's arrays shared
+                in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
-            )(c, self.attention_fn, self.decode_only, self.expert_fn, name="layers")
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.gguf_kernel, name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared)
+            # The kernel reads codes from the whole stack at layer_idx (no per-layer slice copies).
+            stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})
+            gguf_stack = {m: stack_of(stacked, m) for m in ("attn", "mlp")} if self.gguf_kernel and stacked else None
+            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, gguf_stack)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
