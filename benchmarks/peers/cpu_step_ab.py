@@ -2,6 +2,10 @@
 
     python -m benchmarks.peers.cpu_step_ab '{}' '{"per_layer_weights": true}' [--rounds 12]
         # writes benchmarks/results/cpu_step_ab.json, prints one table
+    python -m benchmarks.peers.cpu_step_ab '{"quantization": "gguf"}' \
+        '{"quantization": "gguf", "env": {"JAXPAGED_GGUF_KERNEL": "0"}}'   # the CPU kernel vs XLA's path
+
+A setting's "env" (environment variables) is set while its engine is built, then restored.
 
 On a shared 2-core machine a profile run minutes after another sees different load. Here every
 setting builds its own engine (warm-up off: only the decode program of `--batch` sequences compiles),
@@ -38,12 +42,21 @@ def main() -> None:
     runs = []
     for text in args.settings:
         engine_args = json.loads(text)
+        env = engine_args.pop("env", {})
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         t = time.perf_counter()
-        llm = LLM(enable_prefix_caching=False, warmup=False, **engine_args)
+        try:
+            llm = LLM(enable_prefix_caching=False, warmup=False, **engine_args)
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        engine_args = dict(engine_args, **({"env": env} if env else {}))
         runner = llm.engine.runner  # internal, read-only
         step_input = decode_step_input(runner, args.batch, args.context)
         runner.execute(step_input).block_until_ready()  # compiles (or loads from the persistent cache)
         runs.append({"engine_args": engine_args, "per_layer_weights": runner.per_layer_weights,
+                     "gguf_kernel": getattr(runner, "gguf_kernel", False),
                      "build_and_first_step_s": time.perf_counter() - t, "runner": runner, "input": step_input,
                      "wall": [], "cpu": []})
     load_start = os.getloadavg()
@@ -55,6 +68,7 @@ def main() -> None:
                 run["wall"].append(time.perf_counter() - t)
                 run["cpu"].append(time.process_time() - c)
     rows = [{"setting": json.dumps(r["engine_args"]), "per_layer_weights": r["per_layer_weights"],
+             "gguf_kernel": r["gguf_kernel"],
              "wall_best_ms": min(r["wall"]) * 1e3, "wall_median_ms": statistics.median(r["wall"]) * 1e3,
              "cpu_best_ms": min(r["cpu"]) * 1e3, "cpu_median_ms": statistics.median(r["cpu"]) * 1e3,
              "build_and_first_step_s": r["build_and_first_step_s"]} for r in runs]
