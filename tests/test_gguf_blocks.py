@@ -119,12 +119,12 @@ def _same_as_floats(outputs, float_outputs):
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla-dequantize"])
 @pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
 def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_layer_weights, kernel, monkeypatch):
-    """Both ways of multiplying the codes: the CPU kernel (ops/gguf_matmul.cc) or XLA's dequantize-then-dot."""
-    from jaxpaged.ops import gguf_matmul
+    """Both ways of multiplying the codes: the CPU kernel (ops/cpu/gguf_matmul.cc) or XLA's dequantize-then-dot."""
+    from jaxpaged.ops import cpu_kernels, gguf_matmul
 
     if kernel and not gguf_matmul.available():
         pytest.skip("no C++ compiler: the kernel cannot be built here")
-    monkeypatch.setenv(gguf_matmul.DISABLE_ENV, "1" if kernel else "0")
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1" if kernel else "0")
     llm = LLM(quantization="gguf", per_layer_weights=per_layer_weights, **ENGINE)
     runner = llm.engine.runner
     assert gguf_blocks.has_kept_weights(llm.params) and runner.gguf_kernel == kernel

@@ -1,11 +1,12 @@
-"""The CPU kernel for GGUF codes (jaxpaged/ops/gguf_matmul.cc) against a float64 numpy oracle.
+"""The CPU kernel for GGUF codes (jaxpaged/ops/cpu/gguf_matmul.cc) against a float64 numpy oracle.
 
 The oracle dequantizes the chosen layer itself (scales * codes + mins, as gguf_blocks documents) and
 multiplies in float64; the kernel's float32 sums must land within float32 rounding of it. The other
 layers of the stack hold NaN scales, so a read of the wrong layer (or past a strip, a chunk or a
-block group) poisons the result. Shapes cover the kernel's tails: rows not a multiple of its 8-row
-passes, columns ending in a 16-wide half strip and in a partial 128-column task, and K spanning
-more and fewer block groups (4 blocks of 32) than one.
+block group) poisons the result. Shapes cover the kernel's paths and tails: up to 8 rows (codes
+dequantized in registers) and more (a dequantized group in a buffer), rows not a multiple of its 8-row
+passes nor of its 64-row tasks, columns ending in a 16-wide half strip and in a partial 128-column
+task, and K spanning more and fewer block groups (2 blocks of 32) than one.
 """
 
 import os
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops import gguf_matmul as gm
 
 pytestmark = pytest.mark.skipif(not gm.available(), reason="no C++ compiler: the kernel cannot be built here")
@@ -40,7 +42,7 @@ def poison_other_layers(scales: np.ndarray, layer: int) -> np.ndarray:
     return scales
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 23, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 23, 64, 130])
 @pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (160, 144), (576, 272), (256, 192)])
 def test_kernel_matches_the_float64_oracle(m, k, n):
     num_layers, layer = 3, 1
@@ -90,16 +92,15 @@ def test_bad_shapes_and_layers_are_refused_with_what_to_pass():
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gm, "SOURCE", tmp_path / "broken.cc")
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "broken.cc").write_text("this is not C++\n")
     with pytest.raises(RuntimeError, match="compiling broken.cc failed"):
-        gm._build(gm._compiler())
-    assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-written is left to be loaded later
+        cpu_kernels.build("broken", cpu_kernels.compiler(), sources=tmp_path)
+    assert not list((tmp_path / "cache").glob("kernels/*.so"))  # nothing half-written is left to be loaded later
 
 
-def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv(gm.DISABLE_ENV, "0")
+def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
     assert not gm.enabled()
-    monkeypatch.delenv(gm.DISABLE_ENV)
-    assert gm.enabled() and os.path.isdir(gm._cache_dir())
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+    assert gm.enabled() and os.path.isdir(cpu_kernels.cache_dir())

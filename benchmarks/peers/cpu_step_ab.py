@@ -3,7 +3,7 @@
     python -m benchmarks.peers.cpu_step_ab '{}' '{"per_layer_weights": true}' [--rounds 12]
         # writes benchmarks/results/cpu_step_ab.json, prints one table
     python -m benchmarks.peers.cpu_step_ab '{"quantization": "gguf"}' \
-        '{"quantization": "gguf", "env": {"JAXPAGED_GGUF_KERNEL": "0"}}'   # the CPU kernel vs XLA's path
+        '{"quantization": "gguf", "env": {"JAXPAGED_CPU_KERNELS": "0"}}'   # the CPU kernel vs XLA's path
 
 A setting's "env" (environment variables) is set while its engine is built, then restored.
 

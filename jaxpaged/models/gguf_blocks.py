@@ -19,7 +19,7 @@ too, but for the sign of a zero: gguf's d * 0 is -0.0 where d is negative, here 
 step reads 1.25 bytes per weight instead of 4 in a float32 engine (2 in bfloat16); a CPU decode step
 is bound by reading its weights (benchmarks/peers/README.md). Measured on the CPU only. On XLA:CPU,
 steps of up to KERNEL_MAX_ROWS tokens multiply the codes with a C++ kernel (`linear`,
-ops/gguf_matmul.cc) that dequantizes them in registers to these same floats; elsewhere, and where it
+ops/cpu/gguf_matmul.cc) that dequantizes them in registers to these same floats; elsewhere, and where it
 cannot be built, XLA dequantizes the layer's weights, then multiplies.
 
 In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
@@ -128,7 +128,7 @@ REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='
                   "trainer's, Hugging Face names) build the LLM with quantization=None")
 
 
-# Tokens per step up to which the CPU kernel (ops/gguf_matmul.cc) multiplies the codes; above it XLA
+# Tokens per step up to which the CPU kernel (ops/cpu/gguf_matmul.cc) multiplies the codes; above it XLA
 # dequantizes the layer and runs its GEMM, which is as fast from ~64 rows (prefill chunks) on 2 cores
 # (benchmarks/peers/README.md, seventh pass).
 KERNEL_MAX_ROWS = 64
@@ -140,7 +140,7 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     [prod(shape[:-1]), shape[-1]]).
 
     `kernel` (static; the runner sets it on the CPU, models/llama.py CausalLM.gguf_kernel): a weight kept
-    as codes is multiplied by ops/gguf_matmul.cc, reading its codes where they lie: from `stack` (the
+    as codes is multiplied by ops/cpu/gguf_matmul.cc, reading its codes where they lie: from `stack` (the
     module's kept leaves over all layers, taken at `layer`; inside the scan over layers a slice of the
     module's own leaves would be a copy) or, without a stack, the module's own leaves (one layer).
     x must then be [T, in] float32 with T <= KERNEL_MAX_ROWS; otherwise XLA's path below runs."""
@@ -160,9 +160,9 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
 
 
 def cpu_kernel_serves(params, platform: str, sharded: bool, dtype) -> bool:
-    """Whether a runner multiplies kept codes with the CPU kernel (ops/gguf_matmul.cc): on XLA:CPU, one
+    """Whether a runner multiplies kept codes with the CPU kernel (ops/cpu/gguf_matmul.cc): on XLA:CPU, one
     device (a custom call has no sharding rule), float32 activations, the kernel built and not switched
-    off (JAXPAGED_GGUF_KERNEL=0)."""
+    off (JAXPAGED_CPU_KERNELS=0)."""
     if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32 or not has_kept_weights(params):
         return False
     from jaxpaged.ops.gguf_matmul import enabled

@@ -261,7 +261,7 @@ class CausalLM(nn.Module):
     # Static: a tied LM head computes embedding @ x^T where that is faster (tied_lm_head); the
     # runner sets it for XLA:CPU. Same logits up to float32 summation order.
     vocab_major_head: bool = False
-    # Static: layer projections kept as GGUF codes are multiplied by the CPU kernel (ops/gguf_matmul.cc)
+    # Static: layer projections kept as GGUF codes are multiplied by the CPU kernel (ops/cpu/gguf_matmul.cc)
     # in steps of up to gguf_blocks.KERNEL_MAX_ROWS tokens; the runner sets it on XLA:CPU. Same
     # dequantized weights, float32 sums in another order.
     gguf_kernel: bool = False

@@ -1,0 +1,73 @@
+// What the CPU kernels (gguf_matmul.cc, paged_attention.cc) share: 16-float vectors and a parallel
+// loop over XLA's intra-op threads.
+//
+// GCC vector extensions keep the kernels free of intrinsics: AVX-512 registers where the CPU has
+// them, two AVX2 halves otherwise (the kernels are compiled with -march=native: ../cpu_kernels.py).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxpaged {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_f32(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_f32(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+inline float sum(f32x16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline void pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Runs task(t) for t in [0, num_tasks) on the calling thread and up to num_threads - 1 of the pool's.
+// Tasks are handed out by an atomic counter; the caller works too and then waits only for the tasks
+// other threads have started. A helper that runs late (its pool busy with other work) finds nothing
+// left and returns, so no call ever waits on a queued helper: no deadlock when every pool thread is
+// itself inside such a call. The state outlives the call in the helpers' shared_ptr.
+template <typename Task>
+void parallel_for(xla::ffi::ThreadPool& pool, int64_t num_tasks, Task task) {
+  struct State {
+    Task task;
+    int64_t num_tasks;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    State(Task t, int64_t n) : task(std::move(t)), num_tasks(n) {}
+    void work() {
+      for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+        task(t);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  if (num_tasks <= 0) return;
+  auto state = std::make_shared<State>(std::move(task), num_tasks);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->work(); });
+  state->work();
+  while (state->done.load(std::memory_order_acquire) < num_tasks) pause();
+}
+
+}  // namespace jaxpaged

@@ -1,0 +1,245 @@
+// y = x @ W for a weight kept as GGUF block codes (jaxpaged/models/gguf_blocks.py), on the CPU.
+//
+//   x       float32 [M, K]          activations, row-major
+//   codes   uint8   [L, K, N]       ([L, K/32, 32, N] in the parameter tree: the same bytes)
+//   scales  float32 [L, K/32, N]    W[k, n] = scales[l, k/32, n] * codes[l, k, n] + mins[l, k/32, n]
+//   mins    float32 [L, K/32, N]
+//   layer   int32   []              l: which of the L stacked weights
+//   y       float32 [M, N]
+//
+// The whole stack comes in, not one layer's slice: inside the model's scan over layers a slice
+// is a copy (XLA's dynamic-slice fusions are memcpys), which would cost as much as reading it.
+//
+// XLA:CPU runs this as a dequantization fusion that writes the float32 weight to memory, then
+// Eigen's GEMM, which packs that weight again at every call. Here each weight byte is read once per
+// call and dequantized into a small buffer that stays in L1 for the multiply-adds that use it:
+//
+//        n0        n0+32                 a tile is a 32-column strip of W against 8 rows of x: 16
+//   k  [ 16 f32 | 16 f32 ]  <- W          vector accumulators. A task owns 128 columns (4 strips) and
+//        x 8 rows broadcast               reads their codes 64 k rows at a time, in order, dequantizing
+//                                         each group once into an L1 buffer for all 8-row passes.
+//
+// Each dequantized W[k, n] is the float gguf_blocks computes (one rounding of scale * code + min;
+// the product is exact), so y differs from XLA's only in the order of the float32 sums over k.
+// The 128-column tasks are shared out among XLA's intra-op threads (common.h, parallel_for). Built
+// at first use with the host's compiler (-march=native): ../cpu_kernels.py.
+
+#include <algorithm>
+
+#include "common.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxpaged::f32x16;
+using jaxpaged::load_f32;
+using jaxpaged::store_f32;
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+constexpr int kBlock = 32;  // GGUF values per scale
+constexpr int kStrip = 32;  // columns per tile: two vectors
+constexpr int kRows = 8;    // rows of x per pass over a strip
+constexpr int kChunk = 128; // columns per task
+constexpr int kRowBlock = 64; // rows per task, at most
+constexpr int kGroup = 2;   // blocks of k rows dequantized at a time (64 x 128 floats: 32 KB)
+
+// 16 codes as floats. GCC 12 scalarizes __builtin_convertvector from uint8, hence the intrinsics.
+inline f32x16 load_codes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+#elif defined(__AVX2__)
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  f32x16 v;
+  std::memcpy(&v, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &b, 32);
+  return v;
+#else
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+struct Problem {
+  const float* x;
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;
+  float* y;
+  int64_t m, k, n;
+};
+
+// Dequantizes the codes of blocks [b0, b1) (k rows 32 b0 .. 32 b1) and columns [c0, c1) into w,
+// row-major with `width` = c1 - c0 floats per k row: 16 codes at a time, converted and scaled in
+// registers (scale * code + min, the float gguf_blocks defines).
+void dequantize_group(const Problem& p, int64_t b0, int64_t b1, int64_t c0, int64_t c1, float* w) {
+  const int64_t width = c1 - c0;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t n = c0; n < c1; n += 16) {
+      const f32x16 scale = load_f32(p.scales + b * p.n + n), min = load_f32(p.mins + b * p.n + n);
+      const uint8_t* codes = p.codes + b * kBlock * p.n + n;
+      float* out = w + (b - b0) * kBlock * width + (n - c0);
+      for (int64_t i = 0; i < kBlock; ++i) store_f32(out + i * width, scale * load_codes(codes + i * p.n) + min);
+    }
+}
+
+// y[r0:r0+R, n0:n0+16*V] (V vectors of columns: 2, a whole strip, or 1, a 16-column tail) plus the
+// `depth` k rows from k0 of the dequantized group w (`width` floats per row, column n0 - c0 first):
+// starting from zero (k0 == 0) or from what y holds. 8 x 32: 16 accumulators, 2 loads and 8
+// broadcasts per 16 multiply-adds.
+template <int R, int V>
+void tile(const Problem& p, const float* w, int64_t width, int64_t depth, int64_t k0, int64_t r0, int64_t n0) {
+  f32x16 acc[R][V];
+  float* y = p.y + r0 * p.n + n0;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? f32x16{} : load_f32(y + r * p.n + 16 * v);
+  const float* x = p.x + r0 * p.k + k0;
+  for (int64_t i = 0; i < depth; ++i, w += width) {
+    f32x16 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load_f32(w + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * p.k + i];
+      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store_f32(y + r * p.n + 16 * v, acc[r][v]);
+}
+
+template <int V>
+void rows_tail(const Problem& p, const float* w, int64_t width, int64_t depth, int64_t k0, int64_t r0, int64_t rows,
+               int64_t n0) {
+  switch (rows) {
+    case 1: return tile<1, V>(p, w, width, depth, k0, r0, n0);
+    case 2: return tile<2, V>(p, w, width, depth, k0, r0, n0);
+    case 3: return tile<3, V>(p, w, width, depth, k0, r0, n0);
+    case 4: return tile<4, V>(p, w, width, depth, k0, r0, n0);
+    case 5: return tile<5, V>(p, w, width, depth, k0, r0, n0);
+    case 6: return tile<6, V>(p, w, width, depth, k0, r0, n0);
+    case 7: return tile<7, V>(p, w, width, depth, k0, r0, n0);
+    default: return tile<8, V>(p, w, width, depth, k0, r0, n0);
+  }
+}
+
+// y[0:R, n0:n0+16*V] for R <= 8 rows (one pass): the codes dequantized in registers right before
+// their multiply-adds, for blocks [b0, b1), starting from zero (b0 == 0) or from what y holds. With
+// a single pass a buffer would cost a store and a load per weight for nothing (1 row: 2x slower).
+template <int R, int V>
+void tile_direct(const Problem& p, int64_t r0, int64_t n0, int64_t b0, int64_t b1) {
+  f32x16 acc[R][V];
+  float* y = p.y + r0 * p.n + n0;
+  const float* x = p.x + r0 * p.k;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = b0 == 0 ? f32x16{} : load_f32(y + r * p.n + 16 * v);
+  for (int64_t b = b0; b < b1; ++b) {
+    f32x16 scale[V], min[V];
+    for (int v = 0; v < V; ++v) {
+      scale[v] = load_f32(p.scales + b * p.n + n0 + 16 * v);
+      min[v] = load_f32(p.mins + b * p.n + n0 + 16 * v);
+    }
+    const uint8_t* codes = p.codes + b * kBlock * p.n + n0;
+    for (int64_t i = 0; i < kBlock; ++i, codes += p.n) {
+      f32x16 w[V];
+      for (int v = 0; v < V; ++v) w[v] = scale[v] * load_codes(codes + 16 * v) + min[v];
+      for (int r = 0; r < R; ++r) {
+        const float xr = x[r * p.k + b * kBlock + i];
+        for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store_f32(y + r * p.n + 16 * v, acc[r][v]);
+}
+
+template <int V>
+void direct(const Problem& p, int64_t r0, int64_t rows, int64_t n0, int64_t b0, int64_t b1) {
+  switch (rows) {
+    case 1: return tile_direct<1, V>(p, r0, n0, b0, b1);
+    case 2: return tile_direct<2, V>(p, r0, n0, b0, b1);
+    case 3: return tile_direct<3, V>(p, r0, n0, b0, b1);
+    case 4: return tile_direct<4, V>(p, r0, n0, b0, b1);
+    case 5: return tile_direct<5, V>(p, r0, n0, b0, b1);
+    case 6: return tile_direct<6, V>(p, r0, n0, b0, b1);
+    case 7: return tile_direct<7, V>(p, r0, n0, b0, b1);
+    default: return tile_direct<8, V>(p, r0, n0, b0, b1);
+  }
+}
+
+// Task t: 128 columns (fewer in the last chunk of columns) of up to 64 rows (kRowBlock), row block
+// t / num_chunks, column chunk t % num_chunks: a prefill step's matmul has enough tasks to keep every
+// thread busy even where N is 192 or 576. The codes are read a group of kGroup blocks at a time, in
+// order (each k row's 128 bytes; the next group prefetched): DRAM is read as a stream. With more
+// than 8 rows a group is dequantized once into a 32 KB buffer that stays in L1 while every 8-row
+// pass of x multiplies it: the conversion is paid once per weight and row block, and the multiply
+// loop is a plain float32 one (one core: 83 -> 94-97 GFLOP/s at 64-256 rows, equal at 16).
+void chunk(const Problem& p, int64_t t) {
+  alignas(64) static thread_local float w[kGroup * kBlock * kChunk];
+  const int64_t num_chunks = (p.n + kChunk - 1) / kChunk, num_blocks = p.k / kBlock;
+  const int64_t c0 = t % num_chunks * kChunk, c1 = std::min(p.n, c0 + kChunk), width = c1 - c0;
+  const int64_t row_begin = t / num_chunks * kRowBlock, row_end = std::min(p.m, row_begin + kRowBlock);
+  for (int64_t b0 = 0; b0 < num_blocks; b0 += kGroup) {
+    const int64_t b1 = std::min(num_blocks, b0 + kGroup), b2 = std::min(num_blocks, b1 + kGroup);
+    for (const uint8_t* row = p.codes + b1 * kBlock * p.n + c0; row < p.codes + b2 * kBlock * p.n; row += p.n)
+      for (int64_t line = 0; line < width; line += 64) __builtin_prefetch(row + line);
+    if (row_end - row_begin <= kRows) {  // one pass over the group: dequantized in registers
+      for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
+        if (c1 - n0 < kStrip)
+          direct<1>(p, row_begin, row_end - row_begin, n0, b0, b1);
+        else
+          direct<2>(p, row_begin, row_end - row_begin, n0, b0, b1);
+      }
+      continue;
+    }
+    dequantize_group(p, b0, b1, c0, c1, w);
+    const int64_t depth = (b1 - b0) * kBlock, k0 = b0 * kBlock;
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, row_end - r0);
+      for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
+        if (c1 - n0 < kStrip)
+          rows_tail<1>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
+        else
+          rows_tail<2>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
+      }
+    }
+  }
+}
+
+ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                      ffi::Buffer<ffi::S32> layer_buffer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto s_dims = scales.dimensions();
+  if (x_dims.size() != 2 || s_dims.size() != 3 || layer_buffer.element_count() != 1)
+    return ffi::Error::InvalidArgument("gguf_matmul: x must be [M, K], scales [L, K/32, N], layer a scalar");
+  const int64_t m = x_dims[0], k = x_dims[1], num_layers = s_dims[0], n = s_dims[2];
+  if (k != s_dims[1] * kBlock || codes.element_count() != static_cast<size_t>(num_layers * k * n) ||
+      mins.element_count() != scales.element_count() || n % 16 != 0)
+    return ffi::Error::InvalidArgument("gguf_matmul: codes [L, K, N], scales/mins [L, K/32, N], N % 16 == 0");
+  // On the CPU every buffer is host memory: the layer index is read here, where the call runs.
+  const int64_t layer = *layer_buffer.typed_data();
+  if (layer < 0 || layer >= num_layers)
+    return ffi::Error::InvalidArgument("gguf_matmul: layer index out of range");
+  const int64_t blocks = layer * (k / kBlock) * n;  // scales (and mins) before this layer's
+  const Problem problem{x.typed_data(), codes.typed_data() + blocks * kBlock, scales.typed_data() + blocks,
+                        mins.typed_data() + blocks, y->typed_data(), m, k, n};
+  const int64_t num_tasks = (n + kChunk - 1) / kChunk * ((m + kRowBlock - 1) / kRowBlock);
+  jaxpaged::parallel_for(pool, num_tasks, [problem](int64_t t) { chunk(problem, t); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_matmul, GgufMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,116 @@
+"""The CPU decode-attention kernel (jaxpaged/ops/cpu/paged_attention.cc) and the backend wrapper.
+
+Oracle: test_attention's float64 loop over each sequence's contiguous K/V (`_naive`), and for sliding
+windows the plain `reference_paged_attention`. The pool is filled with NaN except the slots the
+sequences own, the pages are a random permutation, the other layers of the buffer are NaN too: a read
+of anything a sequence does not own poisons its row. Lengths sit on and around page boundaries.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention import _naive
+
+from jaxpaged.ops import cpu_attention, cpu_kernels
+from jaxpaged.ops.attention import chunked_paged_attention_from_buffer, reference_paged_attention
+from jaxpaged.ops.kv_quant import zeros_kv_cache
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: the kernel cannot be built")
+
+
+def paged_problem(page_size, num_heads, num_kv_heads, head_dim, seq_lens, seed=0, num_pages=40):
+    """A 3-layer buffer (layer 1 real, 0 and 2 NaN) holding `seq_lens` keys per sequence on random pages,
+    one query per sequence, and a padding row (seq_len 0) at the end."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = max(-(-n // page_size) for n in seq_lens) + 1
+    kv = np.full((3, 2, num_kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    block_tables = np.zeros((len(seq_lens) + 1, pages_per_seq), np.int32)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        k, v = (rng.standard_normal((n, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+        ks.append(k.astype(np.float64))
+        vs.append(v.astype(np.float64))
+        for p in range(-(-n // page_size)):
+            page_id = block_tables[i, p] = free.pop()
+            rows = slice(p * page_size, min(n, (p + 1) * page_size))
+            kv[1, 0, :, page_id, :rows.stop - rows.start] = k[rows].transpose(1, 0, 2)
+            kv[1, 1, :, page_id, :rows.stop - rows.start] = v[rows].transpose(1, 0, 2)
+    q = rng.standard_normal((len(seq_lens) + 1, num_heads, head_dim)).astype(np.float32)
+    return q, kv, block_tables, np.array([*seq_lens, 0], np.int32), ks, vs
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_kernel_matches_the_float64_loop(page_size, num_heads, num_kv_heads, head_dim):
+    seq_lens = [1, page_size - 1, page_size, page_size + 1, 3 * page_size + 2]
+    q, kv, tables, lens, ks, vs = paged_problem(page_size, num_heads, num_kv_heads, head_dim, seq_lens)
+    scale = head_dim**-0.5
+    out = np.asarray(jax.jit(cpu_attention.paged_decode_attention, static_argnames=("scale", "sliding_window"))(
+        q, kv, tables, lens, layer_idx=jnp.int32(1), scale=scale))
+    want = _naive(q, ks, vs, [1] * len(seq_lens), seq_lens, scale, None)
+    np.testing.assert_allclose(out[:-1], want, atol=2e-5, rtol=1e-5)
+    assert np.all(out[-1] == 0), "a padding row (seq_len 0) gives zeros"
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 40])
+def test_sliding_window_reads_only_the_window(window):
+    """Keys before the window are NaN as well: the kernel must not even read them."""
+    page_size, seq_lens = 4, [1, 3, 4, 5, 9, 14]
+    q, kv, tables, lens, _, _ = paged_problem(page_size, 4, 2, 16, seq_lens, seed=3)
+    want = reference_paged_attention(*map(jnp.asarray, (q, kv[1, 0], kv[1, 1], tables, lens)),
+                                     jnp.arange(len(lens) + 1, dtype=jnp.int32), scale=0.25, sliding_window=window)
+    for i, n in enumerate(seq_lens):  # poison what the window leaves out
+        for pos in range(max(0, n - window)):
+            kv[1, :, :, tables[i, pos // page_size], pos % page_size] = np.nan
+    got = cpu_attention.paged_decode_attention(q, kv, tables, lens, layer_idx=1, scale=0.25, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_what_to_pass():
+    q, kv, tables, lens, _, _ = paged_problem(4, 4, 2, 16, [5, 9])
+    with pytest.raises(ValueError, match="head_dim % 16 == 0"):
+        cpu_attention.paged_decode_attention(q[..., :8], kv[..., :8], tables, lens, layer_idx=1, scale=1.0)
+    bad = tables.copy()
+    bad[1, 1] = kv.shape[3]  # a page id past the pool
+    with pytest.raises(Exception, match="page id out of range"):
+        jax.block_until_ready(cpu_attention.paged_decode_attention(q, kv, bad, lens, layer_idx=1, scale=1.0))
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(cpu_attention.paged_decode_attention(q, kv, tables, lens, layer_idx=3, scale=1.0))
+
+
+def _wrapped(kv, soft_cap=None, decode_only=True):
+    """The wrapped backend, its arguments (sequences of 5 and 9 keys, one padding row) and keywords."""
+    q, _, tables, lens, _, _ = paged_problem(4, 4, 2, 16, [5, 9])
+    args = (jnp.asarray(q), kv, jnp.asarray(tables), jnp.asarray(lens), jnp.arange(len(lens) + 1, dtype=jnp.int32))
+    kwargs = dict(layer_idx=jnp.int32(1), scale=0.25, soft_cap=soft_cap, decode_only=decode_only)
+    return cpu_attention.with_cpu_decode(chunked_paged_attention_from_buffer), args, kwargs
+
+
+def test_the_backend_runs_the_kernel_only_where_it_applies():
+    kv = jnp.asarray(paged_problem(4, 4, 2, 16, [5, 9])[1])
+    cases = {"decode step": ({}, True), "soft cap": (dict(soft_cap=5.0), False),
+             "not decode-only": (dict(decode_only=False), False),
+             "int8 pool": (dict(kv=zeros_kv_cache(kv.shape, jnp.float32, "int8")), False)}
+    for name, (change, kernel) in cases.items():
+        fn, args, kwargs = _wrapped(change.pop("kv", kv), **change)
+        text = str(jax.make_jaxpr(lambda *a, fn=fn, kwargs=kwargs: fn(*a, **kwargs))(*args))
+        assert (cpu_attention.TARGET in text) == kernel, name
+    fn, args, kwargs = _wrapped(kv)
+    want = chunked_paged_attention_from_buffer(*args, **kwargs)
+    np.testing.assert_allclose(np.asarray(fn(*args, **kwargs)), np.asarray(want), atol=2e-6)
+    # Lowered for another platform, the step keeps XLA's path (platform_dependent): no CPU custom call.
+    lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(lowering_platforms=("tpu",))
+    assert cpu_attention.TARGET not in lowered.as_text()
+
+
+def test_the_default_cpu_backend_decodes_on_the_kernel(monkeypatch):
+    """The "chunked" backend (the CPU default) wraps itself with the kernel unless switched off."""
+    from jaxpaged.device.backends import attention_fn
+
+    assert attention_fn("chunked") is not chunked_paged_attention_from_buffer
+    assert attention_fn("chunked").reads_whole_kv_buffer and attention_fn("chunked").has_decode_kernel
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "gguf_matmul")
+    assert attention_fn("chunked") is chunked_paged_attention_from_buffer
