@@ -6,6 +6,8 @@ sequences own, the pages are a random permutation, the other layers of the buffe
 of anything a sequence does not own poisons its row. Lengths sit on and around page boundaries.
 """
 
+import platform
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,15 @@ def test_the_default_cpu_backend_decodes_on_the_kernel(monkeypatch):
     assert attention_fn("chunked").reads_whole_kv_buffer and attention_fn("chunked").has_decode_kernel
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "gguf_matmul")
     assert attention_fn("chunked") is chunked_paged_attention_from_buffer
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "generic"])
+def test_the_avx2_and_generic_builds_compute_the_same(march):
+    if not cpu_kernels.register(cpu_attention.NAME, march):
+        pytest.skip(f"the compiler cannot build for -march={march}")
+    seq_lens = [1, 15, 16, 17, 50]
+    q, kv, tables, lens, ks, vs = paged_problem(16, 8, 2, 64, seq_lens, seed=4)
+    out = np.asarray(cpu_attention.paged_decode_attention(q, kv, tables, lens, layer_idx=1, scale=0.125, march=march))
+    np.testing.assert_allclose(out[:-1], _naive(q, ks, vs, [1] * len(seq_lens), seq_lens, 0.125, None), atol=2e-5, rtol=1e-5)
+    assert np.all(out[-1] == 0)

@@ -10,6 +10,7 @@ task, and K spanning more and fewer block groups (2 blocks of 32) than one.
 """
 
 import os
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +105,17 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
     assert not gm.enabled()
     monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
     assert gm.enabled() and os.path.isdir(cpu_kernels.cache_dir())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "generic"])
+def test_the_avx2_and_generic_builds_compute_the_same(march):
+    """The host here has AVX-512; CI or a user's machine may not: the kernel built for AVX2 (two
+    256-bit halves per vector, the AVX2 code conversion) and for plain x86-64 (no intrinsics)."""
+    if not cpu_kernels.register(gm.NAME, march):
+        pytest.skip(f"the compiler cannot build for -march={march}")
+    for m, k, n in [(3, 96, 144), (16, 160, 48), (23, 64, 272)]:
+        codes, scales, mins = stacked_weight(2, k, n, seed=m)
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        got = gm.gguf_matmul(x, codes, poison_other_layers(scales, 1), mins, 1, march=march)
+        np.testing.assert_allclose(np.asarray(got), oracle(x, codes, scales, mins, 1), rtol=1e-5, atol=1e-3)

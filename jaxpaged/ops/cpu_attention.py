@@ -37,18 +37,20 @@ def enabled() -> bool:
 
 
 def paged_decode_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: ArrayLike, seq_lens: ArrayLike, *,
-                           layer_idx: ArrayLike, scale: float, sliding_window: int | None = None) -> jax.Array:
+                           layer_idx: ArrayLike, scale: float, sliding_window: int | None = None,
+                           march: str = "native") -> jax.Array:
     """Each sequence's one query token against its keys 0 .. seq_len - 1 (the last `sliding_window` of
-    them if set) in layer `layer_idx` of the whole buffer; zeros for seq_len 0. CPU only."""
+    them if set) in layer `layer_idx` of the whole buffer; zeros for seq_len 0. CPU only. `march`: the
+    build to run (another instruction set than the host's: tests; cpu_kernels.register)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     if block_tables.shape[0] != num_seqs or num_heads % num_kv_heads or head_dim % 16 or page_size > MAX_PAGE_SIZE:
         raise ValueError(f"paged_decode_attention: {q.shape=} (one token per sequence), {kv_pages.shape=}, "
                          f"{block_tables.shape=}: needs num_heads % num_kv_heads == 0, head_dim % 16 == 0, "
                          f"page_size <= {MAX_PAGE_SIZE}")
-    if not available():
+    if not cpu_kernels.register(NAME, march):
         raise RuntimeError(f"{TARGET} could not be built on this machine (see the warning logged); use XLA's path")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
                 jnp.asarray(seq_lens, jnp.int32), jnp.asarray(layer_idx, jnp.int32),
                 scale=np.float32(scale), window=np.int64(sliding_window or 0))

@@ -40,11 +40,12 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def build(name: str, cxx: str, sources: pathlib.Path = SOURCES) -> pathlib.Path:
-    """The shared library of `sources/name.cc` for these sources, jaxlib and compiler: compiled once, reused."""
+def build(name: str, cxx: str, sources: pathlib.Path = SOURCES, march: str = "native") -> pathlib.Path:
+    """The shared library of `sources/name.cc` for these sources, jaxlib, compiler and `-march`:
+    compiled once, reused."""
     source = sources / f"{name}.cc"
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(jaxlib.__version__.encode() + version.encode())
+    digest = hashlib.sha256(jaxlib.__version__.encode() + version.encode() + march.encode())
     for path in sorted(sources.glob("*.h")) + [source]:
         digest.update(path.read_bytes())
     library = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
@@ -53,7 +54,7 @@ def build(name: str, cxx: str, sources: pathlib.Path = SOURCES) -> pathlib.Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # compiled aside, then renamed: atomic
         built = pathlib.Path(tmp) / library.name
-        cmd = [cxx, "-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno",
+        cmd = [cxx, "-O3", f"-march={march}", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno",
                f"-I{jax.ffi.include_dir()}", f"-I{sources}", str(source), "-o", str(built)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
@@ -63,20 +64,26 @@ def build(name: str, cxx: str, sources: pathlib.Path = SOURCES) -> pathlib.Path:
 
 
 @functools.cache
-def register(name: str) -> bool:
-    """Whether the FFI target `jaxpaged_<name>` is built and registered for the CPU."""
+def register(name: str, march: str = "native") -> bool:
+    """Whether the FFI target `target(name, march)` is built and registered for the CPU (other `march`
+    values than the host's: tests of the kernels' AVX2 and generic code paths)."""
     cxx = compiler()
     if cxx is None:
         logger.warning("no C++ compiler found (set CXX): %s runs as XLA's own ops on the CPU", name)
         return False
     try:
-        library = ctypes.cdll.LoadLibrary(str(build(name, cxx)))
+        library = ctypes.cdll.LoadLibrary(str(build(name, cxx, march=march)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("the CPU kernel %s is unavailable, XLA's own ops run instead: %s", name, e)
         return False
-    target = f"jaxpaged_{name}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+    handler = getattr(library, f"jaxpaged_{name}")
+    jax.ffi.register_ffi_target(target(name, march), jax.ffi.pycapsule(handler), platform="cpu")
     return True
+
+
+def target(name: str, march: str = "native") -> str:
+    """The FFI target name of kernel `name` built for `march`."""
+    return f"jaxpaged_{name}" if march == "native" else f"jaxpaged_{name}_{march.replace('-', '_')}"
 
 
 def enabled(name: str) -> bool:

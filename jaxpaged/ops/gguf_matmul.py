@@ -30,12 +30,14 @@ def enabled() -> bool:
     return cpu_kernels.enabled(NAME)
 
 
-def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike, layer: ArrayLike = 0) -> jax.Array:
+def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike, layer: ArrayLike = 0, *,
+                march: str = "native") -> jax.Array:
     """x [M, K] float32 @ layer `layer` of the stacked weight
     W[l, k, n] = scales[l, k/32, n] * codes[l, k, n] + mins[l, k/32, n]  ->  y [M, N] float32.
 
     codes uint8 [L, K/32, 32, N], scales and mins float32 [L, K/32, N] (one layer: [K/32, 32, N] and
     [K/32, N], taken as L = 1); `layer` an int32 scalar, traced or not. CPU only: call `available()` first.
+    `march`: the build to run (another instruction set than the host's: tests; cpu_kernels.register).
     """
     if codes.ndim == 3:  # one layer's weight: a leading axis of 1 (a free reshape)
         codes, scales, mins = codes[None], scales[None], mins[None]
@@ -45,9 +47,9 @@ def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
                          f"[L, {k // 32}, N]; got {codes.shape}, {scales.shape}, {mins.shape}")
     if n % 16:
         raise ValueError(f"gguf_matmul: {n=} output columns must be a multiple of 16")
-    if not available():
+    if not cpu_kernels.register(NAME, march):
         raise RuntimeError(f"{TARGET} could not be built on this machine (see the warning logged); use XLA's path")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), codes, scales, mins, jnp.asarray(layer, jnp.int32))
 
 
