@@ -37,7 +37,13 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
         dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
         op_name = re.search(r'op_name="([^"]*)"', rest)
         op_name = op_name.group(1) if op_name else ""
-        if "/attn/while" in op_name and split_attention:
+        target = re.search(r'custom_call_target="([^"]*)"', rest)
+        target = target.group(1) if target else ""
+        if target.startswith("jaxpaged_gguf_matmul"):  # the C++ kernels (jaxpaged/ops/cpu/)
+            cat = "MLP matmuls (gate, up, down)" if "/mlp/" in op_name else "attention projections (q, k, v, o)"
+        elif target.startswith("jaxpaged_paged_attention"):
+            cat = "attention: C++ decode kernel" if split_attention else "attention (page gather, softmax, PV)"
+        elif "/attn/while" in op_name and split_attention:
             if "gather" in op_name or opcode == "gather":
                 cat = "attention: page gather"
             elif "dot_general" in op_name:
