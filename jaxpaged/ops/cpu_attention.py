@@ -49,7 +49,7 @@ def paged_decode_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: Arra
                          f"{block_tables.shape=}: needs num_heads % num_kv_heads == 0, head_dim % 16 == 0, "
                          f"page_size <= {MAX_PAGE_SIZE}")
     if not cpu_kernels.register(NAME, march):
-        raise RuntimeError(f"{TARGET} could not be built on this machine (see the warning logged); use XLA's path")
+        raise RuntimeError(f"{cpu_kernels.target(NAME, march)} could not be built on this machine (see the warning logged); use XLA's path")
     call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
                 jnp.asarray(seq_lens, jnp.int32), jnp.asarray(layer_idx, jnp.int32),

@@ -48,7 +48,7 @@ def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
     if n % 16:
         raise ValueError(f"gguf_matmul: {n=} output columns must be a multiple of 16")
     if not cpu_kernels.register(NAME, march):
-        raise RuntimeError(f"{TARGET} could not be built on this machine (see the warning logged); use XLA's path")
+        raise RuntimeError(f"{cpu_kernels.target(NAME, march)} could not be built on this machine (see the warning logged); use XLA's path")
     call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), codes, scales, mins, jnp.asarray(layer, jnp.int32))
 

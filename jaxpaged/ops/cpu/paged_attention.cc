@@ -103,9 +103,15 @@ void attend(const Problem& p, int64_t task) {
     return;
   }
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
-  std::vector<float> q(G * H), acc(G * H, 0.0f);
+  // This thread's scratch, kept across tasks and calls (no allocation per task once it has grown):
+  // the scaled queries, the accumulators [G, H], the running max m and sum l per query head.
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * G * H + 2 * G);
+  float *q = scratch.data(), *acc = q + G * H, *m = acc + G * H, *l = m + G;
   for (int64_t i = 0; i < G * H; ++i) q[i] = p.q[(b * p.num_kv_heads + k) * G * H + i] * p.scale;
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.0f);
+  std::fill(acc, acc + G * H, 0.0f);
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.0f);
   const int64_t head_stride = p.num_pages * S * H;                     // one (layer, K|V, head) pool
   const float* keys_of_head = p.kv + ((p.layer * 2 + 0) * p.num_kv_heads + k) * head_stride;
   const float* values_of_head = p.kv + ((p.layer * 2 + 1) * p.num_kv_heads + k) * head_stride;
@@ -129,7 +135,7 @@ void attend(const Problem& p, int64_t task) {
     }
     const int64_t t0 = std::max<int64_t>(0, start - i * S), t1 = std::min<int64_t>(S, len - i * S);
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q.data() + g * H;
+      const float* qg = q + g * H;
       f32x16 dots[kMaxPage];  // per token: q . k as 16 partial sums
       for (int64_t t = 0; t < kMaxPage; ++t) {
         dots[t] = f32x16{};
@@ -152,7 +158,7 @@ void attend(const Problem& p, int64_t task) {
       for (int64_t t = 0; t < kMaxPage; ++t)
         if (t < t0 || t >= t1) weights[t] = 0.0f;
       l[g] = l[g] * correction + sum(weights);
-      float* acc_g = acc.data() + g * H;
+      float* acc_g = acc + g * H;
       for (int64_t v = 0; v < V; ++v) {
         f32x16 a = load_f32(acc_g + 16 * v) * splat(correction);
         for (int64_t t = t0; t < t1; ++t) a += splat(weights[t]) * load_f32(values + t * H + 16 * v);
@@ -161,7 +167,7 @@ void attend(const Problem& p, int64_t task) {
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) store_f32(out + g * H + 16 * v, load_f32(acc.data() + g * H + 16 * v) / splat(l[g]));
+    for (int64_t v = 0; v < V; ++v) store_f32(out + g * H + 16 * v, load_f32(acc + g * H + 16 * v) / splat(l[g]));
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
