@@ -17,6 +17,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.device.backends import attention_fn
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models.llama import init_params
+from jaxpaged.ops import cpu_attention, cpu_kernels
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.planner.request import SamplingParams
 
@@ -44,9 +45,25 @@ def reference(params, prompts):
     return _run(params, prompts)[0]
 
 
-@pytest.mark.parametrize("backend", ["chunked", "pallas"])
-def test_attention_backends_equal_the_reference(params, prompts, reference, backend):
-    assert _run(params, prompts, backend=backend)[0] == reference
+@pytest.mark.parametrize("backend", ["chunked", "chunked-xla", "pallas"])
+def test_attention_backends_equal_the_reference(params, prompts, reference, backend, monkeypatch):
+    # "chunked" is the CPU default: its C++ kernels (decode and ragged) where they build; "chunked-xla"
+    # the same backend with them switched off, XLA's own ops for every step.
+    if backend == "chunked-xla":
+        monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    engine = tp_fixtures.make_engine(params, attention_fn=attention_fn(backend.removesuffix("-xla")))
+    runner = engine.runner
+    targets = {f"jaxpaged_{name}" for name in (cpu_attention.NAME, cpu_attention.RAGGED)}
+    if backend == "chunked" and cpu_attention.enabled_kernels() == {cpu_attention.NAME, cpu_attention.RAGGED}:
+        for bucket, decode_only, kernel in ((runner.buckets[-1], False, "jaxpaged_ragged_attention"),
+                                            (runner.decode_buckets[-1], True, "jaxpaged_paged_attention")):
+            hlo = runner.trace_step(runner.dummy_step_input(bucket, decode_only=decode_only)).lower().as_text()
+            assert [t for t in sorted(targets) if t in hlo] == [kernel], (bucket, decode_only)
+    elif backend == "chunked-xla":
+        hlo = runner.trace_step(runner.dummy_step_input(runner.buckets[-1])).lower().as_text()
+        assert not any(t in hlo for t in targets)
+    assert tp_fixtures.run_greedy(engine, prompts, max_tokens=6) == reference
+    assert engine.stats()["num_used_pages"] == 0
 
 
 def test_per_layer_weights_equal_the_reference(params, prompts, reference):

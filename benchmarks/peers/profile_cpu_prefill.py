@@ -112,6 +112,7 @@ def main() -> None:
         "LM head matmul": floor(2 * args.seqs * cfg.vocab_size * d, 4 * cfg.vocab_size * d),
         "attention: QK^T and PV matmuls": floor(attn_flops, 0),
         "attention: page gather": floor(0, attn_bytes),
+        "attention: C++ ragged kernel": floor(attn_flops, attn_bytes),
         "KV write (scatter)": floor(0, t_real * kv * 2 * 4 * L),
     }
     step_flops = 2 * t_real * (qkvo + mlp) + 2 * args.seqs * cfg.vocab_size * d + attn_flops

@@ -43,6 +43,8 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
             cat = "MLP matmuls (gate, up, down)" if "/mlp/" in op_name else "attention projections (q, k, v, o)"
         elif target.startswith("jaxpaged_paged_attention"):
             cat = "attention: C++ decode kernel" if split_attention else "attention (page gather, softmax, PV)"
+        elif target.startswith("jaxpaged_ragged_attention"):
+            cat = "attention: C++ ragged kernel" if split_attention else "attention (page gather, softmax, PV)"
         elif "/attn/while" in op_name and split_attention:
             if "gather" in op_name or opcode == "gather":
                 cat = "attention: page gather"

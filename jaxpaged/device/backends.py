@@ -1,8 +1,8 @@
 """The attention backend an engine runs, chosen by name (EngineConfig.attention_backend).
 
     "reference"  plain jnp, reads every slot a block table can address (the oracle; ops/attention.py)
-    "chunked"    jnp over the pages the batch's longest context needs (the CPU default); decode-only
-                 steps on a C++ kernel where it can be built (ops/cpu_attention.py)
+    "chunked"    jnp over the pages the batch's longest context needs (the CPU default); on the CPU,
+                 C++ kernels where they can be built (ops/cpu_attention.py)
     "pallas"     the Triton-backend Pallas kernels over the whole KV buffer (the GPU default)
     "mosaic"     the Hopper (wgmma/TMA) Mosaic GPU kernels, bfloat16 pages only
 
@@ -40,8 +40,9 @@ def _attention_fn(backend: str):
         from jaxpaged.ops import cpu_attention
         from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
 
-        if cpu_attention.enabled():  # decode-only steps on the CPU kernel (ops/cpu/paged_attention.cc)
-            return cpu_attention.with_cpu_decode(chunked_paged_attention_from_buffer)
+        kernels = cpu_attention.enabled_kernels()  # C++ kernels on the CPU (ops/cpu/*_attention.cc)
+        if kernels:
+            return cpu_attention.with_cpu_kernels(chunked_paged_attention_from_buffer, kernels)
         return chunked_paged_attention_from_buffer
     if backend == "mosaic":  # Hopper wgmma/TMA kernels, whole-buffer form; GPU interpret mode elsewhere
         from pallas_kernels.mosaic import paged_attention_from_buffer

@@ -1,14 +1,19 @@
-"""Decode attention as one XLA:CPU custom call over the pages in place (`cpu/paged_attention.cc`).
+"""Attention as one XLA:CPU custom call over the pages in place: two C++ kernels.
 
-    q             float32 [num_seqs, num_heads, head_dim]          one query token per sequence
+    paged_attention   decode-only steps (`cpu/paged_attention.cc`)
+        q             float32 [num_seqs, num_heads, head_dim]          one query token per sequence
+    ragged_attention  any step: prompt chunks and decode tokens mixed (`cpu/ragged_attention.cc`)
+        q             float32 [num_tokens, num_heads, head_dim]
+        query_start_loc int32 [num_seqs + 1]          sequence s owns tokens query_start_loc[s] .. [s + 1] - 1
+
     kv_pages      float32 [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim]
     block_tables  int32 [num_seqs, pages_per_seq]     seq_lens int32 [num_seqs]     layer_idx int32 []
 
-`with_cpu_decode(fn)` wraps a whole-buffer backend (the CPU default, "chunked"): decode-only steps over a
-float32 buffer without soft capping run the kernel on the CPU, everything else (prefill and mixed
-steps, quantized pools, soft caps, other platforms at lowering) runs `fn`. Same semantics as
-`reference_paged_attention` (ops/attention.py, the oracle in tests/test_cpu_attention.py), sliding
-windows included; float32 sums and exp in another order.
+`with_cpu_kernels(fn)` wraps a whole-buffer backend (the CPU default, "chunked"): steps over a float32
+buffer without soft capping run a kernel on the CPU, the decode one in decode-only steps, the ragged
+one in the others; the rest (quantized pools, soft caps, a kernel switched off, other platforms at
+lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
+tests/test_cpu_attention.py), sliding windows included; float32 sums and exp in another order.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops.kv_quant import QuantizedKV
 
 NAME = "paged_attention"
+RAGGED = "ragged_attention"
 TARGET = f"jaxpaged_{NAME}"
-MAX_PAGE_SIZE = 16  # the kernel scores a page's keys as one 16-lane vector
+MAX_PAGE_SIZE = 16  # the kernels score a page's keys as one 16-lane vector
 
 
 def available() -> bool:
@@ -33,7 +39,27 @@ def available() -> bool:
 
 
 def enabled() -> bool:
+    """Whether engines built now run the decode kernel."""
     return cpu_kernels.enabled(NAME)
+
+
+def ragged_enabled() -> bool:
+    """Whether engines built now run the ragged kernel (steps that are not decode-only)."""
+    return cpu_kernels.enabled(RAGGED)
+
+
+def _check(name, kernel, q, kv_pages, block_tables, rows_ok, rows_need, march):
+    """The FFI target of `kernel` for `march`, after checking the shapes (`rows_ok`: the per-sequence
+    arrays agree, as `rows_need` says)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
+    if not rows_ok or num_heads % num_kv_heads or head_dim % 16 or page_size > MAX_PAGE_SIZE:
+        raise ValueError(f"{name}: {q.shape=}, {kv_pages.shape=}, {block_tables.shape=}: needs {rows_need}, "
+                         f"num_heads % num_kv_heads == 0, head_dim % 16 == 0, page_size <= {MAX_PAGE_SIZE}")
+    if not cpu_kernels.register(kernel, march):
+        raise RuntimeError(f"{cpu_kernels.target(kernel, march)} could not be built on this machine (see the warning "
+                           "logged); use XLA's path")
+    return cpu_kernels.target(kernel, march)
 
 
 def paged_decode_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: ArrayLike, seq_lens: ArrayLike, *,
@@ -42,38 +68,64 @@ def paged_decode_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: Arra
     """Each sequence's one query token against its keys 0 .. seq_len - 1 (the last `sliding_window` of
     them if set) in layer `layer_idx` of the whole buffer; zeros for seq_len 0. CPU only. `march`: the
     build to run (another instruction set than the host's: tests; cpu_kernels.register)."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
-    if block_tables.shape[0] != num_seqs or num_heads % num_kv_heads or head_dim % 16 or page_size > MAX_PAGE_SIZE:
-        raise ValueError(f"paged_decode_attention: {q.shape=} (one token per sequence), {kv_pages.shape=}, "
-                         f"{block_tables.shape=}: needs num_heads % num_kv_heads == 0, head_dim % 16 == 0, "
-                         f"page_size <= {MAX_PAGE_SIZE}")
-    if not cpu_kernels.register(NAME, march):
-        raise RuntimeError(f"{cpu_kernels.target(NAME, march)} could not be built on this machine (see the warning logged); use XLA's path")
-    call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    target = _check("paged_decode_attention", NAME, q, kv_pages, block_tables, block_tables.shape[0] == q.shape[0],
+                    "one query token per block table row", march)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
                 jnp.asarray(seq_lens, jnp.int32), jnp.asarray(layer_idx, jnp.int32),
                 scale=np.float32(scale), window=np.int64(sliding_window or 0))
 
 
-def _kernel_applies(q, kv_pages, block_tables, soft_cap, decode_only) -> bool:
-    return (decode_only and soft_cap is None and not isinstance(kv_pages, QuantizedKV)
-            and kv_pages.dtype == jnp.float32 and q.dtype == jnp.float32 and q.shape[0] == block_tables.shape[0]
-            and q.shape[2] % 16 == 0 and kv_pages.shape[4] <= MAX_PAGE_SIZE)
+def paged_ragged_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: ArrayLike, seq_lens: ArrayLike,
+                           query_start_loc: ArrayLike, *, layer_idx: ArrayLike, scale: float,
+                           sliding_window: int | None = None, march: str = "native") -> jax.Array:
+    """Each token of sequence s (tokens query_start_loc[s] .. [s + 1] - 1, the last of them at position
+    seq_lens[s] - 1) against its keys up to its own position (the last `sliding_window` of them if set)
+    in layer `layer_idx` of the whole buffer; zeros for tokens no sequence owns. CPU only."""
+    starts, lens = np.shape(query_start_loc), np.shape(seq_lens)
+    target = _check("paged_ragged_attention", RAGGED, q, kv_pages, block_tables,
+                    starts == (block_tables.shape[0] + 1,) and lens == (block_tables.shape[0],),
+                    f"seq_lens [num_seqs] and query_start_loc [num_seqs + 1] (got {lens} and {starts})", march)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
+                jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
+                jnp.asarray(layer_idx, jnp.int32), scale=np.float32(scale), window=np.int64(sliding_window or 0))
 
 
-def with_cpu_decode(fn):
-    """`fn` (a whole-buffer backend) with decode-only steps on the CPU kernel where it applies."""
+def _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels) -> str | None:
+    """Which of `kernels` runs this call: NAME, RAGGED, or None (the wrapped backend)."""
+    if not (soft_cap is None and not isinstance(kv_pages, QuantizedKV) and kv_pages.dtype == jnp.float32
+            and q.dtype == jnp.float32 and q.shape[2] % 16 == 0 and kv_pages.shape[4] <= MAX_PAGE_SIZE):
+        return None
+    if decode_only and q.shape[0] == block_tables.shape[0]:
+        return NAME if NAME in kernels else None
+    return RAGGED if RAGGED in kernels else None
+
+
+def enabled_kernels() -> frozenset[str]:
+    """The attention kernels engines built now run (JAXPAGED_CPU_KERNELS, and whether they build)."""
+    return frozenset(name for name, on in ((NAME, enabled()), (RAGGED, ragged_enabled())) if on)
+
+
+def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED})):
+    """`fn` (a whole-buffer backend) with `kernels` (NAME: decode-only steps, RAGGED: the others) where
+    they apply."""
 
     @functools.wraps(fn)
     def attention(q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
                   sliding_window=None, decode_only=False, **kwargs):
         fallback = functools.partial(fn, layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
                                      sliding_window=sliding_window, decode_only=decode_only, **kwargs)
-        if not _kernel_applies(q, kv_pages, block_tables, soft_cap, decode_only):
+        which = _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels)
+        if which is None:
             return fallback(q, kv_pages, block_tables, seq_lens, query_start_loc)
-        kernel = lambda: paged_decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx, scale=scale,
-                                                sliding_window=sliding_window).astype(q.dtype)
+        if which == NAME:
+            kernel = lambda: paged_decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx,
+                                                    scale=scale, sliding_window=sliding_window).astype(q.dtype)
+        else:
+            kernel = lambda: paged_ragged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc,
+                                                    layer_idx=layer_idx, scale=scale,
+                                                    sliding_window=sliding_window).astype(q.dtype)
         # Chosen when the step is lowered: a program lowered for a GPU from this CPU host keeps `fn`.
         return jax.lax.platform_dependent(cpu=kernel, default=lambda: fallback(
             q, kv_pages, block_tables, seq_lens, query_start_loc))

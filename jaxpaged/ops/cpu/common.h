@@ -5,6 +5,7 @@
 // them, two AVX2 halves otherwise (the kernels are compiled with -march=native: ../cpu_kernels.py).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +35,38 @@ inline float sum(f32x16 v) {
   float s = 0.0f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+}
+
+inline float max(f32x16 v) {  // the largest lane, by halving
+  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v :
+      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v :
+      __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v :
+      __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return std::max(v[0], v[1]);
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (attention scores minus their running max): a degree-6 polynomial after range
+// reduction to [-ln2/2, ln2/2], relative error ~1e-7 there; below -87 it flushes to the smallest normal.
+inline f32x16 exp16(f32x16 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const f32x16 round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x16 n = (x * splat(1.44269504088896341f) + round) - round;
+  const f32x16 r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);  // x - n ln2, in two parts
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const f32x16 y = p * r * r + r + splat(1.0f);
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
+  f32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
 }
 
 inline void pause() {

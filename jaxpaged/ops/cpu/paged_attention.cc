@@ -35,32 +35,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxpaged::exp16;
 using jaxpaged::f32x16;
 using jaxpaged::load_f32;
 using jaxpaged::splat;
 using jaxpaged::store_f32;
 using jaxpaged::sum;
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 (scores minus their running max); below -87 it flushes to the smallest normal.
-inline f32x16 exp16(f32x16 x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const f32x16 round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 n = (x * splat(1.44269504088896341f) + round) - round;
-  const f32x16 r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);  // x - n ln2, in two parts
-  f32x16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const f32x16 y = p * r * r + r + splat(1.0f);
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
-  f32x16 two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
 
 // The lane sums of 16 vectors as one vector (lane t: the sum of d[t]), by halving: each level adds
 // the two halves of every vector's partial sums, two vectors per output, so 15 adds and 30 shuffles
