@@ -8,6 +8,7 @@ counts XLA compilations during the timed part; `environment` says where the figu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -137,6 +138,19 @@ class CompileCounter:
         import jax
 
         jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+@contextlib.contextmanager
+def environment_variables(env: dict[str, str]):
+    """`env` set in os.environ inside the block, the previous values (or their absence) restored after:
+    a setting's variables while its engine is built (e.g. JAXPAGED_CPU_KERNELS, read at engine build)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 def git_commit() -> str | None:

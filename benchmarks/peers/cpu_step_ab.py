@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from benchmarks.common import environment, format_table
+from benchmarks.common import environment, environment_variables, format_table
 from benchmarks.peers.profile_cpu_decode import decode_step_input
 
 
@@ -43,14 +43,9 @@ def main() -> None:
     for text in args.settings:
         engine_args = json.loads(text)
         env = engine_args.pop("env", {})
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
         t = time.perf_counter()
-        try:
+        with environment_variables(env):
             llm = LLM(enable_prefix_caching=False, warmup=False, **engine_args)
-        finally:
-            for name, value in saved.items():
-                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         engine_args = dict(engine_args, **({"env": env} if env else {}))
         runner = llm.engine.runner  # internal, read-only
         step_input = decode_step_input(runner, args.batch, args.context)

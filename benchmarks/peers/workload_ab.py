@@ -21,7 +21,7 @@ import os
 import statistics
 
 from benchmarks.bench_vs_vllm import phases, run_jaxpaged
-from benchmarks.common import environment, format_table
+from benchmarks.common import environment, environment_variables, format_table
 from benchmarks.peers.peer_workloads import compare_greedy
 
 
@@ -41,13 +41,8 @@ def main() -> None:
     for text in args.settings:
         engine_args = json.loads(text)
         env = engine_args.pop("env", {})
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
+        with environment_variables(env):
             llm = LLM(**{**phase.jaxpaged_args, **engine_args})
-        finally:
-            for name, value in saved.items():
-                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         workload = next(w for w in phase.make_workloads(llm.tokenizer) if w.name == args.workload)
         run_jaxpaged(llm, workload, 0)  # untimed: compiles, or loads from the persistent cache
         runs.append({"setting": json.dumps(dict(engine_args, **({"env": env} if env else {}))), "llm": llm,

@@ -390,9 +390,7 @@ def _by_query_block(by_token: _Chunks, by_seq: _Chunks, by_tail: _Chunks, gather
                                       for x in (qf, position, seq_idx, single))
         run = jnp.sum(jnp.cumprod((single_b & (pos_b >= 0)).astype(jnp.int32)))  # leading one-token sequences
         first_seqs = jnp.sum((pos_b >= 0) & (seq_b < seq_b[0] + max_seqs))  # sequences ascend: a prefix
-        # At least the first token: one at a negative position (more query tokens than keys) sees nothing
-        # and would otherwise stop the walk.
-        take = jnp.maximum(jnp.where(run > 0, run, first_seqs), 1)
+        take = jnp.maximum(jnp.where(run > 0, run, first_seqs), 1)  # a token at position < 0 sees nothing
         pos_b = jnp.where(jnp.arange(block) < take, pos_b, -1)
         done = jax.lax.cond(run > 0, per_token, by_sequence, qb, pos_b, seq_b)
         return start + take, tuple(jax.lax.dynamic_update_slice_in_dim(x, y, start, 0) for x, y in zip(out, done))
