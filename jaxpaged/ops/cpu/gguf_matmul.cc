@@ -21,8 +21,9 @@
 //
 // Each dequantized W[k, n] is the float gguf_blocks computes (one rounding of scale * code + min;
 // the product is exact), so y differs from XLA's only in the order of the float32 sums over k.
-// The 128-column tasks are shared out among XLA's intra-op threads (common.h, parallel_for). Built
-// at first use with the host's compiler (-march=native): ../cpu_kernels.py.
+// The 128-column tasks are shared out among XLA's intra-op threads (common.h, parallel_for); up to 8
+// rows the split is over k instead (k_range: contiguous codes per thread). Built at first use with
+// the host's compiler (-march=native): ../cpu_kernels.py.
 
 #include <algorithm>
 #include <vector>
