@@ -38,16 +38,6 @@ def available() -> bool:
     return cpu_kernels.register(NAME)
 
 
-def enabled() -> bool:
-    """Whether engines built now run the decode kernel."""
-    return cpu_kernels.enabled(NAME)
-
-
-def ragged_enabled() -> bool:
-    """Whether engines built now run the ragged kernel (steps that are not decode-only)."""
-    return cpu_kernels.enabled(RAGGED)
-
-
 def _check(name, kernel, q, kv_pages, block_tables, rows_ok, rows_need, march):
     """The FFI target of `kernel` for `march`, after checking the shapes (`rows_ok`: the per-sequence
     arrays agree, as `rows_need` says)."""
@@ -104,7 +94,7 @@ def _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels) -> st
 
 def enabled_kernels() -> frozenset[str]:
     """The attention kernels engines built now run (JAXPAGED_CPU_KERNELS, and whether they build)."""
-    return frozenset(name for name, on in ((NAME, enabled()), (RAGGED, ragged_enabled())) if on)
+    return frozenset(name for name in (NAME, RAGGED) if cpu_kernels.enabled(name))
 
 
 def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED})):

@@ -172,6 +172,17 @@ void direct(const Problem& p, int64_t r0, int64_t rows, int64_t n0, int64_t b0, 
   }
 }
 
+// Columns [c0, c1) of rows r0 .. r0 + rows - 1 (at most 8) for blocks [b0, b1): whole strips, then
+// a 16-column tail.
+void direct_columns(const Problem& p, int64_t r0, int64_t rows, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
+  for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
+    if (c1 - n0 < kStrip)
+      direct<1>(p, r0, rows, n0, b0, b1);
+    else
+      direct<2>(p, r0, rows, n0, b0, b1);
+  }
+}
+
 // Task t: 128 columns (fewer in the last chunk of columns) of up to 64 rows (kRowBlock), row block
 // t / num_chunks, column chunk t % num_chunks: a prefill step's matmul has enough tasks to keep every
 // thread busy even where N is 192 or 576. The codes are read a group of kGroup blocks at a time, in
@@ -189,12 +200,7 @@ void chunk(const Problem& p, int64_t t) {
     for (const uint8_t* row = p.codes + b1 * kBlock * p.n + c0; row < p.codes + b2 * kBlock * p.n; row += p.n)
       for (int64_t line = 0; line < width; line += 64) __builtin_prefetch(row + line);
     if (row_end - row_begin <= kRows) {  // one pass over the group: dequantized in registers
-      for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
-        if (c1 - n0 < kStrip)
-          direct<1>(p, row_begin, row_end - row_begin, n0, b0, b1);
-        else
-          direct<2>(p, row_begin, row_end - row_begin, n0, b0, b1);
-      }
+      direct_columns(p, row_begin, row_end - row_begin, c0, c1, b0, b1);
       continue;
     }
     dequantize_group(p, b0, b1, c0, c1, w);
@@ -235,12 +241,7 @@ void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   for (int64_t b0 = 0; b0 < count; b0 += kGroup) {
     const int64_t b1 = std::min(count, b0 + kGroup);
     request(b1);
-    for (int64_t n0 = 0; n0 < p.n; n0 += kStrip) {
-      if (p.n - n0 < kStrip)
-        direct<1>(p, 0, p.m, n0, b0, b1);
-      else
-        direct<2>(p, 0, p.m, n0, b0, b1);
-    }
+    direct_columns(p, 0, p.m, 0, p.n, b0, b1);
   }
 }
 
