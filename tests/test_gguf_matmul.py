@@ -43,7 +43,7 @@ def poison_other_layers(scales: np.ndarray, layer: int) -> np.ndarray:
     return scales
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 23, 64, 130])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 23, 64, 130, 520])
 @pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (160, 144), (576, 272), (256, 192)])
 def test_kernel_matches_the_float64_oracle(m, k, n):
     num_layers, layer = 3, 1

@@ -17,10 +17,10 @@ bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m`
 multiply-add or not); for Q4_0 and Q8_0 the sum, d * (q - 8) or d * q, is exact itself. Bit for bit
 too, but for the sign of a zero: gguf's d * 0 is -0.0 where d is negative, here +0.0. The
 step reads 1.25 bytes per weight instead of 4 in a float32 engine (2 in bfloat16); a CPU decode step
-is bound by reading its weights (benchmarks/peers/README.md). Measured on the CPU only. On XLA:CPU,
-steps of up to KERNEL_MAX_ROWS tokens multiply the codes with a C++ kernel (`linear`,
-ops/cpu/gguf_matmul.cc) that dequantizes them in registers to these same floats; elsewhere, and where it
-cannot be built, XLA dequantizes the layer's weights, then multiplies.
+is bound by reading its weights (benchmarks/peers/README.md). Measured on the CPU only. On XLA:CPU
+every step multiplies the codes with a C++ kernel (`linear`, ops/cpu/gguf_matmul.cc) that dequantizes
+them to these same floats as it reads them; elsewhere, and where it cannot be built, XLA dequantizes the
+layer's weights, then multiplies.
 
 In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
 `name_codes` [in/32, 32, out], `name_scales` and `name_mins` [in/32, out] (plus the leading layers
@@ -128,12 +128,6 @@ REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='
                   "trainer's, Hugging Face names) build the LLM with quantization=None")
 
 
-# Tokens per step up to which the CPU kernel (ops/cpu/gguf_matmul.cc) multiplies the codes; above it XLA
-# dequantizes the layer and runs its GEMM, which is as fast from ~64 rows (prefill chunks) on 2 cores
-# (benchmarks/peers/README.md, seventh pass).
-KERNEL_MAX_ROWS = 64
-
-
 def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, init, *, matrix: bool = False,
            kernel: bool = False, stack: dict | None = None, layer=0):
     """`jnp.einsum(equation, x, w)` for the weight `name` of `shape` (in first; `matrix`: taken as
@@ -143,9 +137,10 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     as codes is multiplied by ops/cpu/gguf_matmul.cc, reading its codes where they lie: from `stack` (the
     module's kept leaves over all layers, taken at `layer`; inside the scan over layers a slice of the
     module's own leaves would be a copy) or, without a stack, the module's own leaves (one layer).
-    x must then be [T, in] float32 with T <= KERNEL_MAX_ROWS; otherwise XLA's path below runs."""
+    x must then be [T, in] float32 (any T: the kernel is the faster from 1 to 512 rows, benchmarks/peers/
+    README.md, ninth pass); otherwise XLA's path below runs."""
     if (kernel and not module.is_initializing() and module.has_variable("params", name + "_codes")
-            and x.ndim == 2 and x.dtype == jnp.float32 and x.shape[0] <= KERNEL_MAX_ROWS):
+            and x.ndim == 2 and x.dtype == jnp.float32):
         from jaxpaged.ops.gguf_matmul import gguf_matmul
 
         if stack is not None:  # [L, ...]: the kernel takes layer `layer`

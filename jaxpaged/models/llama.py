@@ -262,8 +262,7 @@ class CausalLM(nn.Module):
     # runner sets it for XLA:CPU. Same logits up to float32 summation order.
     vocab_major_head: bool = False
     # Static: layer projections kept as GGUF codes are multiplied by the CPU kernel (ops/cpu/gguf_matmul.cc)
-    # in steps of up to gguf_blocks.KERNEL_MAX_ROWS tokens; the runner sets it on XLA:CPU. Same
-    # dequantized weights, float32 sums in another order.
+    # in every step; the runner sets it on XLA:CPU. Same dequantized weights, float32 sums in another order.
     gguf_kernel: bool = False
 
     @nn.compact

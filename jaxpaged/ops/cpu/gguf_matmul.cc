@@ -12,18 +12,19 @@
 //
 // XLA:CPU runs this as a dequantization fusion that writes the float32 weight to memory, then
 // Eigen's GEMM, which packs that weight again at every call. Here each weight byte is read once per
-// call and dequantized into a small buffer that stays in L1 for the multiply-adds that use it:
+// call, in order, and dequantized in registers or into a small buffer that stays in L1 for the
+// multiply-adds that use it:
 //
 //        n0        n0+32                 a tile is a 32-column strip of W against 8 rows of x: 16
-//   k  [ 16 f32 | 16 f32 ]  <- W          vector accumulators. A task owns 128 columns (4 strips) and
-//        x 8 rows broadcast               reads their codes 64 k rows at a time, in order, dequantizing
-//                                         each group once into an L1 buffer for all 8-row passes.
+//   k  [ 16 f32 | 16 f32 ]  <- W          vector accumulators. Thread t of T takes k blocks
+//        x 8 rows broadcast               [t B/T, (t+1) B/T) of every column: one contiguous run of
+//                                         codes, 64 k rows at a time, into its own partial sums of y.
 //
 // Each dequantized W[k, n] is the float gguf_blocks computes (one rounding of scale * code + min;
 // the product is exact), so y differs from XLA's only in the order of the float32 sums over k.
-// The 128-column tasks are shared out among XLA's intra-op threads (common.h, parallel_for); up to 8
-// rows the split is over k instead (k_range: contiguous codes per thread). Built at first use with
-// the host's compiler (-march=native): ../cpu_kernels.py.
+// The k ranges are shared out among XLA's intra-op threads (common.h, parallel_for), then the
+// partial sums are added up, split over the threads too. Built at first use with the host's compiler
+// (-march=native): ../cpu_kernels.py.
 
 #include <algorithm>
 #include <vector>
@@ -43,8 +44,8 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 constexpr int kBlock = 32;  // GGUF values per scale
 constexpr int kStrip = 32;  // columns per tile: two vectors
 constexpr int kRows = 8;    // rows of x per pass over a strip
-constexpr int kChunk = 128; // columns per task
-constexpr int kRowBlock = 64; // rows per task, at most
+constexpr int kChunk = 128; // columns dequantized into the buffer at a time
+constexpr int kPassRows = 512;  // rows of x per pass over the codes: bounds the partial sums
 constexpr int kGroup = 2;   // blocks of k rows dequantized at a time (64 x 128 floats: 32 KB)
 
 // 16 codes as floats. GCC 12 scalarizes __builtin_convertvector from uint8, hence the intrinsics.
@@ -183,46 +184,16 @@ void direct_columns(const Problem& p, int64_t r0, int64_t rows, int64_t c0, int6
   }
 }
 
-// Task t: 128 columns (fewer in the last chunk of columns) of up to 64 rows (kRowBlock), row block
-// t / num_chunks, column chunk t % num_chunks: a prefill step's matmul has enough tasks to keep every
-// thread busy even where N is 192 or 576. The codes are read a group of kGroup blocks at a time, in
-// order (each k row's 128 bytes; the next group prefetched): DRAM is read as a stream. With more
-// than 8 rows a group is dequantized once into a 32 KB buffer that stays in L1 while every 8-row
-// pass of x multiplies it: the conversion is paid once per weight and row block, and the multiply
-// loop is a plain float32 one (one core: 83 -> 94-97 GFLOP/s at 64-256 rows, equal at 16).
-void chunk(const Problem& p, int64_t t) {
-  alignas(64) static thread_local float w[kGroup * kBlock * kChunk];
-  const int64_t num_chunks = (p.n + kChunk - 1) / kChunk, num_blocks = p.k / kBlock;
-  const int64_t c0 = t % num_chunks * kChunk, c1 = std::min(p.n, c0 + kChunk), width = c1 - c0;
-  const int64_t row_begin = t / num_chunks * kRowBlock, row_end = std::min(p.m, row_begin + kRowBlock);
-  for (int64_t b0 = 0; b0 < num_blocks; b0 += kGroup) {
-    const int64_t b1 = std::min(num_blocks, b0 + kGroup), b2 = std::min(num_blocks, b1 + kGroup);
-    for (const uint8_t* row = p.codes + b1 * kBlock * p.n + c0; row < p.codes + b2 * kBlock * p.n; row += p.n)
-      for (int64_t line = 0; line < width; line += 64) __builtin_prefetch(row + line);
-    if (row_end - row_begin <= kRows) {  // one pass over the group: dequantized in registers
-      direct_columns(p, row_begin, row_end - row_begin, c0, c1, b0, b1);
-      continue;
-    }
-    dequantize_group(p, b0, b1, c0, c1, w);
-    const int64_t depth = (b1 - b0) * kBlock, k0 = b0 * kBlock;
-    for (int64_t r0 = row_begin; r0 < row_end; r0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, row_end - r0);
-      for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
-        if (c1 - n0 < kStrip)
-          rows_tail<1>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
-        else
-          rows_tail<2>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
-      }
-    }
-  }
-}
-
-// Up to 8 rows: the step is bound by reading the codes, not by the multiply-adds, and a column task
-// reads its strip at a stride of N bytes per k row, which DRAM serves slowly (one layer's codes in
-// cache: 121 GFLOP/s at 4 rows; from memory 47-55). So the work is split over k instead: task t of
-// `tasks` takes blocks [B0, B1) of every column, whose codes are one contiguous run read in order
-// (each next group requested while the current one is multiplied), into its own partial sums
-// `partials[t]` [m, n]; the caller adds the partials up.
+// Thread t of `tasks`: blocks [B0, B1) of k for every column and row, whose codes are one contiguous
+// run read in order (the next group requested while the current one is multiplied), into its own
+// partial sums: y itself for t = 0, `partials[t - 1]` [m, n] for the others. A column task instead
+// (a strip of columns, all of k) read its codes 128 B per k row at a stride of N bytes, which DRAM
+// serves slowly: the 30-layer projections of SmolLM2 ran 108 GFLOP/s that way at 16 rows and 119
+// split over k (one layer's codes in cache: 142-146 either way); 146 -> 164 at 64 rows, 169 -> 182
+// at 256 (benchmarks/peers/README.md, ninth pass). Up to 8 rows each group of codes is dequantized
+// in registers right before its multiply-adds (one pass of x); with more, 128 columns of the group at
+// a time into a 32 KB buffer that stays in L1 while every 8-row pass of x multiplies it, so the
+// conversion is paid once per weight.
 void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   const int64_t num_blocks = whole.k / kBlock, first = t * num_blocks / tasks, last = (t + 1) * num_blocks / tasks;
   Problem p = whole;  // blocks relative to `first`; x keeps its row stride k
@@ -230,7 +201,7 @@ void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   p.codes += first * kBlock * p.n;
   p.scales += first * p.n;
   p.mins += first * p.n;
-  p.y = partials + t * p.m * p.n;
+  if (t > 0) p.y = partials + (t - 1) * p.m * p.n;
   const int64_t count = last - first;
   auto request = [&](int64_t b0) {  // the codes of blocks b0 .. b0 + kGroup - 1: whole rows, contiguous
     const uint8_t* end = p.codes + std::min(count, b0 + kGroup) * kBlock * p.n;
@@ -241,7 +212,25 @@ void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   for (int64_t b0 = 0; b0 < count; b0 += kGroup) {
     const int64_t b1 = std::min(count, b0 + kGroup);
     request(b1);
-    direct_columns(p, 0, p.m, 0, p.n, b0, b1);
+    if (p.m <= kRows) {
+      direct_columns(p, 0, p.m, 0, p.n, b0, b1);
+      continue;
+    }
+    alignas(64) static thread_local float w[kGroup * kBlock * kChunk];
+    const int64_t depth = (b1 - b0) * kBlock, k0 = b0 * kBlock;
+    for (int64_t c0 = 0; c0 < p.n; c0 += kChunk) {
+      const int64_t c1 = std::min(p.n, c0 + kChunk), width = c1 - c0;
+      dequantize_group(p, b0, b1, c0, c1, w);
+      for (int64_t r0 = 0; r0 < p.m; r0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, p.m - r0);
+        for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
+          if (c1 - n0 < kStrip)
+            rows_tail<1>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
+          else
+            rows_tail<2>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
+        }
+      }
+    }
   }
 }
 
@@ -261,24 +250,29 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (layer < 0 || layer >= num_layers)
     return ffi::Error::InvalidArgument("gguf_matmul: layer index out of range");
   const int64_t blocks = layer * (k / kBlock) * n;  // scales (and mins) before this layer's
-  const Problem problem{x.typed_data(), codes.typed_data() + blocks * kBlock, scales.typed_data() + blocks,
-                        mins.typed_data() + blocks, y->typed_data(), m, k, n};
-  if (m <= kRows) {  // split over k (k_range), one task per thread
-    const int64_t tasks = std::min<int64_t>(k / kBlock, std::max<int64_t>(1, pool.num_threads()));
-    thread_local std::vector<float> partials;
-    partials.resize(tasks * m * n);
+  const int64_t tasks = std::min<int64_t>(k / kBlock, std::max<int64_t>(1, pool.num_threads()));
+  thread_local std::vector<float> partials;  // the sums of threads 1 .. tasks - 1: at most kPassRows x n each
+  for (int64_t r = 0; r < m; r += kPassRows) {
+    const int64_t rows = std::min<int64_t>(kPassRows, m - r);
+    const Problem problem{x.typed_data() + r * k, codes.typed_data() + blocks * kBlock, scales.typed_data() + blocks,
+                          mins.typed_data() + blocks, y->typed_data() + r * n, rows, k, n};
+    partials.resize((tasks - 1) * rows * n);
     float* sums = partials.data();
     jaxpaged::parallel_for(pool, tasks, [problem, tasks, sums](int64_t t) { k_range(problem, t, tasks, sums); });
-    float* out = y->typed_data();
-    for (int64_t i = 0; i < m * n; i += 16) {
-      f32x16 total = load_f32(sums + i);
-      for (int64_t t = 1; t < tasks; ++t) total += load_f32(sums + t * m * n + i);
-      store_f32(out + i, total);
-    }
-    return ffi::Error::Success();
+    if (tasks == 1) continue;
+    // y += the other threads' sums, in `pieces` ranges of whole vectors: one per 32768 floats (128 KB;
+    // waking a second thread for less costs more than it saves)
+    const int64_t total = rows * n, pieces = std::min<int64_t>(tasks, (total + 32767) / 32768);
+    float* out = problem.y;
+    jaxpaged::parallel_for(pool, pieces, [out, sums, total, pieces, tasks](int64_t piece) {
+      const int64_t begin = piece * (total / 16) / pieces * 16, end = (piece + 1) * (total / 16) / pieces * 16;
+      for (int64_t i = begin; i < end; i += 16) {
+        f32x16 acc = load_f32(out + i);
+        for (int64_t t = 1; t < tasks; ++t) acc += load_f32(sums + (t - 1) * total + i);
+        store_f32(out + i, acc);
+      }
+    });
   }
-  const int64_t num_tasks = (n + kChunk - 1) / kChunk * ((m + kRowBlock - 1) / kRowBlock);
-  jaxpaged::parallel_for(pool, num_tasks, [problem](int64_t t) { chunk(problem, t); });
   return ffi::Error::Success();
 }
 
