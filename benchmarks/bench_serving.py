@@ -5,6 +5,7 @@ OpenAI-compatible servers one after the other (BENCHMARKS.md, S1).
     python benchmarks/bench_serving.py --systems jaxpaged --rates 0.5 1
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model NAME --systems external
     python -m benchmarks.bench_serving --systems jaxpaged vllm  # real vLLM (benchmarks/peers/setup_vllm.sh first)
+    python -m benchmarks.bench_serving --systems jaxpaged jaxpaged-gguf vllm  # + the GGUF's codes kept (-q gguf)
 
 For each system the script starts the server (jaxpaged: `python -m jaxpaged.serve` on the bundled
 GGUF; Hugging Face: `transformers serve --continuous-batching` on a local directory converted from
@@ -191,9 +192,9 @@ def start_server(system: str, port: int, hf_dir: str | None, log_path: str, peer
                  vllm_threads_bind: str = "0-1") -> tuple[subprocess.Popen, str | None]:
     """Starts a server subprocess; returns it and the model name requests must carry."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if system == "jaxpaged":
+    if system in ("jaxpaged", "jaxpaged-gguf"):  # jaxpaged-gguf: the file's block codes kept (-q gguf)
         cmd = [sys.executable, "-m", "jaxpaged.serve", "--port", str(port), "--log-level", "warning",
-               *SCHEDULER_LIMITS]
+               *SCHEDULER_LIMITS, *(["--quantization", "gguf"] if system == "jaxpaged-gguf" else [])]
         model = None
     elif system == "vllm":
         from benchmarks.peers import vllm_peer
@@ -272,7 +273,9 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=["jaxpaged", "transformers"],
-                   choices=["jaxpaged", "transformers", "vllm", "external"])
+                   choices=["jaxpaged", "jaxpaged-gguf", "transformers", "vllm", "external"],
+                   help="jaxpaged-gguf: jaxpaged serving the GGUF's block codes (--quantization gguf), "
+                        "the same float values; its greedy answers are checked against jaxpaged's")
     p.add_argument("--url", help="base URL of a running server, for --systems external")
     p.add_argument("--model", help="model name to send, for --systems external")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests per second")
@@ -328,13 +331,11 @@ def main(argv=None) -> int:
                     stop_server(proc)
 
     ratios, greedy_checks = {}, {}
+    own = [s for s in ("jaxpaged", "jaxpaged-gguf") if s in results]
+    for mine in own:
+        for peer in [s for s in results if s not in own or (mine == "jaxpaged" and s != mine)]:
+            ratios[f"{mine}_over_{peer}"] = ratio_rows(results[mine], results[peer])
     for peer in [s for s in results if s != "jaxpaged" and "jaxpaged" in results]:
-        ratios[peer] = {
-            str(mine["rate_req_s"]): {
-                key: (mine[key] / theirs[key]) if mine[key] and theirs[key] else None
-                for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "output_tok_s",
-                            "request_throughput")}
-            for mine, theirs in zip(results["jaxpaged"], results[peer])}
         # Every request is greedy: the servers should stream the same text for the same request.
         greedy_checks[peer] = {str(rate): compare_texts(ours, theirs)
                                for rate, ours, theirs in zip(args.rates, texts["jaxpaged"], texts[peer])}
@@ -342,13 +343,21 @@ def main(argv=None) -> int:
         "benchmark": "S1 online serving (bench_serving.py)", "environment": environment(),
         "load_average_before": load_before, "num_requests_per_rate": args.num_requests, "rates": args.rates,
         "server_ready_s": ready_s, "results": results,
-        **{f"ratio_jaxpaged_over_{peer}": r for peer, r in ratios.items()},
+        **{f"ratio_{pair}": r for pair, r in ratios.items()},
         **{f"greedy_check_{peer}_vs_jaxpaged": c for peer, c in greedy_checks.items()},
         **({"vllm": {"threads_bind": args.vllm_threads_bind, "peers_dir": args.peers_dir}}
            if "vllm" in args.systems else {}),
         "note": "2 CPU cores shared with four other engineers' jobs; the load average is in this record",
     }
     return finish(record, results, args.out)
+
+
+def ratio_rows(mine: list[dict], theirs: list[dict]) -> dict:
+    """Per rate, each latency and throughput of `mine` over `theirs` (below 1: lower latency)."""
+    return {str(a["rate_req_s"]): {key: (a[key] / b[key]) if a[key] and b[key] else None
+                                   for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                                               "output_tok_s", "request_throughput")}
+            for a, b in zip(mine, theirs)}
 
 
 def finish(record: dict, results: dict, out: str) -> int:
@@ -364,9 +373,9 @@ def finish(record: dict, results: dict, out: str) -> int:
                ("req/s", "request_throughput")]
     rows = [{"system": s, "ok": r["num_requests"] - r["num_errors"], **r} for s, rs in results.items() for r in rs]
     print(format_table(rows, columns))
-    for key in [k for k in record if k.startswith("ratio_jaxpaged_over_")]:
+    for key in [k for k in record if k.startswith("ratio_")]:
         for rate, ratio in record[key].items():
-            print(f"jaxpaged / {key.removeprefix('ratio_jaxpaged_over_')} @ {rate} req/s: " + ", ".join(
+            print(f"{key.removeprefix('ratio_').replace('_over_', ' / ')} @ {rate} req/s: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in ratio.items() if v is not None))
     for key in [k for k in record if k.startswith("greedy_check_")]:
         for rate, check in record[key].items():

@@ -235,7 +235,8 @@ def main() -> None:
                         help="vLLM's thread binding in W2, W3 and S1: both cores computing (0-1) or its default (auto)")
     parser.add_argument("--gguf-blocks", action="store_true",
                         help=f"also run '{GGUF_SYSTEM}': jaxpaged with quantization='gguf' (the bundled file's "
-                             "Q4_1 codes, dequantized in the step to the same float32 values)")
+                             "Q4_1 codes, dequantized in the step to the same float32 values), offline and in S1 "
+                             "(bench_serving's jaxpaged-gguf)")
     parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOAD_NAMES,
                         help="run only these offline workloads; phases left with none are skipped")
     args = parser.parse_args()
@@ -316,7 +317,8 @@ def main() -> None:
     if not args.no_serving:
         from benchmarks import bench_serving
 
-        bench_serving.main(["--systems", "jaxpaged", "vllm", "--rates", *map(str, args.serving_rates),
+        bench_serving.main(["--systems", "jaxpaged", *(["jaxpaged-gguf"] if args.gguf_blocks else []), "vllm",
+                            "--rates", *map(str, args.serving_rates),
                             "--vllm-threads-bind", args.peer_binding,
                             "--out", os.path.join(args.out, f"serving_{args.name}"),
                             *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
