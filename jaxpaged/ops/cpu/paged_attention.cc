@@ -14,10 +14,12 @@
 //
 //   page = block_tables[b, i]      kv_pages[layer, 0, k, page] : [S, H] keys, 4 KB at S=16, H=64
 //   for each of the G query heads of KV head k:
-//     scores of the page's S keys (dot products over H), masked past seq_len / before the window
+//     scores of the page's S keys (dot products over H, one 16-lane vector of them), masked past
+//     seq_len / before the window
 //     online softmax: m = max so far, l = sum of exp(s - m), acc = sum of exp(s - m) * v,
 //     rescaled by exp(m_old - m_new) when the max grows; out = acc / l at the end
 //
+// The pages ahead of the one being scored are requested into L2 and L1 (common.h, PagePrefetcher).
 // Slots a sequence does not own (past its length, before its window) are never read, so a freed
 // page's stale values cannot reach the output. The (B x K) tasks are shared out among XLA's
 // intra-op threads (common.h). exp is a degree-6 polynomial after range reduction to [-ln2/2, ln2/2]
@@ -95,7 +97,11 @@ void attend(const Problem& p, int64_t task) {
   const int64_t head_stride = p.num_pages * S * H;                     // one (layer, K|V, head) pool
   const float* keys_of_head = p.kv + ((p.layer * 2 + 0) * p.num_kv_heads + k) * head_stride;
   const float* values_of_head = p.kv + ((p.layer * 2 + 1) * p.num_kv_heads + k) * head_stride;
-  alignas(64) float scores[kMaxPage];
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t num_seq_pages = (len + S - 1) / S;
+  const jaxpaged::PagePrefetcher prefetch{p.block_tables + b * p.pages_per_seq, num_seq_pages, p.num_pages,
+                                          keys_of_head, values_of_head, S * H};
+  prefetch.start(start / S);
   for (int64_t i = start / S; i * S < len; ++i) {
     const int32_t page = p.block_tables[b * p.pages_per_seq + i];
     if (page < 0 || page >= p.num_pages) {
@@ -105,15 +111,9 @@ void attend(const Problem& p, int64_t task) {
     }
     const float* keys = keys_of_head + page * S * H;
     const float* values = values_of_head + page * S * H;
-    if ((i + 1) * S < len) {  // the next page's keys and values, requested while this one is scored
-      const int32_t next = p.block_tables[b * p.pages_per_seq + i + 1];
-      if (next >= 0 && next < p.num_pages)
-        for (int64_t line = 0; line < S * H; line += 16) {
-          __builtin_prefetch(keys_of_head + next * S * H + line);
-          __builtin_prefetch(values_of_head + next * S * H + line);
-        }
-    }
+    prefetch.at(i);  // the pages ahead, requested while this one is scored
     const int64_t t0 = std::max<int64_t>(0, start - i * S), t1 = std::min<int64_t>(S, len - i * S);
+    const auto owned = (lane >= splat(float(t0))) & (lane < splat(float(t1)));  // lanes of this sequence's keys
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * H;
       f32x16 dots[kMaxPage];  // per token: q . k as 16 partial sums
@@ -124,19 +124,13 @@ void attend(const Problem& p, int64_t task) {
         for (int64_t v = 1; v < V; ++v) dot += load_f32(qg + 16 * v) * load_f32(keys + t * H + 16 * v);
         dots[t] = dot;
       }
-      f32x16 score_vector = transpose_sum(dots);  // lane t: token t's score
-      float page_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < kMaxPage; ++t) {
-        if (t < t0 || t >= t1) score_vector[t] = -std::numeric_limits<float>::infinity();
-        page_max = std::max(page_max, score_vector[t]);
-      }
-      store_f32(scores, score_vector);
+      // lane t: token t's score (masked lanes -inf, then weight 0), all in vector registers
+      const f32x16 scores = owned ? transpose_sum(dots) : splat(-std::numeric_limits<float>::infinity());
+      const float page_max = jaxpaged::max(scores);
       const float m_new = std::max(m[g], page_max);
       const float correction = m[g] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[g] - m_new);
       m[g] = m_new;
-      f32x16 weights = exp16(load_f32(scores) - splat(m_new));
-      for (int64_t t = 0; t < kMaxPage; ++t)
-        if (t < t0 || t >= t1) weights[t] = 0.0f;
+      const f32x16 weights = owned ? exp16(scores - splat(m_new)) : f32x16{};
       l[g] = l[g] * correction + sum(weights);
       float* acc_g = acc + g * H;
       for (int64_t v = 0; v < V; ++v) {
