@@ -188,9 +188,9 @@ void direct_columns(const Problem& p, int64_t r0, int64_t rows, int64_t c0, int6
 // run read in order (the next group requested while the current one is multiplied), into its own
 // partial sums: y itself for t = 0, `partials[t - 1]` [m, n] for the others. A column task instead
 // (a strip of columns, all of k) read its codes 128 B per k row at a stride of N bytes, which DRAM
-// serves slowly: the 30-layer projections of SmolLM2 ran 108 GFLOP/s that way at 16 rows and 119
-// split over k (one layer's codes in cache: 142-146 either way); 146 -> 164 at 64 rows, 169 -> 182
-// at 256 (benchmarks/peers/README.md, ninth pass). Up to 8 rows each group of codes is dequantized
+// serves slowly: the 30-layer projections of SmolLM2 ran 108 GFLOP/s that way at 16 rows and 119-133
+// split over k (one layer's codes in cache: 142 and 172); 146 -> 164 at 64 rows, 167 -> 182 at 256
+// (benchmarks/peers/README.md, ninth pass). Up to 8 rows each group of codes is dequantized
 // in registers right before its multiply-adds (one pass of x); with more, 128 columns of the group at
 // a time into a 32 KB buffer that stays in L1 while every 8-row pass of x multiplies it, so the
 // conversion is paid once per weight.
