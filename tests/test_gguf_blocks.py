@@ -127,7 +127,7 @@ def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_la
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1" if kernel else "0")
     llm = LLM(quantization="gguf", per_layer_weights=per_layer_weights, **ENGINE)
     runner = llm.engine.runner
-    assert gguf_blocks.has_kept_weights(llm.params) and runner.gguf_kernel == kernel
+    assert gguf_blocks.has_kept_weights(llm.params) and ("gguf_matmul" in runner.matmul_kernels) == kernel
     # The decode program: the kernel's calls read the codes where they lie, no uint8 slice is copied.
     hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
     calls_per_program = 7 * (len(runner.served_params["params"]["layers"]) if per_layer_weights else 1)  # unrolled

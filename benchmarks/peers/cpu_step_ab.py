@@ -51,7 +51,7 @@ def main() -> None:
         step_input = decode_step_input(runner, args.batch, args.context)
         runner.execute(step_input).block_until_ready()  # compiles (or loads from the persistent cache)
         runs.append({"engine_args": engine_args, "per_layer_weights": runner.per_layer_weights,
-                     "gguf_kernel": getattr(runner, "gguf_kernel", False),
+                     "matmul_kernels": ",".join(sorted(getattr(runner, "matmul_kernels", ()))) or "-",
                      "build_and_first_step_s": time.perf_counter() - t, "runner": runner, "input": step_input,
                      "wall": [], "cpu": []})
     load_start = os.getloadavg()
@@ -63,7 +63,7 @@ def main() -> None:
                 run["wall"].append(time.perf_counter() - t)
                 run["cpu"].append(time.process_time() - c)
     rows = [{"setting": json.dumps(r["engine_args"]), "per_layer_weights": r["per_layer_weights"],
-             "gguf_kernel": r["gguf_kernel"],
+             "matmul_kernels": r["matmul_kernels"],
              "wall_best_ms": min(r["wall"]) * 1e3, "wall_median_ms": statistics.median(r["wall"]) * 1e3,
              "cpu_best_ms": min(r["cpu"]) * 1e3, "cpu_median_ms": statistics.median(r["cpu"]) * 1e3,
              "build_and_first_step_s": r["build_and_first_step_s"]} for r in runs]

@@ -39,7 +39,7 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
         op_name = op_name.group(1) if op_name else ""
         target = re.search(r'custom_call_target="([^"]*)"', rest)
         target = target.group(1) if target else ""
-        if target.startswith("jaxpaged_gguf_matmul"):  # the C++ kernels (jaxpaged/ops/cpu/)
+        if target.startswith(("jaxpaged_gguf_matmul", "jaxpaged_dense_matmul")):  # the C++ kernels (jaxpaged/ops/cpu/)
             cat = "MLP matmuls (gate, up, down)" if "/mlp/" in op_name else "attention projections (q, k, v, o)"
         elif target.startswith("jaxpaged_paged_attention"):
             cat = "attention: C++ decode kernel" if split_attention else "attention (page gather, softmax, PV)"

@@ -27,7 +27,7 @@ from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import cpu_kernel_serves
+from jaxpaged.models.gguf_blocks import cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
@@ -126,10 +126,11 @@ class ModelRunner:
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
-        self.gguf_kernel = cpu_kernel_serves(params, platform, self.tp is not None, model_config.dtype)  # gguf_matmul.cc
+        # ops/cpu/gguf_matmul.cc, dense_matmul.cc
+        self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp is not None, model_config.dtype)
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
-                                  gguf_kernel=self.gguf_kernel)
+                                  matmul_kernels=self.matmul_kernels)
         self.model, self.decode_model = model(), model(decode_only=True)
         self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights

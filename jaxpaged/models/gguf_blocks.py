@@ -32,6 +32,7 @@ other block types (K quants) stay float, and so does a projection any layer of w
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -129,45 +130,65 @@ REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='
 
 
 def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, init, *, matrix: bool = False,
-           kernel: bool = False, stack: dict | None = None, layer=0):
+           kernels: frozenset = frozenset(), stack: dict | None = None, layer=0):
     """`jnp.einsum(equation, x, w)` for the weight `name` of `shape` (in first; `matrix`: taken as
     [prod(shape[:-1]), shape[-1]]).
 
-    `kernel` (static; the runner sets it on the CPU, models/llama.py CausalLM.gguf_kernel): a weight kept
-    as codes is multiplied by ops/cpu/gguf_matmul.cc, reading its codes where they lie: from `stack` (the
-    module's kept leaves over all layers, taken at `layer`; inside the scan over layers a slice of the
-    module's own leaves would be a copy) or, without a stack, the module's own leaves (one layer).
-    x must then be [T, in] float32 (any T: the kernel is the faster from 1 to 512 rows, benchmarks/peers/
-    README.md, ninth pass); otherwise XLA's path below runs."""
-    if (kernel and not module.is_initializing() and module.has_variable("params", name + "_codes")
-            and x.ndim == 2 and x.dtype == jnp.float32):
-        from jaxpaged.ops.gguf_matmul import gguf_matmul
+    `kernels` (static; the runner sets it on the CPU, models/llama.py CausalLM.matmul_kernels): the C++
+    kernels that multiply layer projections reading their weights where they lie, "gguf_matmul" a
+    weight kept as codes (ops/cpu/gguf_matmul.cc), "dense_matmul" a float32 weight
+    (ops/cpu/dense_matmul.cc). The weight comes from `stack` (the module's leaves over all layers, taken
+    at `layer`: inside the scan over layers a slice of the module's own leaves would be a copy) or,
+    without a stack, the module's own leaves (one layer). x must then be [T, in] float32 (any T: the
+    kernels are the faster, or as fast, from 1 to 512 rows, benchmarks/peers/README.md, ninth pass);
+    otherwise XLA's path below runs."""
+    if kernels and not module.is_initializing() and x.ndim == 2 and x.dtype == jnp.float32:
+        out_shape = x.shape[:-1] + ((shape[-1],) if matrix else shape[1:])
+        rows = math.prod(shape[:-1]) if matrix else shape[0]  # the weight as [rows, cols]
+        cols = math.prod(shape) // rows
+        own = stack is None
 
-        if stack is not None:  # [L, ...]: the kernel takes layer `layer`
-            (codes, scales, mins), at = (stack[name + s] for s in SUFFIXES), layer
-        else:  # this layer's own leaves
-            (codes, scales, mins), at = (module.get_variable("params", name + s) for s in SUFFIXES), 0
-        if codes.shape[-1] % 16 == 0:
-            y = gguf_matmul(x, codes, scales, mins, at)  # [T, out]
-            return y.reshape(x.shape[:-1] + ((shape[-1],) if matrix else shape[1:])).astype(dtype)
+        def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
+            if not own:
+                return stack.get(key)
+            return module.get_variable("params", key)[None] if module.has_variable("params", key) else None
+
+        at = 0 if own else layer
+        if "gguf_matmul" in kernels and leaf(name + "_codes") is not None and cols % 16 == 0:
+            from jaxpaged.ops.gguf_matmul import gguf_matmul
+
+            codes, scales, mins = (leaf(name + s) for s in SUFFIXES)
+            return gguf_matmul(x, codes, scales, mins, at).reshape(out_shape).astype(dtype)
+        w = leaf(name)
+        if ("dense_matmul" in kernels and w is not None and w.dtype == jnp.float32 and w.shape[1:] == tuple(shape)
+                and cols % 16 == 0):
+            from jaxpaged.ops.dense_matmul import dense_matmul
+
+            return dense_matmul(x, w.reshape(w.shape[0], rows, cols), at).reshape(out_shape).astype(dtype)
     w = linear_weight(module, name, shape, dtype, init)
     return jnp.einsum(equation, x, w.reshape(-1, shape[-1]) if matrix else w)
 
 
-def cpu_kernel_serves(params, platform: str, sharded: bool, dtype) -> bool:
-    """Whether a runner multiplies kept codes with the CPU kernel (ops/cpu/gguf_matmul.cc): on XLA:CPU, one
-    device (a custom call has no sharding rule), float32 activations, the kernel built and not switched
-    off (JAXPAGED_CPU_KERNELS=0)."""
-    if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32 or not has_kept_weights(params):
-        return False
-    from jaxpaged.ops.gguf_matmul import enabled
+def cpu_matmul_kernels(params, platform: str, sharded: bool, dtype) -> frozenset:
+    """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_matmul" where the
+    tree keeps codes, "dense_matmul" for float32 weights; on XLA:CPU, one device (a custom call has no
+    sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS)."""
+    if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32:
+        return frozenset()
+    from jaxpaged.ops import dense_matmul, gguf_matmul
 
-    return enabled()
+    return frozenset(([gguf_matmul.NAME] if has_kept_weights(params) and gguf_matmul.enabled() else [])
+                     + ([dense_matmul.NAME] if dense_matmul.enabled() else []))
 
 
-def stack_of(layers_params: dict, module: str) -> dict:
-    """The kept leaves of `module` ("attn", "mlp") in the stacked `layers` params, for `linear`'s stack."""
-    return {name: leaf for name, leaf in layers_params.get(module, {}).items() if is_kept_leaf(name)}
+def stack_of(layers_params: dict, module: str, kernels: frozenset) -> dict:
+    """The leaves of `module` ("attn", "mlp") in the stacked `layers` params that `kernels` multiply, for
+    `linear`'s stack: kept codes (gguf_matmul), float32 projections (dense_matmul)."""
+    def served(name: str, leaf) -> bool:
+        return (("gguf_matmul" in kernels and is_kept_leaf(name))
+                or ("dense_matmul" in kernels and name in PROJECTIONS and leaf.dtype == jnp.float32))
+
+    return {name: leaf for name, leaf in layers_params.get(module, {}).items() if served(name, leaf)}
 
 
 def linear_weight(module, name: str, shape: tuple[int, ...], dtype, init):

@@ -130,15 +130,15 @@ class Attention(nn.Module):
     # window: passed as is. Two (Gemma's local + global): `is_local` (traced, per layer) picks
     # between two calls by lax.cond, so each backend sees a static window.
     windows: tuple[int | None, ...] = (None,)
-    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
+    matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-                 query_start_loc, is_local=None, kv_centres=None, gguf_stack=None):
+                 query_start_loc, is_local=None, kv_centres=None, weight_stack=None):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         # Float weights, or GGUF codes: dequantized by XLA or multiplied by the CPU kernel (models/gguf_blocks.py).
-        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernel=self.gguf_kernel,
-                                    stack=gguf_stack, layer=layer_idx)
+        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
+                                    stack=weight_stack, layer=layer_idx)
         q = project("q_proj", x, (dim, n, h), "TD,DNH->TNH")
         key = project("k_proj", x, (dim, k, h), "TD,DKH->TKH")
         value = project("v_proj", x, (dim, k, h), "TD,DKH->TKH")
@@ -198,13 +198,13 @@ class MLP(nn.Module):
     intermediate_size: int
     dtype: jnp.dtype
     act: str = "silu"
-    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
+    matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
 
     @nn.compact
-    def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, gguf_stack=None) -> Float[Array, "num_tokens dim"]:
+    def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, weight_stack=None) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
-        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernel=self.gguf_kernel,
-                                    stack=gguf_stack, layer=layer_idx)  # float or GGUF codes (models/gguf_blocks.py)
+        project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
+                                    stack=weight_stack, layer=layer_idx)  # float or GGUF codes (models/gguf_blocks.py)
         gate = project("gate_proj", x, (dim, f), "TD,DF->TF")
         up = project("up_proj", x, (dim, f), "TD,DF->TF")
         return project("down_proj", ACTIVATIONS[self.act](gate) * up, (f, dim), "TF,FD->TD")
@@ -217,12 +217,12 @@ class DecoderLayer(nn.Module):
     attention_fn: AttentionFn
     decode_only: bool = False
     expert_fn: ExpertFn = grouped_experts
-    gguf_kernel: bool = False  # static: CausalLM.gguf_kernel
+    matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
-                 kv_centres=None, gguf_stack=None):
-        # gguf_stack: {"attn": {...}, "mlp": {...}} kept leaves of every layer, or None (gguf_blocks.linear)
+                 kv_centres=None, weight_stack=None):
+        # weight_stack: {"attn": {...}, "mlp": {...}} the kernels' leaves of every layer, or None (gguf_blocks.linear)
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
         x, kv_pages = carry
@@ -233,9 +233,9 @@ class DecoderLayer(nn.Module):
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
-            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.gguf_kernel, name="attn",
+            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels, name="attn",
         )
-        stack = gguf_stack or {}
+        stack = weight_stack or {}
         h, kv_pages = attn(
             norm("input_norm")(x), cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
             query_start_loc, is_local, kv_centres, stack.get("attn"),
@@ -246,7 +246,7 @@ class DecoderLayer(nn.Module):
             h = MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.hidden_act,
                     dtype, self.expert_fn, name="moe")(h)
         else:
-            h = MLP(c.intermediate_size, dtype, c.hidden_act, self.gguf_kernel, name="mlp")(h, layer_idx, stack.get("mlp"))
+            h = MLP(c.intermediate_size, dtype, c.hidden_act, self.matmul_kernels, name="mlp")(h, layer_idx, stack.get("mlp"))
         x = x + (norm("mlp_out_norm")(h) if c.sandwich_norms else h)
         return (x, kv_pages), None
 
@@ -261,9 +261,10 @@ class CausalLM(nn.Module):
     # Static: a tied LM head computes embedding @ x^T where that is faster (tied_lm_head); the
     # runner sets it for XLA:CPU. Same logits up to float32 summation order.
     vocab_major_head: bool = False
-    # Static: layer projections kept as GGUF codes are multiplied by the CPU kernel (ops/cpu/gguf_matmul.cc)
-    # in every step; the runner sets it on XLA:CPU. Same dequantized weights, float32 sums in another order.
-    gguf_kernel: bool = False
+    # Static: the C++ kernels that multiply layer projections in every step (gguf_blocks.linear):
+    # "gguf_matmul" for GGUF codes (ops/cpu/gguf_matmul.cc), "dense_matmul" for float32 weights
+    # (ops/cpu/dense_matmul.cc); the runner sets them on XLA:CPU. Same weights, float32 sums in another order.
+    matmul_kernels: frozenset = frozenset()
 
     @nn.compact
     def __call__(
@@ -302,7 +303,7 @@ class CausalLM(nn.Module):
             # One parameter tree per layer (the runner's serving layout, device/layer_params.py): the
             # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
             # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
-            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.gguf_kernel, parent=None)
+            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
@@ -314,12 +315,13 @@ class CausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
-            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.gguf_kernel, name="layers")
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-            # The kernel reads codes from the whole stack at layer_idx (no per-layer slice copies).
+            # The kernels read weights from the whole stack at layer_idx (no per-layer slice copies).
             stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})
-            gguf_stack = {m: stack_of(stacked, m) for m in ("attn", "mlp")} if self.gguf_kernel and stacked else None
-            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, gguf_stack)
+            weight_stack = ({m: stack_of(stacked, m, self.matmul_kernels) for m in ("attn", "mlp")}
+                          if self.matmul_kernels and stacked else None)
+            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, weight_stack)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.

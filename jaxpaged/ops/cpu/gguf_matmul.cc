@@ -11,25 +11,16 @@
 // is a copy (XLA's dynamic-slice fusions are memcpys), which would cost as much as reading it.
 //
 // XLA:CPU runs this as a dequantization fusion that writes the float32 weight to memory, then
-// Eigen's GEMM, which packs that weight again at every call. Here each weight byte is read once per
-// call, in order, and dequantized in registers or into a small buffer that stays in L1 for the
-// multiply-adds that use it:
-//
-//        n0        n0+32                 a tile is a 32-column strip of W against 8 rows of x: 16
-//   k  [ 16 f32 | 16 f32 ]  <- W          vector accumulators. Thread t of T takes k blocks
-//        x 8 rows broadcast               [t B/T, (t+1) B/T) of every column: one contiguous run of
-//                                         codes, 64 k rows at a time, into its own partial sums of y.
+// Eigen's GEMM, which packs that weight again at every call. Here each code is read once per call, in
+// order (each thread one contiguous range of k: matmul.h), and dequantized in registers (up to 8 rows
+// of x) or, 64 k rows x 128 columns at a time, into a buffer that stays in L1 while every 8-row pass
+// of x multiplies it.
 //
 // Each dequantized W[k, n] is the float gguf_blocks computes (one rounding of scale * code + min;
 // the product is exact), so y differs from XLA's only in the order of the float32 sums over k.
-// The k ranges are shared out among XLA's intra-op threads (common.h, parallel_for), then the
-// partial sums are added up, split over the threads too. Built at first use with the host's compiler
-// (-march=native): ../cpu_kernels.py.
+// Built at first use with the host's compiler (-march=native): ../cpu_kernels.py.
 
-#include <algorithm>
-#include <vector>
-
-#include "common.h"
+#include "matmul.h"
 
 namespace ffi = xla::ffi;
 
@@ -41,12 +32,13 @@ using jaxpaged::store_f32;
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-constexpr int kBlock = 32;  // GGUF values per scale
-constexpr int kStrip = 32;  // columns per tile: two vectors
-constexpr int kRows = 8;    // rows of x per pass over a strip
-constexpr int kChunk = 128; // columns dequantized into the buffer at a time
-constexpr int kPassRows = 512;  // rows of x per pass over the codes: bounds the partial sums
-constexpr int kGroup = 2;   // blocks of k rows dequantized at a time (64 x 128 floats: 32 KB)
+using jaxpaged::kRows;
+using jaxpaged::kStrip;
+using jaxpaged::Matmul;
+
+constexpr int kBlock = 32;   // GGUF values per scale
+constexpr int kChunk = 128;  // columns dequantized into the buffer at a time
+constexpr int kGroup = 2;    // blocks of k rows dequantized at a time (64 x 128 floats: 32 KB)
 
 // 16 codes as floats. GCC 12 scalarizes __builtin_convertvector from uint8, hence the intrinsics.
 inline f32x16 load_codes(const uint8_t* p) {
@@ -68,13 +60,10 @@ inline f32x16 load_codes(const uint8_t* p) {
 #endif
 }
 
-struct Problem {
-  const float* x;
+struct Problem : Matmul {  // x, y, m, k, n; and this layer's codes, scales and minimums
   const uint8_t* codes;
   const float* scales;
   const float* mins;
-  float* y;
-  int64_t m, k, n;
 };
 
 // Dequantizes the codes of blocks [b0, b1) (k rows 32 b0 .. 32 b1) and columns [c0, c1) into w,
@@ -89,44 +78,6 @@ void dequantize_group(const Problem& p, int64_t b0, int64_t b1, int64_t c0, int6
       float* out = w + (b - b0) * kBlock * width + (n - c0);
       for (int64_t i = 0; i < kBlock; ++i) store_f32(out + i * width, scale * load_codes(codes + i * p.n) + min);
     }
-}
-
-// y[r0:r0+R, n0:n0+16*V] (V vectors of columns: 2, a whole strip, or 1, a 16-column tail) plus the
-// `depth` k rows from k0 of the dequantized group w (`width` floats per row, column n0 - c0 first):
-// starting from zero (k0 == 0) or from what y holds. 8 x 32: 16 accumulators, 2 loads and 8
-// broadcasts per 16 multiply-adds.
-template <int R, int V>
-void tile(const Problem& p, const float* w, int64_t width, int64_t depth, int64_t k0, int64_t r0, int64_t n0) {
-  f32x16 acc[R][V];
-  float* y = p.y + r0 * p.n + n0;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? f32x16{} : load_f32(y + r * p.n + 16 * v);
-  const float* x = p.x + r0 * p.k + k0;
-  for (int64_t i = 0; i < depth; ++i, w += width) {
-    f32x16 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = load_f32(w + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[r * p.k + i];
-      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store_f32(y + r * p.n + 16 * v, acc[r][v]);
-}
-
-template <int V>
-void rows_tail(const Problem& p, const float* w, int64_t width, int64_t depth, int64_t k0, int64_t r0, int64_t rows,
-               int64_t n0) {
-  switch (rows) {
-    case 1: return tile<1, V>(p, w, width, depth, k0, r0, n0);
-    case 2: return tile<2, V>(p, w, width, depth, k0, r0, n0);
-    case 3: return tile<3, V>(p, w, width, depth, k0, r0, n0);
-    case 4: return tile<4, V>(p, w, width, depth, k0, r0, n0);
-    case 5: return tile<5, V>(p, w, width, depth, k0, r0, n0);
-    case 6: return tile<6, V>(p, w, width, depth, k0, r0, n0);
-    case 7: return tile<7, V>(p, w, width, depth, k0, r0, n0);
-    default: return tile<8, V>(p, w, width, depth, k0, r0, n0);
-  }
 }
 
 // y[0:R, n0:n0+16*V] for R <= 8 rows (one pass): the codes dequantized in registers right before
@@ -184,16 +135,9 @@ void direct_columns(const Problem& p, int64_t r0, int64_t rows, int64_t c0, int6
   }
 }
 
-// Thread t of `tasks`: blocks [B0, B1) of k for every column and row, whose codes are one contiguous
-// run read in order (the next group requested while the current one is multiplied), into its own
-// partial sums: y itself for t = 0, `partials[t - 1]` [m, n] for the others. A column task instead
-// (a strip of columns, all of k) read its codes 128 B per k row at a stride of N bytes, which DRAM
-// serves slowly: the 30-layer projections of SmolLM2 ran 108 GFLOP/s that way at 16 rows and 119-133
-// split over k (one layer's codes in cache: 142 and 172); 146 -> 164 at 64 rows, 167 -> 182 at 256
-// (benchmarks/peers/README.md, ninth pass). Up to 8 rows each group of codes is dequantized
-// in registers right before its multiply-adds (one pass of x); with more, 128 columns of the group at
-// a time into a 32 KB buffer that stays in L1 while every 8-row pass of x multiplies it, so the
-// conversion is paid once per weight.
+// Thread t of `tasks` (matmul.h): blocks [B0, B1) of k for every column and row, whose codes are one
+// contiguous run read in order (the next group requested while the current one is multiplied), into
+// y (t = 0) or its partial sums.
 void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   const int64_t num_blocks = whole.k / kBlock, first = t * num_blocks / tasks, last = (t + 1) * num_blocks / tasks;
   Problem p = whole;  // blocks relative to `first`; x keeps its row stride k
@@ -217,19 +161,10 @@ void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
       continue;
     }
     alignas(64) static thread_local float w[kGroup * kBlock * kChunk];
-    const int64_t depth = (b1 - b0) * kBlock, k0 = b0 * kBlock;
     for (int64_t c0 = 0; c0 < p.n; c0 += kChunk) {
-      const int64_t c1 = std::min(p.n, c0 + kChunk), width = c1 - c0;
+      const int64_t c1 = std::min(p.n, c0 + kChunk);
       dequantize_group(p, b0, b1, c0, c1, w);
-      for (int64_t r0 = 0; r0 < p.m; r0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, p.m - r0);
-        for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
-          if (c1 - n0 < kStrip)
-            rows_tail<1>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
-          else
-            rows_tail<2>(p, w + (n0 - c0), width, depth, k0, r0, rows, n0);
-        }
-      }
+      jaxpaged::passes(p, w, c1 - c0, (b1 - b0) * kBlock, b0 * kBlock, c0, c1);
     }
   }
 }
@@ -251,28 +186,12 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("gguf_matmul: layer index out of range");
   const int64_t blocks = layer * (k / kBlock) * n;  // scales (and mins) before this layer's
   const int64_t tasks = std::min<int64_t>(k / kBlock, std::max<int64_t>(1, pool.num_threads()));
-  thread_local std::vector<float> partials;  // the sums of threads 1 .. tasks - 1: at most kPassRows x n each
-  for (int64_t r = 0; r < m; r += kPassRows) {
-    const int64_t rows = std::min<int64_t>(kPassRows, m - r);
-    const Problem problem{x.typed_data() + r * k, codes.typed_data() + blocks * kBlock, scales.typed_data() + blocks,
-                          mins.typed_data() + blocks, y->typed_data() + r * n, rows, k, n};
-    partials.resize((tasks - 1) * rows * n);
-    float* sums = partials.data();
-    jaxpaged::parallel_for(pool, tasks, [problem, tasks, sums](int64_t t) { k_range(problem, t, tasks, sums); });
-    if (tasks == 1) continue;
-    // y += the other threads' sums, in `pieces` ranges of whole vectors: one per 32768 floats (128 KB;
-    // waking a second thread for less costs more than it saves)
-    const int64_t total = rows * n, pieces = std::min<int64_t>(tasks, (total + 32767) / 32768);
-    float* out = problem.y;
-    jaxpaged::parallel_for(pool, pieces, [out, sums, total, pieces, tasks](int64_t piece) {
-      const int64_t begin = piece * (total / 16) / pieces * 16, end = (piece + 1) * (total / 16) / pieces * 16;
-      for (int64_t i = begin; i < end; i += 16) {
-        f32x16 acc = load_f32(out + i);
-        for (int64_t t = 1; t < tasks; ++t) acc += load_f32(sums + (t - 1) * total + i);
-        store_f32(out + i, acc);
-      }
-    });
-  }
+  const uint8_t* layer_codes = codes.typed_data() + blocks * kBlock;
+  const float *layer_scales = scales.typed_data() + blocks, *layer_mins = mins.typed_data() + blocks;
+  jaxpaged::split_over_k(pool, Matmul{x.typed_data(), y->typed_data(), m, k, n}, tasks,
+                         [=](const Matmul& slice, int64_t t, int64_t tasks, float* partials) {
+                           k_range(Problem{slice, layer_codes, layer_scales, layer_mins}, t, tasks, partials);
+                         });
   return ffi::Error::Success();
 }
 
