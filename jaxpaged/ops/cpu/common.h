@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -108,6 +109,8 @@ struct PagePrefetcher {
   }
 };
 
+constexpr int kSpinsBeforeYield = 1024;  // ~20 us of pause instructions
+
 inline void pause() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -139,7 +142,15 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t num_tasks, Task task) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->work(); });
   state->work();
-  while (state->done.load(std::memory_order_acquire) < num_tasks) pause();
+  // Wait for the tasks helpers took: spin briefly, then yield the core. Where the machine's cores are
+  // all busy (two test workers or engines on 2 cores), the helper may be waiting for this very core,
+  // and spinning on would only delay it.
+  for (int spins = 0; state->done.load(std::memory_order_acquire) < num_tasks; ++spins) {
+    if (spins < kSpinsBeforeYield)
+      pause();
+    else
+      std::this_thread::yield();
+  }
 }
 
 }  // namespace jaxpaged
