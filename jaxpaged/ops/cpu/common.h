@@ -1,5 +1,5 @@
-// What the CPU kernels (gguf_matmul.cc, paged_attention.cc, ragged_attention.cc) share: 16-float
-// vectors, a parallel loop over XLA's intra-op threads, and prefetching a sequence's pages.
+// What the CPU kernels (gguf_matmul.cc, dense_matmul.cc, paged_attention.cc, ragged_attention.cc)
+// share: 16-float vectors and a parallel loop over XLA's intra-op threads.
 //
 // GCC vector extensions keep the kernels free of intrinsics: AVX-512 registers where the CPU has
 // them, two AVX2 halves otherwise (the kernels are compiled with -march=native: ../cpu_kernels.py).
@@ -69,45 +69,6 @@ inline f32x16 exp16(f32x16 x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
 }
-
-// The keys and values of `page` (one KV head's pools, `page_floats` floats a page), requested into L2
-// (level 2) or L1 (level 3).
-template <int level>
-inline void prefetch_page(const float* keys_of_head, const float* values_of_head, int64_t page, int64_t page_floats) {
-  for (int64_t line = 0; line < page_floats; line += 16) {
-    __builtin_prefetch(keys_of_head + page * page_floats + line, 0, level);
-    __builtin_prefetch(values_of_head + page * page_floats + line, 0, level);
-  }
-}
-
-// A walk over one KV head's pages i = begin .. end - 1 of a sequence (`pages`: its block table row;
-// page ids outside [0, num_pages) are skipped here and refused by the caller). A sequence's pages lie
-// anywhere in the pool, 4 KB per (page, KV head) at 16 tokens of 64 floats, and the hardware prefetcher
-// stops at each one's end: requesting only the next page, the decode kernel read keys and values at
-// 11-12 GB/s (30 layers, 16 sequences, 128-768 keys, random pages); kAhead pages ahead into L2 and the
-// next into L1, 14-16 GB/s (benchmarks/peers/README.md, ninth pass).
-struct PagePrefetcher {
-  static constexpr int64_t kAhead = 8;
-  const int32_t* pages;
-  int64_t end, num_pages;
-  const float *keys_of_head, *values_of_head;
-  int64_t page_floats;
-
-  void request(int64_t i, bool into_l1) const {
-    if (i >= end || pages[i] < 0 || pages[i] >= num_pages) return;
-    if (into_l1)
-      prefetch_page<3>(keys_of_head, values_of_head, pages[i], page_floats);
-    else
-      prefetch_page<2>(keys_of_head, values_of_head, pages[i], page_floats);
-  }
-  void start(int64_t begin) const {  // before the walk: its first kAhead pages into L2
-    for (int64_t i = begin; i < begin + kAhead; ++i) request(i, false);
-  }
-  void at(int64_t i) const {  // while page i is used: page i + kAhead into L2, page i + 1 into L1
-    request(i + kAhead, false);
-    request(i + 1, true);
-  }
-};
 
 constexpr int kSpinsBeforeYield = 1024;  // ~20 us of pause instructions
 

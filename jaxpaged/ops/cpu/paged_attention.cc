@@ -19,7 +19,7 @@
 //     online softmax: m = max so far, l = sum of exp(s - m), acc = sum of exp(s - m) * v,
 //     rescaled by exp(m_old - m_new) when the max grows; out = acc / l at the end
 //
-// The pages ahead of the one being scored are requested into L2 and L1 (common.h, PagePrefetcher).
+// The pages ahead of the one being scored are requested into L2 and L1 (PagePrefetcher).
 // Slots a sequence does not own (past its length, before its window) are never read, so a freed
 // page's stale values cannot reach the output. The (B x K) tasks are shared out among XLA's
 // intra-op threads (common.h). exp is a degree-6 polynomial after range reduction to [-ln2/2, ln2/2]
@@ -75,6 +75,45 @@ struct Problem {
 
 constexpr int kMaxPage = 16;  // tokens per page the score vector holds
 
+// The keys and values of `page` (one KV head's pools, `page_floats` floats a page), requested into L2
+// (level 2) or L1 (level 3).
+template <int level>
+inline void prefetch_page(const float* keys_of_head, const float* values_of_head, int64_t page, int64_t page_floats) {
+  for (int64_t line = 0; line < page_floats; line += 16) {
+    __builtin_prefetch(keys_of_head + page * page_floats + line, 0, level);
+    __builtin_prefetch(values_of_head + page * page_floats + line, 0, level);
+  }
+}
+
+// A walk over one KV head's pages i = begin .. end - 1 of a sequence (`pages`: its block table row;
+// page ids outside [0, num_pages) are skipped here and refused by the caller). A sequence's pages lie
+// anywhere in the pool, 4 KB per (page, KV head) at 16 tokens of 64 floats, and the hardware prefetcher
+// stops at each one's end: requesting only the next page, the decode kernel read keys and values at
+// 11-12 GB/s (30 layers, 16 sequences, 128-768 keys, random pages); kAhead pages ahead into L2 and the
+// next into L1, 14-16 GB/s (benchmarks/peers/README.md, ninth pass).
+struct PagePrefetcher {
+  static constexpr int64_t kAhead = 8;
+  const int32_t* pages;
+  int64_t end, num_pages;
+  const float *keys_of_head, *values_of_head;
+  int64_t page_floats;
+
+  void request(int64_t i, bool into_l1) const {
+    if (i >= end || pages[i] < 0 || pages[i] >= num_pages) return;
+    if (into_l1)
+      prefetch_page<3>(keys_of_head, values_of_head, pages[i], page_floats);
+    else
+      prefetch_page<2>(keys_of_head, values_of_head, pages[i], page_floats);
+  }
+  void start(int64_t begin) const {  // before the walk: its first kAhead pages into L2
+    for (int64_t i = begin; i < begin + kAhead; ++i) request(i, false);
+  }
+  void at(int64_t i) const {  // while page i is used: page i + kAhead into L2, page i + 1 into L1
+    request(i + kAhead, false);
+    request(i + 1, true);
+  }
+};
+
 void attend(const Problem& p, int64_t task) {
   const int64_t b = task / p.num_kv_heads, k = task % p.num_kv_heads;
   const int64_t G = p.group, H = p.head_dim, S = p.page_size, V = H / 16;
@@ -99,7 +138,7 @@ void attend(const Problem& p, int64_t task) {
   const float* values_of_head = p.kv + ((p.layer * 2 + 1) * p.num_kv_heads + k) * head_stride;
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t num_seq_pages = (len + S - 1) / S;
-  const jaxpaged::PagePrefetcher prefetch{p.block_tables + b * p.pages_per_seq, num_seq_pages, p.num_pages,
+  const PagePrefetcher prefetch{p.block_tables + b * p.pages_per_seq, num_seq_pages, p.num_pages,
                                           keys_of_head, values_of_head, S * H};
   prefetch.start(start / S);
   for (int64_t i = start / S; i * S < len; ++i) {
