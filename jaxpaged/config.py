@@ -83,7 +83,7 @@ class EngineConfig:
     # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
     max_logprobs: int = 20
     # vLLM's engine argument. None: weights in `dtype`. "gguf" (a .gguf model): layer projections
-    # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes, 1.25 bytes per weight, dequantized
+    # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes (0.75 bytes per weight for Q4, 1.25 for Q8_0), dequantized
     # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py).
     quantization: str | None = None
 

@@ -59,10 +59,22 @@ def test_codes_dequantize_to_ggufs_own_floats_bit_for_bit(kind):
     assert_bits_equal(codes.dequantize(), expected)
     # The step's math (jitted: XLA may fuse the multiply-add) on the parameter layout, [in, out]:
     leaves = {k.removeprefix("w"): v[0] for k, v in gguf_blocks.stacked_leaves("w", [codes]).items()}
-    assert leaves["_codes"].shape == (96 // 32, 32, 24) and leaves["_scales"].shape == (96 // 32, 24)
+    code_rows = 32 if kind == "Q8_0" else 16  # 4-bit codes packed two per byte
+    assert leaves["_codes"].shape == (96 // 32, code_rows, 24) and leaves["_scales"].shape == (96 // 32, 24)
     params = {"params": {"w" + suffix: value for suffix, value in leaves.items()}}
     got = jax.jit(Weight((96, 24)).apply)(params)
     assert_bits_equal(np.asarray(got), np.ascontiguousarray(expected.T))
+
+
+def test_packed_codes_round_trip_and_wider_codes_stay_bytes():
+    codes = np.random.default_rng(3).integers(0, 16, (2, 3, 32, 40), dtype=np.uint8)
+    packed = gguf_blocks.pack_nibbles(codes)
+    assert packed.shape == (2, 3, 16, 40) and gguf_blocks.is_packed(packed)
+    np.testing.assert_array_equal(packed[:, :, 5] & 15, codes[:, :, 5])  # byte j: row j low, row j + 16 high
+    np.testing.assert_array_equal(packed[:, :, 5] >> 4, codes[:, :, 21])
+    np.testing.assert_array_equal(np.asarray(gguf_blocks.unpacked(packed)), codes)
+    with pytest.raises(ValueError, match="below 16"):
+        gguf_blocks.pack_nibbles(codes + 1)  # a 16: Q8_0's codes are not packed
 
 
 def test_unpack_refuses_other_block_types():
@@ -86,9 +98,11 @@ def test_bundled_model_codes_are_the_float_weights(bundled_params):
         for name in names:
             assert name not in got
             assert got[f"{name}_codes"].dtype == np.uint8, name
+            assert gguf_blocks.is_packed(got[f"{name}_codes"]), name  # Q4_1: two codes per byte
             assert got[f"{name}_scales"].dtype == got[f"{name}_mins"].dtype == np.float32, name  # not bfloat16
             for layer in (0, 17, 29):
                 c, s, m = (np.asarray(got[f"{name}{p}"][layer]) for p in gguf_blocks.SUFFIXES)
+                c = np.concatenate([c & 15, c >> 4], axis=1)  # rows j, then j + 16, of each block
                 weight = (s[:, None, :] * c.astype(np.float32) + m[:, None, :]).reshape(want[name].shape[1:])
                 np.testing.assert_array_equal(weight, np.asarray(want[name][layer]), err_msg=f"{name} {layer}")
     # The rest is float, in the engine dtype; the Q8_0 embedding is dequantized as before.
@@ -250,6 +264,8 @@ def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, 
                 np.testing.assert_array_equal(layers[name], want["params"]["layers"][group][name])
                 continue
             c, s, m = (layers[name + suffix] for suffix in gguf_blocks.SUFFIXES)
+            assert gguf_blocks.is_packed(c) == (TINY_TYPES[name][0] != "Q8_0"), name  # 4-bit: two per byte
+            c = np.asarray(gguf_blocks.unpacked(c))
             weight = (s[:, :, None, :] * c.astype(np.float32) + m[:, :, None, :]).reshape(
                 want["params"]["layers"][group][name].shape)
             assert_bits_equal(weight, want["params"]["layers"][group][name])  # rows un-permuted alike
@@ -261,5 +277,13 @@ def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, 
             np.array([n], np.int32), np.array([0, n], np.int32), np.arange(n, dtype=np.int32))
     model = jax.jit(CausalLM(config).apply)
     np.testing.assert_allclose(np.asarray(model(got, *args)[0]), np.asarray(model(want, *args)[0]), atol=1e-5, rtol=1e-5)
+    from jaxpaged.ops import gguf_matmul
+
+    if gguf_matmul.available():  # the CPU kernel on packed (Q4) and one-byte (Q8_0) codes side by side
+        kernel = jax.jit(CausalLM(config, matmul_kernels=frozenset({gguf_matmul.NAME})).apply)
+        hlo = kernel.lower(got, *args).as_text()
+        assert hlo.count(gguf_matmul.TARGET) == 6  # every kept projection of the scanned layer
+        logits = np.asarray(model(want, *args)[0])  # up to ~34: float32 sums in the kernel's order
+        np.testing.assert_allclose(np.asarray(kernel(got, *args)[0]), logits, atol=1e-5 * np.abs(logits).max(), rtol=0)
     with pytest.raises(ValueError, match="has none"):  # a file none of whose projections is kept
         check_kept(want, "floats.gguf")

@@ -6,9 +6,11 @@ layers of the stack hold NaN scales, so a read of the wrong layer (or past a str
 block group) poisons the result. Shapes cover the kernel's paths and tails: up to 8 rows (codes
 dequantized in registers) and more (a dequantized group in a buffer), rows not a multiple of its 8-row
 passes nor of its 64-row tasks, columns ending in a 16-wide half strip and in a partial 128-column
-task, and K spanning more and fewer block groups (2 blocks of 32) than one.
+task, and K spanning more and fewer block groups (2 blocks of 32) than one; each with one code per
+byte (Q8_0's 0..255) and with 4-bit codes packed two per byte (Q4_0 / Q4_1, models/gguf_blocks.py).
 """
 
+import itertools
 import os
 import platform
 
@@ -17,15 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged.models.gguf_blocks import pack_nibbles
 from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops import gguf_matmul as gm
 
 pytestmark = pytest.mark.skipif(not gm.available(), reason="no C++ compiler: the kernel cannot be built here")
 
 
-def stacked_weight(num_layers: int, k: int, n: int, seed: int):
+def stacked_weight(num_layers: int, k: int, n: int, seed: int, bits: int = 8):
+    """codes [L, K/32, 32, N] below 2**bits (one per byte: the oracle's), scales, mins."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 256, (num_layers, k // 32, 32, n), dtype=np.uint8)
+    codes = rng.integers(0, 2 ** bits, (num_layers, k // 32, 32, n), dtype=np.uint8)
     scales = (rng.random((num_layers, k // 32, n), dtype=np.float32) * 0.02).astype(np.float32)
     mins = (-rng.random((num_layers, k // 32, n), dtype=np.float32) * 2.0).astype(np.float32)
     return codes, scales, mins
@@ -43,14 +47,21 @@ def poison_other_layers(scales: np.ndarray, layer: int) -> np.ndarray:
     return scales
 
 
+def kernel_codes(codes: np.ndarray, packed: bool) -> np.ndarray:
+    """The codes as the kernel takes them: [L, K/32, 32, N], or packed [L, K/32, 16, N]."""
+    return pack_nibbles(codes) if packed else codes
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "packed"])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 23, 64, 130, 520])
 @pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (160, 144), (576, 272), (256, 192)])
-def test_kernel_matches_the_float64_oracle(m, k, n):
+def test_kernel_matches_the_float64_oracle(m, k, n, packed):
     num_layers, layer = 3, 1
-    codes, scales, mins = stacked_weight(num_layers, k, n, seed=m * 1000 + n)
+    codes, scales, mins = stacked_weight(num_layers, k, n, seed=m * 1000 + n, bits=4 if packed else 8)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     want = oracle(x, codes, scales, mins, layer)
-    got = jax.jit(gm.gguf_matmul)(x, codes, poison_other_layers(scales, layer), mins, jnp.int32(layer))
+    got = jax.jit(gm.gguf_matmul)(x, kernel_codes(codes, packed), poison_other_layers(scales, layer), mins,
+                                  jnp.int32(layer))
     assert got.shape == (m, n) and got.dtype == jnp.float32
     # float32 sums of k terms: error bounded by ~k * eps * sum |x w|
     bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(oracle(np.eye(k, dtype=np.float32), codes, scales,
@@ -58,22 +69,26 @@ def test_kernel_matches_the_float64_oracle(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-6)
 
 
-def test_one_layer_of_leaves_and_the_reference_agree():
-    codes, scales, mins = stacked_weight(1, 64, 32, seed=5)
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "packed"])
+def test_one_layer_of_leaves_and_the_reference_agree(packed):
+    codes, scales, mins = stacked_weight(1, 64, 32, seed=5, bits=4 if packed else 8)
     x = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
-    got = gm.gguf_matmul(x, codes[0], scales[0], mins[0])  # [K/32, 32, N]: one layer, index 0
+    given = kernel_codes(codes, packed)
+    got = gm.gguf_matmul(x, given[0], scales[0], mins[0])  # [K/32, 32 or 16, N]: one layer, index 0
     np.testing.assert_allclose(np.asarray(got), oracle(x, codes, scales, mins, 0), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(gm.reference(x, codes, scales, mins, 0)), np.asarray(got), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(gm.reference(x, given, scales, mins, 0)), np.asarray(got), rtol=1e-5, atol=1e-4)
 
 
-def test_layer_index_traced_in_a_scan_reads_each_layer():
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "packed"])
+def test_layer_index_traced_in_a_scan_reads_each_layer(packed):
     """As the model calls it: the whole stack a loop invariant, the layer the scan's index."""
     num_layers, k, n = 4, 128, 64
-    codes, scales, mins = stacked_weight(num_layers, k, n, seed=7)
+    codes, scales, mins = stacked_weight(num_layers, k, n, seed=7, bits=4 if packed else 8)
     x = np.random.default_rng(7).standard_normal((5, k)).astype(np.float32)
+    given = kernel_codes(codes, packed)
 
     def body(_, layer):
-        return None, gm.gguf_matmul(x, codes, scales, mins, layer)
+        return None, gm.gguf_matmul(x, given, scales, mins, layer)
 
     _, ys = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(num_layers, dtype=jnp.int32)))()
     for layer in range(num_layers):
@@ -83,8 +98,10 @@ def test_layer_index_traced_in_a_scan_reads_each_layer():
 def test_bad_shapes_and_layers_are_refused_with_what_to_pass():
     codes, scales, mins = stacked_weight(2, 64, 48, seed=1)
     x = np.ones((2, 64), np.float32)
-    with pytest.raises(ValueError, match=r"needs codes \[L, 3, 32, N\]"):
+    with pytest.raises(ValueError, match=r"needs codes \[L, 3, 32, N\] \(packed: \[L, 3, 16, N\]\)"):
         gm.gguf_matmul(np.ones((2, 96), np.float32), codes, scales, mins)
+    with pytest.raises(ValueError, match=r"needs codes \[L, 2, 32, N\]"):  # 8 rows a block: neither layout
+        gm.gguf_matmul(x, codes[:, :, :8], scales, mins)
     odd = stacked_weight(1, 64, 40, seed=1)
     with pytest.raises(ValueError, match="multiple of 16"):
         gm.gguf_matmul(x, *odd)
@@ -114,8 +131,9 @@ def test_the_avx2_and_generic_builds_compute_the_same(march):
     256-bit halves per vector, the AVX2 code conversion) and for plain x86-64 (no intrinsics)."""
     if not cpu_kernels.register(gm.NAME, march):
         pytest.skip(f"the compiler cannot build for -march={march}")
-    for m, k, n in [(3, 96, 144), (16, 160, 48), (23, 64, 272)]:
-        codes, scales, mins = stacked_weight(2, k, n, seed=m)
+    for (m, k, n), packed in itertools.product([(3, 96, 144), (16, 160, 48), (23, 64, 272)], (False, True)):
+        codes, scales, mins = stacked_weight(2, k, n, seed=m, bits=4 if packed else 8)
         x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-        got = gm.gguf_matmul(x, codes, poison_other_layers(scales, 1), mins, 1, march=march)
-        np.testing.assert_allclose(np.asarray(got), oracle(x, codes, scales, mins, 1), rtol=1e-5, atol=1e-3)
+        got = gm.gguf_matmul(x, kernel_codes(codes, packed), poison_other_layers(scales, 1), mins, 1, march=march)
+        np.testing.assert_allclose(np.asarray(got), oracle(x, codes, scales, mins, 1), rtol=1e-5, atol=1e-3,
+                                   err_msg=f"{m=} {k=} {n=} {packed=}")

@@ -7,10 +7,13 @@ GGUF's legacy block types store a weight row in blocks of 32 values, one scale (
     Q8_0   34 bytes: d, 32 int8 q in -128..127                 w = d * q
 
 (nibbles: byte j holds value j in its low four bits and value j + 16 in its high four). All three are
-kept here in one layout, one byte per value, so every kind stacks and dequantizes the same way:
+read into one layout, one code per value, so every kind dequantizes the same way:
 
     codes uint8 [rows, cols]   scales float32 [rows, cols / 32]   mins float32 [rows, cols / 32]
     w = scales * codes + mins  (Q4_0: codes q, mins -8d; Q8_0: codes q + 128, mins -128d)
+
+In the parameter tree a weight whose codes all fit in four bits (every layer Q4_0 / Q4_1) keeps them
+packed again, two per byte in GGUF's order (`pack_nibbles`); the others keep one byte per code.
 
 Each w equals gguf's own float32 dequantization: scales * codes has at most 11 + 8 significant
 bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m` is (fused
@@ -23,8 +26,8 @@ them to these same floats as it reads them; elsewhere, and where it cannot be bu
 layer's weights, then multiplies.
 
 In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
-`name_codes` [in/32, 32, out], `name_scales` and `name_mins` [in/32, out] (plus the leading layers
-axis), `in` and `out` being the float weight's first axis and the product of the others. Only dense
+`name_codes` [in/32, 32, out] (packed: [in/32, 16, out]), `name_scales` and `name_mins` [in/32, out]
+(plus the leading layers axis), `in` and `out` being the float weight's first axis and the product of the others. Only dense
 layer projections are kept (`PROJECTIONS`); the embedding, an untied output head, MoE experts and
 other block types (K quants) stay float, and so does a projection any layer of which is not kept.
 """
@@ -88,10 +91,34 @@ def unpack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> BlockCodes:
                       np.ascontiguousarray(mins))
 
 
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Codes [..., 32, out], all below 16, as two per byte [..., 16, out]: byte j of a block holds k row j
+    in its low four bits and row j + 16 in its high four (GGUF's own Q4 order)."""
+    if codes.shape[-2] != BLOCK or codes.max(initial=0) > 15:
+        raise ValueError(f"pack_nibbles: codes [..., {BLOCK}, out] below 16; got {codes.shape}, max {codes.max(initial=0)}")
+    half = BLOCK // 2
+    return np.ascontiguousarray(codes[..., :half, :] | (codes[..., half:, :] << 4), dtype=np.uint8)
+
+
+def is_packed(codes) -> bool:
+    """Whether a codes leaf ([..., rows, out]) holds two 4-bit codes per byte."""
+    return codes.shape[-2] == BLOCK // 2
+
+
+def unpacked(codes):
+    """One code per byte, [..., 32, out], from either layout (jnp: inside the step)."""
+    if not is_packed(codes):
+        return codes
+    return jnp.concatenate([codes & 15, codes >> 4], axis=-2)
+
+
 def stacked_leaves(name: str, layers: list[BlockCodes]) -> dict[str, np.ndarray]:
-    """The three leaves of weight `name` over all layers, from HF-layout (out, in) codes."""
+    """The three leaves of weight `name` over all layers, from HF-layout (out, in) codes: packed two per
+    byte when every code fits in four bits (Q4_0, Q4_1)."""
     out, cols = layers[0].shape
     codes = np.stack([m.codes.T.reshape(cols // BLOCK, BLOCK, out) for m in layers])
+    if codes.max(initial=0) < 16:
+        codes = pack_nibbles(codes)
     return {name + "_codes": codes, name + "_scales": np.stack([m.scales.T for m in layers]),
             name + "_mins": np.stack([m.mins.T for m in layers])}
 
@@ -195,7 +222,7 @@ def linear_weight(module, name: str, shape: tuple[int, ...], dtype, init):
     """The float weight `name` of `shape` (in first) in a flax module: the param itself, or its
     codes dequantized (float32 math, then cast to `dtype`) when the tree keeps it as codes."""
     if not module.is_initializing() and module.has_variable("params", name + "_codes"):
-        codes = module.get_variable("params", name + "_codes")  # [in/32, 32, out]
+        codes = unpacked(module.get_variable("params", name + "_codes"))  # [in/32, 32, out]
         scales = module.get_variable("params", name + "_scales")[:, None, :]
         mins = module.get_variable("params", name + "_mins")[:, None, :]
         with jax.named_scope("gguf_dequantize"):  # names the fusion in profiles (benchmarks/peers/xla_cpu_trace.py)

@@ -8,6 +8,9 @@ same dequantized weights.
 
     x       float32 [M, K]           codes  uint8 [L, K/32, 32, N]      layer  int32 []
     scales  float32 [L, K/32, N]     mins   float32 [L, K/32, N]    ->  y float32 [M, N]
+
+4-bit codes may come packed, two per byte: codes uint8 [L, K/32, 16, N], byte j of a block holding
+k row j in its low nibble and row j + 16 in its high (GGUF's own order; models/gguf_blocks.py).
 """
 
 from __future__ import annotations
@@ -35,16 +38,18 @@ def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
     """x [M, K] float32 @ layer `layer` of the stacked weight
     W[l, k, n] = scales[l, k/32, n] * codes[l, k, n] + mins[l, k/32, n]  ->  y [M, N] float32.
 
-    codes uint8 [L, K/32, 32, N], scales and mins float32 [L, K/32, N] (one layer: [K/32, 32, N] and
-    [K/32, N], taken as L = 1); `layer` an int32 scalar, traced or not. CPU only: call `available()` first.
+    codes uint8 [L, K/32, 32, N] (or packed 4-bit codes [L, K/32, 16, N]), scales and mins float32
+    [L, K/32, N] (one layer: [K/32, 32 or 16, N] and [K/32, N], taken as L = 1); `layer` an int32
+    scalar, traced or not. CPU only: call `available()` first.
     `march`: the build to run (another instruction set than the host's: tests; cpu_kernels.register).
     """
     if codes.ndim == 3:  # one layer's weight: a leading axis of 1 (a free reshape)
         codes, scales, mins = codes[None], scales[None], mins[None]
-    (m, k), (num_layers, _, _, n) = x.shape, codes.shape
-    if codes.shape != (num_layers, k // 32, 32, n) or scales.shape != (num_layers, k // 32, n) or mins.shape != scales.shape:
-        raise ValueError(f"gguf_matmul: {x.shape=} needs codes [L, {k // 32}, 32, N] and scales, mins "
-                         f"[L, {k // 32}, N]; got {codes.shape}, {scales.shape}, {mins.shape}")
+    (m, k), (num_layers, _, rows, n) = x.shape, codes.shape
+    if (codes.shape != (num_layers, k // 32, rows, n) or rows not in (16, 32) or k % 32
+            or scales.shape != (num_layers, k // 32, n) or mins.shape != scales.shape):
+        raise ValueError(f"gguf_matmul: {x.shape=} needs codes [L, {k // 32}, 32, N] (packed: [L, {k // 32}, 16, N]) "
+                         f"and scales, mins [L, {k // 32}, N]; got {codes.shape}, {scales.shape}, {mins.shape}")
     if n % 16:
         raise ValueError(f"gguf_matmul: {n=} output columns must be a multiple of 16")
     if not cpu_kernels.register(NAME, march):
@@ -58,5 +63,7 @@ def reference(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike
     if codes.ndim == 4:
         codes, scales, mins = codes[layer], scales[layer], mins[layer]
     k, n = x.shape[-1], scales.shape[-1]
+    if codes.shape[1] == 16:  # packed: rows j (low nibbles), then rows j + 16 (high)
+        codes = jnp.concatenate([codes & 15, codes >> 4], axis=1)
     weight = (scales[:, None, :] * codes.astype(jnp.float32) + mins[:, None, :]).reshape(k, n)
     return jnp.dot(x.astype(jnp.float32), weight, precision=jax.lax.Precision.HIGHEST)

@@ -1,7 +1,9 @@
 // y = x @ W for a weight kept as GGUF block codes (jaxpaged/models/gguf_blocks.py), on the CPU.
 //
 //   x       float32 [M, K]          activations, row-major
-//   codes   uint8   [L, K, N]       ([L, K/32, 32, N] in the parameter tree: the same bytes)
+//   codes   uint8   [L, K, N]       ([L, K/32, 32, N] in the parameter tree: the same bytes), or
+//           uint8   [L, K/2, N]     packed: [L, K/32, 16, N], byte j of a block holding the code of
+//                                   k row j in its low four bits and of row j + 16 in its high four
 //   scales  float32 [L, K/32, N]    W[k, n] = scales[l, k/32, n] * codes[l, k, n] + mins[l, k/32, n]
 //   mins    float32 [L, K/32, N]
 //   layer   int32   []              l: which of the L stacked weights
@@ -60,30 +62,68 @@ inline f32x16 load_codes(const uint8_t* p) {
 #endif
 }
 
+// 32 codes from 16 packed bytes: the low nibbles (k rows j of a block) and the high (rows j + 16).
+inline void load_nibbles(const uint8_t* p, f32x16& low, f32x16& high) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
+  high = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+#elif defined(__AVX2__)
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256 la = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), lb = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  const __m256 ha = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), hb = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  std::memcpy(&low, &la, 32);
+  std::memcpy(reinterpret_cast<char*>(&low) + 32, &lb, 32);
+  std::memcpy(&high, &ha, 32);
+  std::memcpy(reinterpret_cast<char*>(&high) + 32, &hb, 32);
+#else
+  for (int i = 0; i < 16; ++i) {
+    low[i] = static_cast<float>(p[i] & 15);
+    high[i] = static_cast<float>(p[i] >> 4);
+  }
+#endif
+}
+
 struct Problem : Matmul {  // x, y, m, k, n; and this layer's codes, scales and minimums
   const uint8_t* codes;
   const float* scales;
   const float* mins;
 };
 
+// Bytes of codes per block row of W: 32 k rows of one byte, or 16 of two packed codes.
+template <bool Packed>
+constexpr int64_t kCodeRows = Packed ? kBlock / 2 : kBlock;
+
 // Dequantizes the codes of blocks [b0, b1) (k rows 32 b0 .. 32 b1) and columns [c0, c1) into w,
 // row-major with `width` = c1 - c0 floats per k row: 16 codes at a time, converted and scaled in
 // registers (scale * code + min, the float gguf_blocks defines).
+template <bool Packed>
 void dequantize_group(const Problem& p, int64_t b0, int64_t b1, int64_t c0, int64_t c1, float* w) {
   const int64_t width = c1 - c0;
   for (int64_t b = b0; b < b1; ++b)
     for (int64_t n = c0; n < c1; n += 16) {
       const f32x16 scale = load_f32(p.scales + b * p.n + n), min = load_f32(p.mins + b * p.n + n);
-      const uint8_t* codes = p.codes + b * kBlock * p.n + n;
+      const uint8_t* codes = p.codes + b * kCodeRows<Packed> * p.n + n;
       float* out = w + (b - b0) * kBlock * width + (n - c0);
-      for (int64_t i = 0; i < kBlock; ++i) store_f32(out + i * width, scale * load_codes(codes + i * p.n) + min);
+      for (int64_t i = 0; i < kCodeRows<Packed>; ++i) {
+        if constexpr (Packed) {
+          f32x16 low, high;
+          load_nibbles(codes + i * p.n, low, high);
+          store_f32(out + i * width, scale * low + min);
+          store_f32(out + (i + kBlock / 2) * width, scale * high + min);
+        } else {
+          store_f32(out + i * width, scale * load_codes(codes + i * p.n) + min);
+        }
+      }
     }
 }
 
 // y[0:R, n0:n0+16*V] for R <= 8 rows (one pass): the codes dequantized in registers right before
 // their multiply-adds, for blocks [b0, b1), starting from zero (b0 == 0) or from what y holds. With
 // a single pass a buffer would cost a store and a load per weight for nothing (1 row: 2x slower).
-template <int R, int V>
+template <bool Packed, int R, int V>
 void tile_direct(const Problem& p, int64_t r0, int64_t n0, int64_t b0, int64_t b1) {
   f32x16 acc[R][V];
   float* y = p.y + r0 * p.n + n0;
@@ -96,13 +136,29 @@ void tile_direct(const Problem& p, int64_t r0, int64_t n0, int64_t b0, int64_t b
       scale[v] = load_f32(p.scales + b * p.n + n0 + 16 * v);
       min[v] = load_f32(p.mins + b * p.n + n0 + 16 * v);
     }
-    const uint8_t* codes = p.codes + b * kBlock * p.n + n0;
-    for (int64_t i = 0; i < kBlock; ++i, codes += p.n) {
-      f32x16 w[V];
-      for (int v = 0; v < V; ++v) w[v] = scale[v] * load_codes(codes + 16 * v) + min[v];
-      for (int r = 0; r < R; ++r) {
-        const float xr = x[r * p.k + b * kBlock + i];
-        for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+    const uint8_t* codes = p.codes + b * kCodeRows<Packed> * p.n + n0;
+    for (int64_t i = 0; i < kCodeRows<Packed>; ++i, codes += p.n) {
+      if constexpr (Packed) {  // k rows i and i + 16 of the block
+        f32x16 low[V], high[V];
+        for (int v = 0; v < V; ++v) {
+          load_nibbles(codes + 16 * v, low[v], high[v]);
+          low[v] = scale[v] * low[v] + min[v];
+          high[v] = scale[v] * high[v] + min[v];
+        }
+        for (int r = 0; r < R; ++r) {
+          const float xl = x[r * p.k + b * kBlock + i], xh = x[r * p.k + b * kBlock + i + kBlock / 2];
+          for (int v = 0; v < V; ++v) {  // two multiply-adds (one expression would round xl * low first)
+            acc[r][v] += xl * low[v];
+            acc[r][v] += xh * high[v];
+          }
+        }
+      } else {
+        f32x16 w[V];
+        for (int v = 0; v < V; ++v) w[v] = scale[v] * load_codes(codes + 16 * v) + min[v];
+        for (int r = 0; r < R; ++r) {
+          const float xr = x[r * p.k + b * kBlock + i];
+          for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+        }
       }
     }
   }
@@ -110,46 +166,48 @@ void tile_direct(const Problem& p, int64_t r0, int64_t n0, int64_t b0, int64_t b
     for (int v = 0; v < V; ++v) store_f32(y + r * p.n + 16 * v, acc[r][v]);
 }
 
-template <int V>
+template <bool Packed, int V>
 void direct(const Problem& p, int64_t r0, int64_t rows, int64_t n0, int64_t b0, int64_t b1) {
   switch (rows) {
-    case 1: return tile_direct<1, V>(p, r0, n0, b0, b1);
-    case 2: return tile_direct<2, V>(p, r0, n0, b0, b1);
-    case 3: return tile_direct<3, V>(p, r0, n0, b0, b1);
-    case 4: return tile_direct<4, V>(p, r0, n0, b0, b1);
-    case 5: return tile_direct<5, V>(p, r0, n0, b0, b1);
-    case 6: return tile_direct<6, V>(p, r0, n0, b0, b1);
-    case 7: return tile_direct<7, V>(p, r0, n0, b0, b1);
-    default: return tile_direct<8, V>(p, r0, n0, b0, b1);
+    case 1: return tile_direct<Packed, 1, V>(p, r0, n0, b0, b1);
+    case 2: return tile_direct<Packed, 2, V>(p, r0, n0, b0, b1);
+    case 3: return tile_direct<Packed, 3, V>(p, r0, n0, b0, b1);
+    case 4: return tile_direct<Packed, 4, V>(p, r0, n0, b0, b1);
+    case 5: return tile_direct<Packed, 5, V>(p, r0, n0, b0, b1);
+    case 6: return tile_direct<Packed, 6, V>(p, r0, n0, b0, b1);
+    case 7: return tile_direct<Packed, 7, V>(p, r0, n0, b0, b1);
+    default: return tile_direct<Packed, 8, V>(p, r0, n0, b0, b1);
   }
 }
 
 // Columns [c0, c1) of rows r0 .. r0 + rows - 1 (at most 8) for blocks [b0, b1): whole strips, then
 // a 16-column tail.
+template <bool Packed>
 void direct_columns(const Problem& p, int64_t r0, int64_t rows, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
   for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
     if (c1 - n0 < kStrip)
-      direct<1>(p, r0, rows, n0, b0, b1);
+      direct<Packed, 1>(p, r0, rows, n0, b0, b1);
     else
-      direct<2>(p, r0, rows, n0, b0, b1);
+      direct<Packed, 2>(p, r0, rows, n0, b0, b1);
   }
 }
 
 // Thread t of `tasks` (matmul.h): blocks [B0, B1) of k for every column and row, whose codes are one
 // contiguous run read in order (the next group requested while the current one is multiplied), into
 // y (t = 0) or its partial sums.
+template <bool Packed>
 void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
   const int64_t num_blocks = whole.k / kBlock, first = t * num_blocks / tasks, last = (t + 1) * num_blocks / tasks;
   Problem p = whole;  // blocks relative to `first`; x keeps its row stride k
   p.x += first * kBlock;
-  p.codes += first * kBlock * p.n;
+  p.codes += first * kCodeRows<Packed> * p.n;
   p.scales += first * p.n;
   p.mins += first * p.n;
   if (t > 0) p.y = partials + (t - 1) * p.m * p.n;
   const int64_t count = last - first;
   auto request = [&](int64_t b0) {  // the codes of blocks b0 .. b0 + kGroup - 1: whole rows, contiguous
-    const uint8_t* end = p.codes + std::min(count, b0 + kGroup) * kBlock * p.n;
-    for (const uint8_t* line = p.codes + std::min(count, b0) * kBlock * p.n; line < end; line += 64)
+    const uint8_t* end = p.codes + std::min(count, b0 + kGroup) * kCodeRows<Packed> * p.n;
+    for (const uint8_t* line = p.codes + std::min(count, b0) * kCodeRows<Packed> * p.n; line < end; line += 64)
       __builtin_prefetch(line);
   };
   request(0);
@@ -157,13 +215,13 @@ void k_range(const Problem& whole, int64_t t, int64_t tasks, float* partials) {
     const int64_t b1 = std::min(count, b0 + kGroup);
     request(b1);
     if (p.m <= kRows) {
-      direct_columns(p, 0, p.m, 0, p.n, b0, b1);
+      direct_columns<Packed>(p, 0, p.m, 0, p.n, b0, b1);
       continue;
     }
     alignas(64) static thread_local float w[kGroup * kBlock * kChunk];
     for (int64_t c0 = 0; c0 < p.n; c0 += kChunk) {
       const int64_t c1 = std::min(p.n, c0 + kChunk);
-      dequantize_group(p, b0, b1, c0, c1, w);
+      dequantize_group<Packed>(p, b0, b1, c0, c1, w);
       jaxpaged::passes(p, w, c1 - c0, (b1 - b0) * kBlock, b0 * kBlock, c0, c1);
     }
   }
@@ -177,20 +235,25 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (x_dims.size() != 2 || s_dims.size() != 3 || layer_buffer.element_count() != 1)
     return ffi::Error::InvalidArgument("gguf_matmul: x must be [M, K], scales [L, K/32, N], layer a scalar");
   const int64_t m = x_dims[0], k = x_dims[1], num_layers = s_dims[0], n = s_dims[2];
-  if (k != s_dims[1] * kBlock || codes.element_count() != static_cast<size_t>(num_layers * k * n) ||
+  const bool packed = codes.element_count() == static_cast<size_t>(num_layers * k / 2 * n);
+  if (k != s_dims[1] * kBlock || (!packed && codes.element_count() != static_cast<size_t>(num_layers * k * n)) ||
       mins.element_count() != scales.element_count() || n % 16 != 0)
-    return ffi::Error::InvalidArgument("gguf_matmul: codes [L, K, N], scales/mins [L, K/32, N], N % 16 == 0");
+    return ffi::Error::InvalidArgument("gguf_matmul: codes [L, K, N] or packed [L, K/2, N], scales/mins [L, K/32, N], N % 16 == 0");
   // On the CPU every buffer is host memory: the layer index is read here, where the call runs.
   const int64_t layer = *layer_buffer.typed_data();
   if (layer < 0 || layer >= num_layers)
     return ffi::Error::InvalidArgument("gguf_matmul: layer index out of range");
   const int64_t blocks = layer * (k / kBlock) * n;  // scales (and mins) before this layer's
   const int64_t tasks = std::min<int64_t>(k / kBlock, std::max<int64_t>(1, pool.num_threads()));
-  const uint8_t* layer_codes = codes.typed_data() + blocks * kBlock;
+  const uint8_t* layer_codes = codes.typed_data() + blocks * (packed ? kBlock / 2 : kBlock);
   const float *layer_scales = scales.typed_data() + blocks, *layer_mins = mins.typed_data() + blocks;
   jaxpaged::split_over_k(pool, Matmul{x.typed_data(), y->typed_data(), m, k, n}, tasks,
                          [=](const Matmul& slice, int64_t t, int64_t tasks, float* partials) {
-                           k_range(Problem{slice, layer_codes, layer_scales, layer_mins}, t, tasks, partials);
+                           const Problem problem{slice, layer_codes, layer_scales, layer_mins};
+                           if (packed)
+                             k_range<true>(problem, t, tasks, partials);
+                           else
+                             k_range<false>(problem, t, tasks, partials);
                          });
   return ffi::Error::Success();
 }
