@@ -1,5 +1,5 @@
 """S1 online serving: chat requests arriving as a Poisson process, streamed over HTTP, against
-OpenAI-compatible servers one after the other (BENCHMARKS.md, S1).
+OpenAI-compatible servers, one at a time (BENCHMARKS.md, S1).
 
     python benchmarks/bench_serving.py                       # jaxpaged, then transformers serve (CPU)
     python benchmarks/bench_serving.py --systems jaxpaged --rates 0.5 1
@@ -10,8 +10,11 @@ OpenAI-compatible servers one after the other (BENCHMARKS.md, S1).
 For each system the script starts the server (jaxpaged: `python -m jaxpaged.serve` on the bundled
 GGUF; Hugging Face: `transformers serve --continuous-batching` on a local directory converted from
 the same GGUF; vLLM: `python -m vllm.entrypoints.openai.api_server` from its own venv on the same
-GGUF converted to float32, with jaxpaged's max_model_len / max_num_seqs / max_num_batched_tokens), waits for it, warms it up with the whole request set at once (unmeasured), replays
-the same request set at each rate, and stops it. Per rate it reports TTFT, time per output token (TPOT) and inter-token latency (ITL),
+GGUF converted to float32, with jaxpaged's max_model_len / max_num_seqs / max_num_batched_tokens), waits for it and
+warms it up with the whole request set at once (unmeasured). With every server up (the share of CPU
+they take while idle is recorded), each rate replays the same request set against each server in
+turn, the order rotated from one rate to the next so that no server always runs first, right after
+the warm-ups; then all are stopped. Per rate it reports TTFT, time per output token (TPOT) and inter-token latency (ITL),
 median and p99, output tok/s and completed requests/s. Results: benchmarks/results/serving_cpu.json
 and serving_cpu.png.
 
@@ -230,6 +233,18 @@ def wait_ready(base: str, proc: subprocess.Popen, model: str | None, timeout_s: 
     raise RuntimeError(f"server not ready after {timeout_s} s")
 
 
+def busy_fraction(seconds: float) -> float:
+    """The share of the machine's CPU time that was not idle over the next `seconds` (/proc/stat)."""
+    def times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    (total0, idle0), _ = times(), time.sleep(seconds)
+    total1, idle1 = times()
+    return round(1.0 - (idle1 - idle0) / max(1, total1 - total0), 3)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None and os.getpgid(proc.pid) == proc.pid:  # vLLM's: a process group of its own
         from benchmarks.peers import vllm_peer
@@ -294,41 +309,59 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()
     requests = make_requests(args.num_requests)
-    results, ready_s, texts = {}, {}, {}
+    results, ready_s, texts, servers = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = None
         if "transformers" in args.systems:
             hf_dir = hf_directory(bundled_gguf(), os.path.join(tmp, "SmolLM2-135M-Instruct-hf"))
-        for system in args.systems:
-            proc = None
-            if system == "external":
-                base, model = args.url.rstrip("/"), args.model
-            else:
-                port = free_port()
-                base = f"http://127.0.0.1:{port}"
-                proc, model = start_server(system, port, hf_dir, os.path.join(tmp, f"{system}.log"),
-                                           args.peers_dir, args.vllm_threads_bind)
-            try:
-                ready_s[system] = wait_ready(base, proc, model, args.timeout) if proc else 0.0
-                # Warm-up: the whole request set at once, unmeasured, so that shapes first met under
-                # load (attention over longer contexts, larger batches) compile before the timed part.
-                asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, 100.0, seed=99,
-                                   timeout_s=args.timeout))
-                rows = []
-                for i, rate in enumerate(args.rates):
-                    out = asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, rate, seed=i,
-                                             timeout_s=args.timeout))
-                    rows.append(summarize(out, rate))
+        log_path = lambda system: os.path.join(tmp, f"{system}.log")
+
+        def failed(system: str, err: Exception) -> None:
+            proc = servers.pop(system)[2]
+            log = open(log_path(system)).read()[-2000:] if proc else ""
+            print(f"{system}: {err}\n{log}", file=sys.stderr)
+            if proc is not None:
+                stop_server(proc)
+
+        try:
+            for system in args.systems:  # every server up and warmed up before the first timed request
+                proc = None
+                if system == "external":
+                    base, model = args.url.rstrip("/"), args.model
+                else:
+                    port = free_port()
+                    base = f"http://127.0.0.1:{port}"
+                    proc, model = start_server(system, port, hf_dir, log_path(system), args.peers_dir,
+                                               args.vllm_threads_bind)
+                servers[system] = (base, model, proc)
+                try:
+                    ready_s[system] = wait_ready(base, proc, model, args.timeout) if proc else 0.0
+                    # Warm-up: the whole request set at once, unmeasured, so that shapes first met under
+                    # load (attention over longer contexts, larger batches) compile before the timed part.
+                    asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, 100.0, seed=99,
+                                       timeout_s=args.timeout))
+                except RuntimeError as err:
+                    failed(system, err)
+            idle_busy = busy_fraction(5.0)  # the warmed-up servers, all idle: what they take from the cores
+            for i, rate in enumerate(args.rates):
+                names = list(servers)  # rotated per rate: no server always runs first (or last)
+                for system in names[i % len(names):] + names[:i % len(names)]:
+                    base, model, _ = servers[system]
+                    try:
+                        out = asyncio.run(replay(f"{base}/v1/chat/completions", model, requests, rate, seed=i,
+                                                 timeout_s=args.timeout))
+                    except RuntimeError as err:
+                        failed(system, err)
+                        continue
+                    results.setdefault(system, []).append(summarize(out, rate))
                     texts.setdefault(system, []).append([r["text"] for r in out])
-                    print(f"{system} @ {rate} req/s: {rows[-1]['output_tok_s']} tok/s, errors {rows[-1]['num_errors']}",
-                          file=sys.stderr)
-                results[system] = rows
-            except RuntimeError as err:
-                log = open(os.path.join(tmp, f"{system}.log")).read()[-2000:] if proc else ""
-                print(f"{system}: {err}\n{log}", file=sys.stderr)
-            finally:
+                    print(f"{system} @ {rate} req/s: {results[system][-1]['output_tok_s']} tok/s, "
+                          f"errors {results[system][-1]['num_errors']}", file=sys.stderr)
+        finally:
+            for _, _, proc in servers.values():
                 if proc is not None:
                     stop_server(proc)
+    results = {system: rows for system, rows in results.items() if system in servers}  # failed ones dropped
 
     ratios, greedy_checks = {}, {}
     own = [s for s in ("jaxpaged", "jaxpaged-gguf") if s in results]
@@ -342,7 +375,8 @@ def main(argv=None) -> int:
     record = {
         "benchmark": "S1 online serving (bench_serving.py)", "environment": environment(),
         "load_average_before": load_before, "num_requests_per_rate": args.num_requests, "rates": args.rates,
-        "server_ready_s": ready_s, "results": results,
+        "server_ready_s": ready_s, "order": "all servers up at once; per rate, the systems in rotated order",
+        "idle_busy_fraction": idle_busy, "results": results,
         **{f"ratio_{pair}": r for pair, r in ratios.items()},
         **{f"greedy_check_{peer}_vs_jaxpaged": c for peer, c in greedy_checks.items()},
         **({"vllm": {"threads_bind": args.vllm_threads_bind, "peers_dir": args.peers_dir}}
