@@ -10,9 +10,10 @@
 // it again. Here the layer's weight is read where it lies, once, each thread one contiguous range of
 // its rows (matmul.h), 64 rows x 128 columns at a time multiplied by every 8-row pass of x while
 // they are in L1. Same float32 products as XLA's dot; the sums over k in another order. Built at first
-// use with the host's compiler (-march=native): ../cpu_kernels.py. While a block is multiplied the
-// next is requested into L2: at one row of x, where each weight is used once, SmolLM2's projections
-// of 30 layers take 20-22 instead of 25-28 ms (no change from 4 rows up; the peers README, tenth pass).
+// use with the host's compiler (-march=native): ../cpu_kernels.py. Before each 32-column strip is
+// multiplied, the same columns of the next 64 rows are requested into L2 (prefetcht1; into L1 it was
+// slower): SmolLM2's projections of 30 layers at one row take 17-19 instead of 26-30 ms, at 4 rows
+// 18-20 instead of 21-23, at 16 rows no less (33 ms; the peers README, tenth pass).
 
 #include "matmul.h"
 
@@ -37,12 +38,14 @@ void k_range(const Matmul& whole, const float* w, int64_t t, int64_t tasks, floa
     const int64_t depth = std::min(kDepth, rows - k0);
     for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
       const int64_t c1 = std::min(n, c0 + kChunk);
-      // the next block in this order, requested into L2 while this one is multiplied
-      const int64_t next_k = c1 < n ? k0 : k0 + kDepth, next_c = c1 < n ? c1 : 0;
-      const int64_t next_depth = std::min(kDepth, rows - next_k), next_width = std::min(kChunk, n - next_c);
-      for (int64_t i = 0; i < next_depth; ++i)
-        for (int64_t c = 0; c < next_width; c += 16) __builtin_prefetch(w + (next_k + i) * n + next_c + c, 0, 2);
-      jaxpaged::passes(p, w + k0 * n + c0, n, depth, k0, c0, c1);
+      const int64_t strips = (c1 - c0 + jaxpaged::kStrip - 1) / jaxpaged::kStrip;
+      const int64_t ahead_depth = std::min(kDepth, rows - (k0 + kDepth));  // the next group of rows, if any
+      for (int64_t s = 0; s < strips; ++s) {
+        const int64_t n0 = c0 + s * jaxpaged::kStrip, width = std::min(c1, n0 + jaxpaged::kStrip) - n0;
+        for (int64_t i = 0; i < ahead_depth; ++i)  // this strip's columns in the next group of rows
+          for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(w + (k0 + kDepth + i) * n + n0 + c, 0, 2);
+        jaxpaged::passes(p, w + k0 * n + n0, n, depth, k0, n0, std::min(c1, n0 + jaxpaged::kStrip));
+      }
     }
   }
 }
