@@ -27,7 +27,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_serving import free_port, stop_server, wait_ready  # noqa: E402
+from servers import free_port, stop_server, wait_ready  # noqa: E402
 from common import environment, format_table, percentile  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
