@@ -147,7 +147,7 @@ void tile_direct(const Problem& p, int64_t r0, int64_t n0, int64_t b0, int64_t b
         }
         for (int r = 0; r < R; ++r) {
           const float xl = x[r * p.k + b * kBlock + i], xh = x[r * p.k + b * kBlock + i + kBlock / 2];
-          for (int v = 0; v < V; ++v) {  // two multiply-adds (one expression would round xl * low first)
+          for (int v = 0; v < V; ++v) {  // two fused multiply-adds into acc, one per k row
             acc[r][v] += xl * low[v];
             acc[r][v] += xh * high[v];
           }
