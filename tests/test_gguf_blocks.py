@@ -159,6 +159,12 @@ def test_weight_updates_take_the_codes_tree_and_refuse_floats(float_outputs):
     with pytest.raises(ValueError, match="quantization='gguf'"):  # a trainer's whole HF state dict
         llm.load_weights(load_model_files(None).state_dict)
     codes = jax.device_get(llm.params)  # a trainer holding this engine's own layout, on the host
+    one_byte = jax.tree_util.tree_map_with_path(  # 4-bit codes one per byte: refused, saying to pack them
+        lambda path, leaf: np.asarray(gguf_blocks.unpacked(leaf)) if gguf_blocks.leaf_name(path).endswith("_codes")
+        else leaf, codes)
+    with pytest.raises(ValueError, match=r"_codes.*expected \(30, 18, 16, \d+\); this engine keeps 4-bit GGUF codes packed.*"
+                                         r"pack_nibbles"):
+        llm.update_params(one_byte)
     llm.sleep(level=2)  # the weights are gone: the refusal must not depend on them
     with pytest.raises(ValueError, match="quantization='gguf'"):
         llm.update_params(floats)

@@ -367,7 +367,12 @@ class ModelRunner:
         for path, shape in have.items():
             got_shape = tuple(getattr(got[path], "shape", ()))
             if got_shape != tuple(shape):
-                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}")
+                hint = ""
+                if path.endswith("_codes']") and got_shape[:-2] + got_shape[-1:] == tuple(shape[:-2]) + tuple(shape[-1:]):
+                    hint = ("; this engine keeps 4-bit GGUF codes packed two per byte ([..., 16, out]): pack "
+                            "one-byte codes with jaxpaged.models.gguf_blocks.pack_nibbles" if shape[-2] == 16 else
+                            "; this engine keeps these GGUF codes one per byte ([..., 32, out])")
+                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}{hint}")
         new = self._to_device(params)
         if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
             raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
