@@ -45,6 +45,9 @@ def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
     """
     if codes.ndim == 3:  # one layer's weight: a leading axis of 1 (a free reshape)
         codes, scales, mins = codes[None], scales[None], mins[None]
+    if codes.ndim != 4 or x.ndim != 2:
+        raise ValueError(f"gguf_matmul: x must be [M, K] and codes [L, K/32, 32 or 16, N] (one layer: "
+                         f"[K/32, 32 or 16, N]); got {x.shape} and {codes.shape}")
     (m, k), (num_layers, _, rows, n) = x.shape, codes.shape
     if (codes.shape != (num_layers, k // 32, rows, n) or rows not in (16, 32) or k % 32
             or scales.shape != (num_layers, k // 32, n) or mins.shape != scales.shape):

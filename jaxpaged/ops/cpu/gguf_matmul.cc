@@ -246,10 +246,13 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (x_dims.size() != 2 || s_dims.size() != 3 || layer_buffer.element_count() != 1)
     return ffi::Error::InvalidArgument("gguf_matmul: x must be [M, K], scales [L, K/32, N], layer a scalar");
   const int64_t m = x_dims[0], k = x_dims[1], num_layers = s_dims[0], n = s_dims[2];
-  const bool packed = codes.element_count() == static_cast<size_t>(num_layers * k / 2 * n);
-  if (k != s_dims[1] * kBlock || (!packed && codes.element_count() != static_cast<size_t>(num_layers * k * n)) ||
-      mins.element_count() != scales.element_count() || n % 16 != 0)
-    return ffi::Error::InvalidArgument("gguf_matmul: codes [L, K, N] or packed [L, K/2, N], scales/mins [L, K/32, N], N % 16 == 0");
+  const auto c_dims = codes.dimensions();
+  const bool packed = c_dims.size() == 4 && c_dims[2] == kBlock / 2;
+  if (k != s_dims[1] * kBlock || c_dims.size() != 4 || c_dims[0] != num_layers || c_dims[1] != s_dims[1] ||
+      (c_dims[2] != kBlock && !packed) || c_dims[3] != n || mins.element_count() != scales.element_count() ||
+      n % 16 != 0)
+    return ffi::Error::InvalidArgument("gguf_matmul: codes [L, K/32, 32, N] or packed [L, K/32, 16, N], "
+                                       "scales and mins [L, K/32, N], N % 16 == 0");
   // On the CPU every buffer is host memory: the layer index is read here, where the call runs.
   const int64_t layer = *layer_buffer.typed_data();
   if (layer < 0 || layer >= num_layers)
