@@ -8,8 +8,8 @@
 // Inside the model's scan over layers XLA:CPU slices each layer's weight out of the stack (a
 // dynamic-slice fusion: a memcpy of every weight, every step) and hands it to Eigen's GEMM, which packs
 // it again. Here the layer's weight is read where it lies, once, each thread one contiguous range of
-// its rows (matmul.h), 64 rows x 128 columns at a time multiplied by every 8-row pass of x while
-// they are in L1. Same float32 products as XLA's dot; the sums over k in another order. Built at first
+// its rows (matmul.h), 64 rows x 32 columns (a strip) at a time multiplied by every 8-row pass of x
+// while they are in L1. Same float32 products as XLA's dot; the sums over k in another order. Built at first
 // use with the host's compiler (-march=native): ../cpu_kernels.py. Before each 32-column strip is
 // multiplied, the same columns of the next 64 rows are requested into L2 (prefetcht1; into L1 it was
 // slower): SmolLM2's projections of 30 layers at one row take 17-19 instead of 26-30 ms, at 4 rows
@@ -23,8 +23,7 @@ namespace {
 
 using jaxpaged::Matmul;
 
-constexpr int64_t kDepth = 64;   // rows of W per group
-constexpr int64_t kChunk = 128;  // columns of a group multiplied at a time (64 x 128 floats: 32 KB)
+constexpr int64_t kDepth = 64;  // rows of W per group
 
 // Thread t of `tasks`: rows [K0, K1) of this layer's weight w [K, N], into y (t = 0) or its partials.
 void k_range(const Matmul& whole, const float* w, int64_t t, int64_t tasks, float* partials) {
@@ -36,16 +35,12 @@ void k_range(const Matmul& whole, const float* w, int64_t t, int64_t tasks, floa
   const int64_t rows = last - first;
   for (int64_t k0 = 0; k0 < rows; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, rows - k0);
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      const int64_t c1 = std::min(n, c0 + kChunk);
-      const int64_t strips = (c1 - c0 + jaxpaged::kStrip - 1) / jaxpaged::kStrip;
-      const int64_t ahead_depth = std::min(kDepth, rows - (k0 + kDepth));  // the next group of rows, if any
-      for (int64_t s = 0; s < strips; ++s) {
-        const int64_t n0 = c0 + s * jaxpaged::kStrip, width = std::min(c1, n0 + jaxpaged::kStrip) - n0;
-        for (int64_t i = 0; i < ahead_depth; ++i)  // this strip's columns in the next group of rows
-          for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(w + (k0 + kDepth + i) * n + n0 + c, 0, 2);
-        jaxpaged::passes(p, w + k0 * n + n0, n, depth, k0, n0, std::min(c1, n0 + jaxpaged::kStrip));
-      }
+    const int64_t ahead_depth = std::min(kDepth, rows - (k0 + kDepth));  // the next group of rows, if any
+    for (int64_t n0 = 0; n0 < n; n0 += jaxpaged::kStrip) {
+      const int64_t width = std::min<int64_t>(jaxpaged::kStrip, n - n0);
+      for (int64_t i = 0; i < ahead_depth; ++i)  // this strip's columns in the next group of rows
+        for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(w + (k0 + kDepth + i) * n + n0 + c, 0, 2);
+      jaxpaged::passes(p, w + k0 * n + n0, n, depth, k0, n0, n0 + width);
     }
   }
 }
