@@ -247,6 +247,8 @@ def main(argv=None) -> int:
             idle_busy = busy_fraction(5.0)  # the warmed-up servers, all idle: what they take from the cores
             for i, rate in enumerate(args.rates):
                 names = list(servers)  # rotated per rate: no server always runs first (or last)
+                if not names:
+                    break  # every server failed (printed above): nothing to measure
                 for system in names[i % len(names):] + names[:i % len(names)]:
                     base, model, _ = servers[system]
                     try:

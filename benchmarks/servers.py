@@ -18,6 +18,7 @@ import time
 
 import httpx
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
