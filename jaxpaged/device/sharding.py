@@ -53,7 +53,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "experts": TP,  # expert parallelism: each device holds num_experts / tp whole experts
     "expert_mlp": None,
     "router_experts": None,  # the router's output axis: every device routes every token
-    "gguf_blocks": None,  # GGUF block leaves: [in / 32, 32, out] codes, [in / 32, out] scales and mins
+    "gguf_blocks": None,  # GGUF block leaves: [in / 32, 32 or 16 (packed), out] codes, [in / 32, out] scales and mins
     "gguf_block": None,
     "gguf_out": None,
 }

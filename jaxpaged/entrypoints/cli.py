@@ -86,7 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cache in the same memory)")
     e.add_argument("--quantization", "-q", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 projections as their block codes, dequantized "
-                        "layer by layer in each step to the same float values (1.25 bytes per weight read)")
+                        "layer by layer in each step to the same float values (0.75 bytes per weight read for Q4, 1.25 for Q8_0)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                    help="logprobs of the model's distribution, or of the one each token was drawn from")

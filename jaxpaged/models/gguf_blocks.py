@@ -19,8 +19,9 @@ Each w equals gguf's own float32 dequantization: scales * codes has at most 11 +
 bits, so the product is exact and the sum is rounded once, as gguf's `d * q + m` is (fused
 multiply-add or not); for Q4_0 and Q8_0 the sum, d * (q - 8) or d * q, is exact itself. Bit for bit
 too, but for the sign of a zero: gguf's d * 0 is -0.0 where d is negative, here +0.0. The
-step reads 1.25 bytes per weight instead of 4 in a float32 engine (2 in bfloat16); a CPU decode step
-is bound by reading its weights (benchmarks/peers/README.md). Measured on the CPU only. On XLA:CPU
+step reads 0.75 bytes per weight for 4-bit kinds (1.25 for Q8_0) instead of 4 in a float32 engine
+(2 in bfloat16); a CPU decode step of a few rows is bound by reading its weights
+(benchmarks/peers/README.md). Measured on the CPU only. On XLA:CPU
 every step multiplies the codes with a C++ kernel (`linear`, ops/cpu/gguf_matmul.cc) that dequantizes
 them to these same floats as it reads them; elsewhere, and where it cannot be built, XLA dequantizes the
 layer's weights, then multiplies.
