@@ -27,7 +27,7 @@ from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import cpu_matmul_kernels
+from jaxpaged.models.gguf_blocks import codes_layout_hint, cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
@@ -366,13 +366,8 @@ class ModelRunner:
             )
         for path, shape in have.items():
             got_shape = tuple(getattr(got[path], "shape", ()))
-            if got_shape != tuple(shape):
-                hint = ""
-                if path.endswith("_codes']") and got_shape[:-2] + got_shape[-1:] == tuple(shape[:-2]) + tuple(shape[-1:]):
-                    hint = ("; this engine keeps 4-bit GGUF codes packed two per byte ([..., 16, out]): pack "
-                            "one-byte codes with jaxpaged.models.gguf_blocks.pack_nibbles" if shape[-2] == 16 else
-                            "; this engine keeps these GGUF codes one per byte ([..., 32, out])")
-                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}{hint}")
+            if got_shape != tuple(shape):  # (GGUF codes in the other layout: say how to convert)
+                raise ValueError(f"param {path} has shape {got_shape}, expected {tuple(shape)}{codes_layout_hint(path, got_shape, shape)}")
         new = self._to_device(params)
         if jax.tree.structure(new) != self._params_tree:  # e.g. a dict where a FrozenDict was
             raise ValueError(f"new params have tree {jax.tree.structure(new)}, expected {self._params_tree}")
