@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either layout (used in the step)
+
 BLOCK = 32
 SUFFIXES = ("_codes", "_scales", "_mins")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,18 +108,12 @@ def is_packed(codes) -> bool:
     return codes.shape[-2] == BLOCK // 2
 
 
-def unpacked(codes):
-    """One code per byte, [..., 32, out], from either layout (jnp: inside the step)."""
-    if not is_packed(codes):
-        return codes
-    return jnp.concatenate([codes & 15, codes >> 4], axis=-2)
-
-
 def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
     """What to do when the codes leaf at `path` (a key string) comes as `got` for `want`, the other layout
     (weight updates: `ModelRunner.update_params`); "" for any other leaf or difference."""
     got, want = tuple(got), tuple(want)
-    if "_codes" not in path or len(got) != len(want) or len(got) < 2 or got[:-2] + got[-1:] != want[:-2] + want[-1:] or {got[-2], want[-2]} != {16, 32}:
+    same_otherwise = len(got) == len(want) >= 2 and got[:-2] + got[-1:] == want[:-2] + want[-1:]
+    if "_codes" not in path or not same_otherwise or {got[-2], want[-2]} != {BLOCK, BLOCK // 2}:
         return ""
     if want[-2] == BLOCK // 2:
         return ("; this engine keeps 4-bit GGUF codes packed two per byte ([..., 16, out]): pack one-byte codes "

@@ -61,12 +61,19 @@ def gguf_matmul(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
     return call(x.astype(jnp.float32), codes, scales, mins, jnp.asarray(layer, jnp.int32))
 
 
+def unpacked(codes):
+    """Codes one per byte, [..., 32, N], from either layout ([..., 16, N] packed: rows j from the low
+    nibbles, then rows j + 16 from the high)."""
+    if codes.shape[-2] != 16:
+        return codes
+    return jnp.concatenate([codes & 15, codes >> 4], axis=-2)
+
+
 def reference(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike, layer: int = 0) -> jax.Array:
     """The plain form: dequantize layer `layer` to float32, then one dot."""
     if codes.ndim == 4:
         codes, scales, mins = codes[layer], scales[layer], mins[layer]
     k, n = x.shape[-1], scales.shape[-1]
-    if codes.shape[1] == 16:  # packed: rows j (low nibbles), then rows j + 16 (high)
-        codes = jnp.concatenate([codes & 15, codes >> 4], axis=1)
+    codes = unpacked(codes)
     weight = (scales[:, None, :] * codes.astype(jnp.float32) + mins[:, None, :]).reshape(k, n)
     return jnp.dot(x.astype(jnp.float32), weight, precision=jax.lax.Precision.HIGHEST)
