@@ -28,6 +28,18 @@ from benchmarks.common import environment, environment_variables, format_table
 from benchmarks.peers.profile_cpu_decode import decode_step_input
 
 
+def interleave(runs: list[dict], rounds: int, steps: int = 3) -> None:
+    """Each round, `steps` timed steps of every run in turn: run["runner"].execute(run["input"]) timed
+    in wall and process CPU seconds, appended to run["wall"] and run["cpu"]."""
+    for _ in range(rounds):
+        for run in runs:
+            for _ in range(steps):
+                t, c = time.perf_counter(), time.process_time()
+                run["runner"].execute(run["input"]).block_until_ready()
+                run.setdefault("wall", []).append(time.perf_counter() - t)
+                run.setdefault("cpu", []).append(time.process_time() - c)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("settings", nargs="+", help="JSON of LLM keyword arguments per setting")
@@ -55,13 +67,7 @@ def main() -> None:
                      "build_and_first_step_s": time.perf_counter() - t, "runner": runner, "input": step_input,
                      "wall": [], "cpu": []})
     load_start = os.getloadavg()
-    for _ in range(args.rounds):
-        for run in runs:
-            for _ in range(3):
-                t, c = time.perf_counter(), time.process_time()
-                run["runner"].execute(run["input"]).block_until_ready()
-                run["wall"].append(time.perf_counter() - t)
-                run["cpu"].append(time.process_time() - c)
+    interleave(runs, args.rounds)
     rows = [{"setting": json.dumps(r["engine_args"]), "per_layer_weights": r["per_layer_weights"],
              "matmul_kernels": r["matmul_kernels"],
              "wall_best_ms": min(r["wall"]) * 1e3, "wall_median_ms": statistics.median(r["wall"]) * 1e3,

@@ -7,7 +7,7 @@ and with one byte per code (as before), interleaved in one process.
 Both engines load the bundled SmolLM2 Q4_1 file with quantization="gguf"; for the second, packing is
 switched off while it loads (`gguf_blocks.pack_nibbles` returns its input, under its own weights-cache
 tag), so its tree holds [L, K/32, 32, N] codes and gguf_matmul takes its one-byte path. The rounds
-alternate between every (layout, batch) pair, 3 steps each, as `cpu_step_ab` does. The greedy tokens
+alternate between every (layout, batch) pair, 3 steps each (`cpu_step_ab.interleave`). The greedy tokens
 of one prompt are compared between the two. Internals used, read-only but for that switch:
 `llm.engine.runner` (`execute`), `models.gguf_blocks.pack_nibbles`, `models.checkpoint.cached_params`,
 `models.weights.load_model`.
@@ -20,9 +20,9 @@ import contextlib
 import json
 import os
 import statistics
-import time
 
 from benchmarks.common import environment, format_table
+from benchmarks.peers.cpu_step_ab import interleave
 from benchmarks.peers.profile_cpu_decode import decode_step_input
 
 
@@ -73,12 +73,7 @@ def main() -> None:
             runs.append({"layout": layout, "batch": batch, "codes_mb": sum(c.nbytes for c in codes) / 1e6,
                          "runner": runner, "input": step_input, "wall": []})
     load_start = os.getloadavg()
-    for _ in range(args.rounds):
-        for run in runs:
-            for _ in range(3):
-                t = time.perf_counter()
-                run["runner"].execute(run["input"]).block_until_ready()
-                run["wall"].append(time.perf_counter() - t)
+    interleave(runs, args.rounds)
     rows = [{"layout": r["layout"], "batch": r["batch"], "codes_mb": r["codes_mb"], "wall_best_ms": min(r["wall"]) * 1e3,
              "wall_median_ms": statistics.median(r["wall"]) * 1e3} for r in runs]
     report = {"benchmark": "packed_codes_ab", "environment": environment(),
