@@ -22,6 +22,7 @@
 // the product is exact), so y differs from XLA's only in the order of the float32 sums over k.
 // Built at first use with the host's compiler (-march=native): ../cpu_kernels.py.
 
+#include "gguf_codes.h"
 #include "matmul.h"
 
 namespace ffi = xla::ffi;
@@ -31,8 +32,8 @@ namespace {
 using jaxpaged::f32x16;
 using jaxpaged::load_f32;
 using jaxpaged::store_f32;
-
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
+using jaxpaged::load_codes;
+using jaxpaged::load_nibbles;
 
 using jaxpaged::kRows;
 using jaxpaged::kStrip;
@@ -41,50 +42,6 @@ using jaxpaged::Matmul;
 constexpr int kBlock = 32;   // GGUF values per scale
 constexpr int kChunk = 128;  // columns dequantized into the buffer at a time
 constexpr int kGroup = 2;    // blocks of k rows dequantized at a time (64 x 128 floats: 32 KB)
-
-// 16 codes as floats. GCC 12 scalarizes __builtin_convertvector from uint8, hence the intrinsics.
-inline f32x16 load_codes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
-#elif defined(__AVX2__)
-  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
-  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  f32x16 v;
-  std::memcpy(&v, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &b, 32);
-  return v;
-#else
-  f32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-
-// 32 codes from 16 packed bytes: the low nibbles (k rows j of a block) and the high (rows j + 16).
-inline void load_nibbles(const uint8_t* p, f32x16& low, f32x16& high) {
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  low = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
-  high = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
-#elif defined(__AVX2__)
-  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  const __m256i mask = _mm256_set1_epi32(15);
-  const __m256 la = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), lb = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
-  const __m256 ha = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), hb = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  std::memcpy(&low, &la, 32);
-  std::memcpy(reinterpret_cast<char*>(&low) + 32, &lb, 32);
-  std::memcpy(&high, &ha, 32);
-  std::memcpy(reinterpret_cast<char*>(&high) + 32, &hb, 32);
-#else
-  for (int i = 0; i < 16; ++i) {
-    low[i] = static_cast<float>(p[i] & 15);
-    high[i] = static_cast<float>(p[i] >> 4);
-  }
-#endif
-}
 
 struct Problem : Matmul {  // x, y, m, k, n; and this layer's codes, scales and minimums
   const uint8_t* codes;
