@@ -164,6 +164,23 @@ def pieces(params: dict, batch: int, vocab: int) -> dict:
     return out
 
 
+def weight_bytes_read(params, cfg) -> dict:
+    """Bytes of the weights each matmul category reads, from the parameter tree itself: float matrices,
+    or GGUF codes with their scales and minimums (quantization="gguf"), the head's too where the tree
+    keeps the tied embedding as codes."""
+    tree = params["params"]
+    layers = tree["layers"]
+
+    def leaves(group: dict, names: tuple) -> int:
+        return sum(int(np.asarray(v).nbytes) for k, v in group.items() if k.startswith(names))
+
+    head = ({k: v for k, v in tree.items() if k.startswith("embedding")} if cfg.tie_word_embeddings
+            else {"lm_head": tree["lm_head"]})
+    return {"attention projections (q, k, v, o)": leaves(layers["attn"], ("q_proj", "k_proj", "v_proj", "o_proj")),
+            "MLP matmuls (gate, up, down)": leaves(layers["mlp"], ("gate_proj", "up_proj", "down_proj")),
+            "LM head matmul": leaves(head, tuple(head))}
+
+
 def public_decode_step_ms(llm, batch: int, context: int, short: int = 4, long: int = 36) -> dict:
     """The decode step as `generate` users pay it (host, sampler, dispatch included): the slope of wall
     time between max_tokens=short and max_tokens=long, best of 2 each, same prompts."""
@@ -221,10 +238,11 @@ def main() -> None:
                "LM head matmul": cfg.vocab_size * d}
     chunk = 8 * runner.page_size  # the CPU attention reads keys in chunks of 8 pages
     kv_bytes = args.batch * (-(-args.context // chunk) * chunk) * kv * 2 * 4 * cfg.num_layers
-    floors = {cat: max(2 * args.batch * w / (peaks["matmul_gflop_s"] * 1e9), 4 * w / (peaks["read_gb_s"] * 1e9)) * 1e3
+    read = weight_bytes_read(llm.params, cfg)  # what the step reads: float32, or GGUF codes + scales + mins
+    floors = {cat: max(2 * args.batch * w / (peaks["matmul_gflop_s"] * 1e9), read[cat] / (peaks["read_gb_s"] * 1e9)) * 1e3
               for cat, w in layer_w.items()}
     floors["attention (page gather, softmax, PV)"] = kv_bytes / (peaks["read_gb_s"] * 1e9) * 1e3
-    weight_bytes = 4 * sum(layer_w.values())
+    weight_bytes = sum(read.values())
     # The issue's target: the step's useful FLOPs (weight matmuls + QK^T and PV over the live context)
     # per second, against the plain jnp.dot rate measured above in this same run.
     step_flops = 2 * args.batch * sum(layer_w.values()) + 4 * args.batch * args.context * cfg.num_heads * cfg.head_dim * cfg.num_layers
