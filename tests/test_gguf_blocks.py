@@ -15,6 +15,7 @@ from jaxpaged.config import EngineConfig, engine_args_from_vllm
 from jaxpaged.models import gguf_blocks
 from jaxpaged.models.loading import load_model_files
 from jaxpaged.models.weights import load_model
+from jaxpaged.ops import gguf_panels
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
@@ -105,10 +106,14 @@ def test_bundled_model_codes_are_the_float_weights(bundled_params):
                 c = np.concatenate([c & 15, c >> 4], axis=1)  # rows j, then j + 16, of each block
                 weight = (s[:, None, :] * c.astype(np.float32) + m[:, None, :]).reshape(want[name].shape[1:])
                 np.testing.assert_array_equal(weight, np.asarray(want[name][layer]), err_msg=f"{name} {layer}")
-    # The rest is float, in the engine dtype; the Q8_0 embedding is dequantized as before.
-    assert codes["embedding"].dtype == np.dtype("bfloat16")
-    np.testing.assert_array_equal(np.asarray(codes["embedding"], np.float32),
-                                  np.asarray(floats["embedding"]).astype("bfloat16").astype(np.float32))
+    # The tied Q8_0 embedding stays codes, in 16-column panels of its LM head: the same floats.
+    assert "embedding" not in codes and codes["embedding_codes"].dtype == np.uint8
+    assert codes["embedding_codes"].shape == (49152 // 16, 576, 16)
+    assert codes["embedding_scales"].dtype == codes["embedding_mins"].dtype == np.float32
+    panels = (codes["embedding" + p] for p in gguf_blocks.SUFFIXES)
+    np.testing.assert_array_equal(np.asarray(gguf_panels.weight(*panels)).T, np.asarray(floats["embedding"]))
+    # The rest is float, in the engine dtype.
+    assert codes["final_norm"]["scale"].dtype == np.dtype("bfloat16")
 
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
@@ -146,6 +151,7 @@ def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_la
     hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
     calls_per_program = 7 * (len(runner.served_params["params"]["layers"]) if per_layer_weights else 1)  # unrolled
     assert hlo.count('custom_call_target="jaxpaged_gguf_matmul"') == (calls_per_program if kernel else 0)
+    assert hlo.count('custom_call_target="jaxpaged_gguf_panels"') == (1 if kernel else 0)  # the tied LM head
     sliced_codes = [line for line in hlo.splitlines() if "= u8[" in line and "dynamic-slice" in line]
     assert not sliced_codes if kernel else (sliced_codes or per_layer_weights)
     _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
@@ -210,7 +216,7 @@ TINY_TYPES = {"q_proj": ("Q4_0", "Q4_0"), "k_proj": ("Q4_1", "Q4_1"), "v_proj": 
               "down_proj": ("Q8_0", None)}
 
 
-def write_mixed_gguf(path, state_dict):
+def write_mixed_gguf(path, state_dict, embedding_kind: str | None = None):
     from test_gguf import TINY, _HF_TO_GGUF, llamacpp_permute
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -227,7 +233,10 @@ def write_mixed_gguf(path, state_dict):
                 "lm_head.weight": "output.weight"}
     for name, value in state_dict.items():
         if name in globals_:
-            writer.add_tensor(globals_[name], value)
+            if name == "model.embed_tokens.weight" and embedding_kind:
+                writer.add_tensor(globals_[name], quantize(value, TYPES[embedding_kind]), raw_dtype=TYPES[embedding_kind])
+            else:
+                writer.add_tensor(globals_[name], value)
             continue
         parts = name.split(".")  # model.layers.0.self_attn.q_proj.weight
         layer, module = int(parts[2]), parts[-2]
@@ -245,7 +254,13 @@ def write_mixed_gguf(path, state_dict):
     writer.close()
 
 
-def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, caplog):
+# The embedding: float and untied (its own LM head), or a kept kind tied to the LM head (panels).
+EMBEDDINGS = {"float-untied": (None, False), "q8_0-tied": ("Q8_0", True), "q4_0-tied": ("Q4_0", True),
+              "q8_0-untied": ("Q8_0", False)}
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, caplog, embedding):
     from test_gguf import tiny_hf_state_dict
 
     from jaxpaged.models import ModelConfig, params_from_hf
@@ -253,8 +268,10 @@ def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, 
     from jaxpaged.models.llama import CausalLM
     from jaxpaged.models.weights import check_kept
 
+    embedding_kind, tie = EMBEDDINGS[embedding]
     path = tmp_path / "mixed.gguf"
-    write_mixed_gguf(path, tiny_hf_state_dict(tie=False))
+    state_dict = {k: v for k, v in tiny_hf_state_dict(tie=tie).items() if not (tie and k == "lm_head.weight")}
+    write_mixed_gguf(path, state_dict, embedding_kind)  # tied: no output.weight in the file
     hf_config, floats, _ = jgguf.load_gguf(path)
     _, blocks, _ = jgguf.load_gguf(path, keep_blocks=True)
     config = ModelConfig.from_hf(hf_config, dtype="float32")
@@ -275,6 +292,11 @@ def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, 
             weight = (s[:, :, None, :] * c.astype(np.float32) + m[:, :, None, :]).reshape(
                 want["params"]["layers"][group][name].shape)
             assert_bits_equal(weight, want["params"]["layers"][group][name])  # rows un-permuted alike
+    kept_embedding = embedding_kind is not None and tie  # an untied embedding only looks tokens up: float
+    assert ("embedding" in got["params"]) != kept_embedding and ("embedding_codes" in got["params"]) == kept_embedding
+    if kept_embedding:
+        panels = [got["params"]["embedding" + suffix] for suffix in gguf_blocks.SUFFIXES]
+        assert_bits_equal(np.asarray(gguf_panels.weight(*panels)).T, want["params"]["embedding"])
     # The model on both trees: one prefill of 12 tokens, logits equal up to float32 summation order.
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 12).astype(np.int32)
     kv = jax.numpy.zeros((config.num_layers, 2, config.num_kv_heads, 4, 4, config.head_dim))
@@ -286,9 +308,11 @@ def test_tiny_gguf_of_every_kind_loads_as_codes_with_the_float_logits(tmp_path, 
     from jaxpaged.ops import gguf_matmul
 
     if gguf_matmul.available():  # the CPU kernel on packed (Q4) and one-byte (Q8_0) codes side by side
-        kernel = jax.jit(CausalLM(config, matmul_kernels=frozenset({gguf_matmul.NAME})).apply)
+        kernels = frozenset({gguf_matmul.NAME, gguf_panels.NAME} if gguf_panels.available() else {gguf_matmul.NAME})
+        kernel = jax.jit(CausalLM(config, matmul_kernels=kernels).apply)
         hlo = kernel.lower(got, *args).as_text()
         assert hlo.count(gguf_matmul.TARGET) == 6  # every kept projection of the scanned layer
+        assert hlo.count("jaxpaged_gguf_panels") == (kept_embedding and gguf_panels.NAME in kernels)  # the head
         logits = np.asarray(model(want, *args)[0])  # up to ~34: float32 sums in the kernel's order
         np.testing.assert_allclose(np.asarray(kernel(got, *args)[0]), logits, atol=1e-5 * np.abs(logits).max(), rtol=0)
     with pytest.raises(ValueError, match="has none"):  # a file none of whose projections is kept

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.device.expert_parallel import all_to_all_experts
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import PROJECTIONS, leaf_dtype
+from jaxpaged.models.gguf_blocks import EMBEDDING, PROJECTIONS, SUFFIXES, leaf_dtype
 
 TP = "tp"
 
@@ -83,6 +83,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     # must be 1 with them; a data-parallel replica's one-device mesh places them whole.
     **{f"{name}_codes": ("gguf_blocks", "gguf_block", "gguf_out") for name in PROJECTIONS},
     **{f"{name}_{part}": ("gguf_blocks", "gguf_out") for name in PROJECTIONS for part in ("scales", "mins")},
+    # A tied embedding kept as codes: [vocab / 16, hidden or hidden / 32, 16] panels, replicated too.
+    **{f"{EMBEDDING}{suffix}": ("gguf_blocks", "gguf_block", "gguf_out") for suffix in SUFFIXES},
 }
 # A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
 # last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).

@@ -284,11 +284,14 @@ def load_gguf(path_or_file, *, weights: bool = True, keep_blocks: bool = False):
 # Layer projections that `keep_blocks` may keep as codes (the model dequantizes them: gguf_blocks.py).
 KEPT_PROJECTIONS = tuple(f"{'mlp' if name in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{name}.weight"
                          for name in gguf_blocks.PROJECTIONS)
+# ... and the embedding, which params_from_hf keeps as codes where it is tied (gguf_blocks.keeps_embedding).
+KEPT_TENSORS = (*KEPT_PROJECTIONS, "model.embed_tokens.weight")
 
 
 def dequantize_state_dict(gguf_file, config, arch: str = "llama", keep_blocks: bool = False) -> dict:
     """Every tensor of the file as float32 numpy, renamed, Q/K rows restored to Hugging Face order;
-    with `keep_blocks`, layer projections of a kept block type as `BlockCodes` (reordered alike)."""
+    with `keep_blocks`, layer projections and the embedding of a kept block type as `BlockCodes`
+    (reordered alike)."""
     permuted = arch in gguf_families.PERMUTED_QK_ARCHITECTURES
     from gguf.quants import dequantize
 
@@ -297,7 +300,7 @@ def dequantize_state_dict(gguf_file, config, arch: str = "llama", keep_blocks: b
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        if keep_blocks and tensor.qtype in gguf_blocks.KEPT_TYPES and hf_name.endswith(KEPT_PROJECTIONS):
+        if keep_blocks and tensor.qtype in gguf_blocks.KEPT_TYPES and hf_name.endswith(KEPT_TENSORS):
             weight = gguf_blocks.unpack(tensor.data, tensor.qtype, tensor.shape)
         else:  # [rows, bytes_per_row] -> float32 [rows, row_len] -> (out, in): no transpose needed.
             weight = np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
@@ -315,7 +318,7 @@ def reorder_rows(weight, fn):
         weight, gguf_blocks.BlockCodes) else fn(weight)
 
 
-def check_llama_state_dict(config, state_dict: dict[str, np.ndarray]) -> None:
+def check_llama_state_dict(config, state_dict: dict[str, Any]) -> None:  # arrays, or kept BlockCodes
     """Raise if a tensor is missing or has the wrong shape for `config` (catches a transposed read)."""
     hidden, vocab = config.hidden_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads

@@ -28,9 +28,12 @@ layer's weights, then multiplies.
 
 In the parameter tree a kept weight `name` is three leaves beside where `name` would be:
 `name_codes` [in/32, 32, out] (packed: [in/32, 16, out]), `name_scales` and `name_mins` [in/32, out]
-(plus the leading layers axis), `in` and `out` being the float weight's first axis and the product of the others. Only dense
-layer projections are kept (`PROJECTIONS`); the embedding, an untied output head, MoE experts and
-other block types (K quants) stay float, and so does a projection any layer of which is not kept.
+(plus the leading layers axis), `in` and `out` being the float weight's first axis and the product of the others. Dense
+layer projections are kept (`PROJECTIONS`), and a tied embedding, as the 16-column panels of its LM
+head (`panel_leaves`: `embedding_codes` [vocab/16, hidden, 16], one byte per code; `embedding_scales`
+and `embedding_mins` [vocab/16, hidden/32, 16]) that the CPU kernel ops/cpu/gguf_panels.cc reads as
+contiguous runs. An untied embedding or output head, MoE experts and other block types (K quants) stay
+float, and so does a projection any layer of which is not kept.
 """
 
 from __future__ import annotations
@@ -42,12 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.ops import gguf_panels
 from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either layout (used in the step)
 
 BLOCK = 32
+PANEL = gguf_panels.PANEL
 SUFFIXES = ("_codes", "_scales", "_mins")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KEPT_LEAVES = frozenset(name + suffix for name in PROJECTIONS for suffix in SUFFIXES)
+# A tied embedding kept as codes (`panel_leaves`): the token lookup and the LM head read them.
+EMBEDDING = "embedding"
+KEPT_LEAVES = frozenset(name + suffix for name in (*PROJECTIONS, EMBEDDING) for suffix in SUFFIXES)
 # gguf.GGMLQuantizationType values: Q4_0, Q4_1, Q8_0.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -132,6 +139,25 @@ def stacked_leaves(name: str, layers: list[BlockCodes]) -> dict[str, np.ndarray]
             name + "_mins": np.stack([m.mins.T for m in layers])}
 
 
+def panel_leaves(embedding: BlockCodes) -> dict[str, np.ndarray]:
+    """The three leaves of a tied embedding E [vocab, hidden] kept as codes, in 16-column panels of
+    its LM head W = E^T (ops/gguf_panels.py): codes [vocab/16, hidden, 16], scales and mins
+    [vocab/16, hidden/32, 16]; one byte per code."""
+    vocab, hidden = embedding.shape
+
+    def panels(part: np.ndarray) -> np.ndarray:  # [vocab, cols] -> [vocab/16, cols, 16]
+        return np.ascontiguousarray(part.reshape(vocab // PANEL, PANEL, part.shape[1]).transpose(0, 2, 1))
+
+    return {EMBEDDING + "_codes": panels(embedding.codes), EMBEDDING + "_scales": panels(embedding.scales),
+            EMBEDDING + "_mins": panels(embedding.mins)}
+
+
+def keeps_embedding(embedding, tied: bool) -> bool:
+    """Whether a model's embedding stays codes (`panel_leaves`): a kept block type, tied to the LM head
+    (an untied head's embedding only looks tokens up), a vocabulary of whole panels."""
+    return isinstance(embedding, BlockCodes) and tied and embedding.shape[0] % PANEL == 0
+
+
 def is_kept_leaf(name: str) -> bool:
     return name in KEPT_LEAVES
 
@@ -205,15 +231,34 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     return jnp.einsum(equation, x, w.reshape(-1, shape[-1]) if matrix else w)
 
 
+def kept_panels(module) -> tuple | None:
+    """The tied embedding's (codes, scales, mins) panels where the tree keeps it as codes, else None."""
+    if module.is_initializing() or not module.has_variable("params", EMBEDDING + "_codes"):
+        return None
+    return tuple(module.get_variable("params", EMBEDDING + suffix) for suffix in SUFFIXES)
+
+
+def panels_head(x, panels: tuple, kernels: frozenset):
+    """float32 logits x @ E^T [S, vocab] from the embedding's panels: the C++ kernel where the runner
+    enabled it (ops/cpu/gguf_panels.cc; float32 x), else XLA dequantizes E (float32 math, then x's
+    dtype, as a float engine of that dtype holds it), then multiplies."""
+    if gguf_panels.NAME in kernels and x.ndim == 2 and x.dtype == jnp.float32:
+        return gguf_panels.gguf_panels(x, *panels)
+    return jnp.einsum("SD,DV->SV", x, gguf_panels.weight(*panels).astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def cpu_matmul_kernels(params, platform: str, sharded: bool, dtype) -> frozenset:
     """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_matmul" where the
-    tree keeps codes, "dense_matmul" for float32 weights; on XLA:CPU, one device (a custom call has no
+    tree keeps codes, "gguf_panels" for a tied embedding kept as codes (`panels_head`), "dense_matmul"
+    for float32 weights; on XLA:CPU, one device (a custom call has no
     sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS)."""
     if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32:
         return frozenset()
     from jaxpaged.ops import dense_matmul, gguf_matmul
 
+    panels = EMBEDDING + "_codes" in params.get("params", params)
     return frozenset(([gguf_matmul.NAME] if has_kept_weights(params) and gguf_matmul.enabled() else [])
+                     + ([gguf_panels.NAME] if panels and gguf_panels.enabled() else [])
                      + ([dense_matmul.NAME] if dense_matmul.enabled() else []))
 
 

@@ -53,7 +53,7 @@ def family_config(arch: str, metadata: dict[str, Any], field) -> dict[str, Any]:
                 norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)))
 
 
-def fuse_experts(state_dict: dict[str, np.ndarray], num_layers: int) -> None:
+def fuse_experts(state_dict: dict[str, Any], num_layers: int) -> None:  # arrays, or kept BlockCodes
     """Per layer, stacked gate and up experts -> `mlp.experts.gate_up_proj`; names without `.weight`."""
     for i in range(num_layers):
         prefix = f"model.layers.{i}.mlp.experts."

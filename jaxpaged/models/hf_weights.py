@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import BlockCodes, stacked_leaves
+from jaxpaged.models.gguf_blocks import BlockCodes, keeps_embedding, panel_leaves, stacked_leaves
 from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.phi3 import unfuse_phi3
 
 
-def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> dict:
+def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | BlockCodes]) -> dict:
     """Converts a Hugging Face state dict (names and (out, in) layout of `nn.Linear`) to params.
 
     Layers are stacked along a leading `num_layers` axis, as `nn.scan` expects. Arrays are cast to
@@ -84,8 +84,11 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray]) ->
             **linear("up_proj", "mlp.up_proj.weight", lambda w: w.T),
             **linear("down_proj", "mlp.down_proj.weight", lambda w: w.T),  # (D, F) -> (F, D)
         }
+    embedding = state_dict.get("model.embed_tokens.weight")
     params = {
-        "embedding": tensor("model.embed_tokens.weight").astype(dtype),  # (V, D)
+        # (V, D); a tied embedding kept as GGUF codes (quantization="gguf"): three leaves of LM head panels
+        **(panel_leaves(embedding) if keeps_embedding(embedding, c.tie_word_embeddings)
+           else {"embedding": tensor("model.embed_tokens.weight").astype(dtype)}),
         "layers": layers,
         "final_norm": {"scale": tensor("model.norm.weight").astype(dtype)},
     }

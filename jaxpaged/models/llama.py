@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxpaged.ops import gguf_panels
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
 from jaxpaged.models.config import LongRope, ModelConfig, RopeScaling
-from jaxpaged.models.gguf_blocks import linear, stack_of
+from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
@@ -281,8 +282,9 @@ class CausalLM(nn.Module):
     ) -> tuple[Float[Array, "num_logits vocab_size"], KVPages]:
         """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer."""
         c, dtype = self.config, jnp.dtype(self.config.dtype)
-        embedding = self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
-        x = embedding[token_ids]  # [T, D]
+        panels = kept_panels(self)  # a tied embedding kept as GGUF codes (models/gguf_blocks.py), or None
+        embedding = None if panels else self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
+        x = gguf_panels.rows(*panels, token_ids).astype(dtype) if panels else embedding[token_ids]  # [T, D]
         if c.scale_embedding:  # Gemma: sqrt(D), rounded to the activation dtype as HF does
             x = x * jnp.asarray(c.hidden_size**0.5, dtype)
 
@@ -328,7 +330,9 @@ class CausalLM(nn.Module):
         x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
         lm_head = None if c.tie_word_embeddings else self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
         with jax.named_scope("lm_head"):  # names the head's ops in profiles (benchmarks/peers/xla_cpu_trace.py)
-            if lm_head is None:
+            if panels:
+                logits = panels_head(x, panels, self.matmul_kernels)
+            elif lm_head is None:
                 logits = tied_lm_head(x, embedding, self.vocab_major_head)
             else:
                 logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)

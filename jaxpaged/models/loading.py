@@ -59,7 +59,7 @@ class LoadedModel:
     """Everything `LLM` needs from disk; `state_dict` is None when weights were not asked for."""
 
     hf_config: HFConfig  # config.json as a dict with attribute access; ModelConfig.from_hf reads it
-    state_dict: dict[str, np.ndarray] | None
+    state_dict: dict[str, Any] | None  # arrays; kept GGUF blocks as gguf_blocks.BlockCodes
     tokenizer: Any  # jaxpaged.models.tokenizer.Tokenizer
     source: ModelSource
 

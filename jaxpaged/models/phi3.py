@@ -8,11 +8,12 @@ RMSNorm, SiLU MLP, sliding window) is the Llama path; LongRoPE is `models/config
 """
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 
-def unfuse_phi3(config, state_dict: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+def unfuse_phi3(config, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:  # arrays, or kept BlockCodes
     """`state_dict` with every fused Phi-3 tensor replaced by its Llama-named parts (others untouched)."""
     fused = [name for name in state_dict if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]
     if not fused:

@@ -43,10 +43,10 @@ def load_model(model: str | None, dtype: str, quantization: str | None = None):
                     " with GGUF block codes" if keep_blocks else "")
         return params_from_hf(config, loading.load_model_files(model, keep_blocks=keep_blocks).state_dict)
 
-    # A cache that cannot be read or written costs a conversion, never a failed start. gguf-blocks-v2:
-    # 4-bit codes packed two per byte (models/gguf_blocks.py).
+    # A cache that cannot be read or written costs a conversion, never a failed start. gguf-blocks-v3:
+    # 4-bit codes packed two per byte, a tied embedding kept as codes (models/gguf_blocks.py).
     params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert,
-                                         format_tag=_FORMAT + ("-gguf-blocks-v2" if keep_blocks else ""))
+                                         format_tag=_FORMAT + ("-gguf-blocks-v3" if keep_blocks else ""))
     if keep_blocks:
         check_kept(params, files.source_id)
     return config, params, files.tokenizer

@@ -19,5 +19,6 @@ def test_gguf_codes_on_two_replicas_serve_the_float_engines_tokens():
     for replica in llm.engine.engines:
         attn = replica.runner.served_params["params"]["layers"]["attn"]
         assert attn["q_proj_codes"].dtype == np.uint8 and attn["q_proj_scales"].dtype == np.float32
-    assert len({next(iter(r.runner.served_params["params"]["embedding"].devices())) for r in llm.engine.engines}) == 2
+        assert replica.runner.served_params["params"]["embedding_codes"].dtype == np.uint8  # the tied head's panels
+    assert len({next(iter(r.runner.served_params["params"]["embedding_codes"].devices())) for r in llm.engine.engines}) == 2
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
