@@ -135,25 +135,32 @@ def _same_as_floats(outputs, float_outputs):
             np.testing.assert_allclose([a[t].logprob for t in a], [b[t].logprob for t in a], atol=2e-4)
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla-dequantize"])
+@pytest.mark.parametrize("kernel", ["panels", "blocks", "xla-dequantize"])
 @pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
 def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_layer_weights, kernel, monkeypatch):
-    """Both ways of multiplying the codes: the CPU kernel (ops/cpu/gguf_matmul.cc) or XLA's dequantize-then-dot."""
-    from jaxpaged.ops import cpu_kernels, gguf_matmul
+    """The three ways of multiplying the codes: the CPU kernel on panels as the runner serves them
+    (ops/cpu/gguf_panels.cc), the CPU kernel on GGUF's layout (ops/cpu/gguf_matmul.cc, SERVE_PANELS
+    off), or XLA's dequantize-then-dot."""
+    from jaxpaged.ops import cpu_kernels, gguf_panels
 
-    if kernel and not gguf_matmul.available():
+    if kernel != "xla-dequantize" and not gguf_panels.available():
         pytest.skip("no C++ compiler: the kernel cannot be built here")
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1" if kernel else "0")
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0" if kernel == "xla-dequantize" else "1")
+    monkeypatch.setattr(gguf_blocks, "SERVE_PANELS", kernel == "panels")
     llm = LLM(quantization="gguf", per_layer_weights=per_layer_weights, **ENGINE)
     runner = llm.engine.runner
-    assert gguf_blocks.has_kept_weights(llm.params) and ("gguf_matmul" in runner.matmul_kernels) == kernel
+    assert gguf_blocks.has_kept_weights(llm.params) and ("gguf_panels" in runner.matmul_kernels) == (kernel != "xla-dequantize")
+    layers = runner.served_params["params"]["layers"]
+    served_attn = (layers[0] if per_layer_weights else layers)["attn"]
+    assert ("q_proj_panels" in served_attn) == (kernel == "panels") != ("q_proj_codes" in served_attn)
     # The decode program: the kernel's calls read the codes where they lie, no uint8 slice is copied.
     hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
-    calls_per_program = 7 * (len(runner.served_params["params"]["layers"]) if per_layer_weights else 1)  # unrolled
-    assert hlo.count('custom_call_target="jaxpaged_gguf_matmul"') == (calls_per_program if kernel else 0)
-    assert hlo.count('custom_call_target="jaxpaged_gguf_panels"') == (1 if kernel else 0)  # the tied LM head
+    calls_per_program = 7 * (len(layers) if per_layer_weights else 1)  # unrolled
+    assert hlo.count('custom_call_target="jaxpaged_gguf_matmul"') == (calls_per_program if kernel == "blocks" else 0)
+    head = kernel != "xla-dequantize"  # the tied LM head: panels whenever the kernel is built
+    assert hlo.count('custom_call_target="jaxpaged_gguf_panels"') == (calls_per_program if kernel == "panels" else 0) + head
     sliced_codes = [line for line in hlo.splitlines() if "= u8[" in line and "dynamic-slice" in line]
-    assert not sliced_codes if kernel else (sliced_codes or per_layer_weights)
+    assert not sliced_codes if kernel != "xla-dequantize" else (sliced_codes or per_layer_weights)
     _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
 
 

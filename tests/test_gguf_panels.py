@@ -1,12 +1,15 @@
-"""The CPU kernel for a tied LM head kept as GGUF codes in 16-column panels (jaxpaged/ops/cpu/gguf_panels.cc)
-against a float64 numpy oracle, and the panels' XLA forms (ops/gguf_panels.py) against plain numpy.
+"""The CPU kernel for GGUF codes in 16-column panels (jaxpaged/ops/cpu/gguf_panels.cc) against a float64
+numpy oracle, the panels' XLA forms (ops/gguf_panels.py), and the conversions between GGUF's layout
+and panels (models/gguf_blocks.py), as the loader and the runner make them.
 
-The oracle dequantizes the embedding E [N, K] from its row-major codes (scales * codes + mins per block
-of 32, as gguf_blocks documents), multiplies x @ E^T in float64, and the kernel's float32 sums must land
-within float32 rounding of it. The panels are built by gguf_blocks.panel_leaves, as the loader does, so
-a mix-up of panel, k or column order shows as a wrong product. Shapes cover the kernel's tails: one
-8-row pass and several, rows not a multiple of 8, an odd number of panels (a last lone panel), one
-panel only, K of one block and of many.
+Two uses: a tied LM head (the embedding E [N, K] as panels, `panel_leaves`: one weight, one byte per
+code) and the layer projections the runner serves (`to_panels`: a stack of L weights, 4-bit codes
+packed two per byte). The oracle dequantizes in GGUF's layout itself (scales * codes + mins per
+block of 32) and multiplies in float64; the kernel's float32 sums must land within float32 rounding
+of it. The panels come from the conversions, so a mix-up of panel, k, nibble or column order shows as a
+wrong product; the other layers of a stack hold NaN scales, so reading the wrong layer poisons the
+result. Shapes cover the kernel's tails: one 8-row pass and several, rows not a multiple of 8, an odd
+number of panels (a last lone panel), one panel only, K of one block and of many.
 """
 
 import itertools
@@ -16,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.models.gguf_blocks import BlockCodes, panel_leaves
+from jaxpaged.models import gguf_blocks
+from jaxpaged.models.gguf_blocks import BlockCodes, pack_nibbles, panel_leaves
 from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops import gguf_panels as gp
 
@@ -60,14 +64,74 @@ def test_xla_forms_dequantize_to_the_embedding():
     np.testing.assert_allclose(np.asarray(gp.reference(x, *panels)), oracle(x, blocks), rtol=1e-5, atol=1e-4)
 
 
+def stacked_weight(num_layers: int, k: int, n: int, seed: int, bits: int):
+    """codes [L, K/32, 32, N] below 2**bits in GGUF's layout (the oracle's), scales, mins."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2 ** bits, (num_layers, k // 32, 32, n), dtype=np.uint8)
+    scales = (rng.random((num_layers, k // 32, n), dtype=np.float32) * 0.02).astype(np.float32)
+    mins = (-rng.random((num_layers, k // 32, n), dtype=np.float32) * 2.0).astype(np.float32)
+    return codes, scales, mins
+
+
+def served(codes, scales, mins, packed: bool):
+    """A stack in GGUF's layout as the runner serves it: panels (4-bit codes packed two per byte first)."""
+    tree = {"params": {"layers": {"mlp": {"up_proj_codes": pack_nibbles(codes) if packed else codes,
+                                          "up_proj_scales": scales, "up_proj_mins": mins}}}}
+    leaves = gguf_blocks.to_panels(tree)["params"]["layers"]["mlp"]
+    return tuple(leaves["up_proj" + s] for s in gguf_blocks.PANEL_SUFFIXES), tree
+
+
+def stack_oracle(x, codes, scales, mins, layer: int) -> np.ndarray:
+    k, n = x.shape[1], scales.shape[-1]
+    weight = scales[layer][:, None, :] * codes[layer].astype(np.float32) + mins[layer][:, None, :]
+    return x.astype(np.float64) @ weight.reshape(k, n).astype(np.float64)
+
+
+@kernel_only
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "packed"])
+@pytest.mark.parametrize("m", [1, 9, 23])
+@pytest.mark.parametrize("k,n", [(32, 16), (160, 144), (576, 192)])
+def test_stacked_layers_served_as_panels_match_the_oracle(m, k, n, packed):
+    num_layers, layer = 3, 1
+    codes, scales, mins = stacked_weight(num_layers, k, n, seed=m * 100 + n, bits=4 if packed else 8)
+    poisoned = scales.copy()
+    poisoned[np.arange(num_layers) != layer] = np.nan
+    panels, _ = served(codes, poisoned, mins, packed)
+    assert gp.is_packed(panels[0].shape, k) == packed and panels[0].shape[-2] == (k // 2 if packed else k)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = jax.jit(gp.gguf_panels)(x, *panels, jax.numpy.int32(layer))
+    want = stack_oracle(x, codes, scales, mins, layer)
+    bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(stack_oracle(np.eye(k, dtype=np.float32), codes, scales,
+                                                                               mins, layer)))
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-6)
+    np.testing.assert_allclose(np.asarray(gp.reference(x, *panels, layer)), want, rtol=1e-5, atol=1e-4)  # XLA's form
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "packed"])
+def test_panels_convert_back_to_the_same_leaves(packed):
+    codes, scales, mins = stacked_weight(2, 96, 48, seed=4, bits=4 if packed else 8)
+    panels, tree = served(codes, scales, mins, packed)
+    back = gguf_blocks.from_panels({"params": {"layers": {"mlp": dict(zip(
+        ("up_proj" + s for s in gguf_blocks.PANEL_SUFFIXES), panels))}}})["params"]["layers"]["mlp"]
+    for suffix in gguf_blocks.SUFFIXES:
+        np.testing.assert_array_equal(back["up_proj" + suffix], tree["params"]["layers"]["mlp"]["up_proj" + suffix])
+    on_device = gguf_blocks.to_panels(jax.tree.map(jax.numpy.asarray, tree))["params"]["layers"]["mlp"]  # jnp too
+    for suffix, want in zip(gguf_blocks.PANEL_SUFFIXES, panels):
+        np.testing.assert_array_equal(np.asarray(on_device["up_proj" + suffix]), want)
+
+
 def test_bad_shapes_are_refused_with_what_to_pass():
     _, (codes, scales, mins) = embedding(32, 64, seed=1)
-    with pytest.raises(ValueError, match=r"needs codes \[N/16, 96, 16\] and scales, mins \[N/16, 3, 16\]"):
+    with pytest.raises(ValueError, match=r"needs codes \[L, N/16, 96, 16\] \(packed: \[L, N/16, 48, 16\]\) and "
+                                         r"scales, mins \[L, N/16, 3, 16\]"):
         gp.gguf_panels(np.ones((2, 96), np.float32), codes, scales, mins)
-    with pytest.raises(ValueError, match=r"x must be \[M, K\] and codes \[N/16, K, 16\]"):
+    with pytest.raises(ValueError, match=r"x must be \[M, K\] and codes \[L, N/16, K or K/2, 16\]"):
         gp.gguf_panels(np.ones((2, 64), np.float32), codes[0], scales, mins)
-    with pytest.raises(ValueError, match=r"scales, mins \[N/16, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"scales, mins \[L, N/16, 2, 16\]"):
         gp.gguf_panels(np.ones((2, 64), np.float32), codes, scales[:, :1], mins)
+    with pytest.raises(Exception, match="layer index out of range"):  # checked where the call runs
+        jax.block_until_ready(jax.jit(gp.gguf_panels)(np.ones((2, 64), np.float32), codes, scales, mins,
+                                                      jax.numpy.int32(1)))
 
 
 @kernel_only
@@ -76,8 +140,10 @@ def test_bad_shapes_are_refused_with_what_to_pass():
 def test_the_avx2_and_generic_builds_compute_the_same(march):
     if not cpu_kernels.register(gp.NAME, march):
         pytest.skip(f"the compiler cannot build for -march={march}")
-    for m, (k, n) in itertools.product([3, 16], [(96, 48), (160, 272)]):
-        blocks, panels = embedding(n, k, seed=m)
+    for m, (k, n), packed in itertools.product([3, 16], [(96, 48), (160, 272)], (False, True)):
+        codes, scales, mins = stacked_weight(2, k, n, seed=m, bits=4 if packed else 8)
+        panels, _ = served(codes, scales, mins, packed)
         x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(gp.gguf_panels(x, *panels, march=march)), oracle(x, blocks),
-                                   rtol=1e-5, atol=1e-3, err_msg=f"{m=} {k=} {n=}")
+        np.testing.assert_allclose(np.asarray(gp.gguf_panels(x, *panels, 1, march=march)),
+                                   stack_oracle(x, codes, scales, mins, 1), rtol=1e-5, atol=1e-3,
+                                   err_msg=f"{m=} {k=} {n=} {packed=}")

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.device.param_dtypes import check_param_dtypes
+from jaxpaged.models import gguf_blocks
 from jaxpaged.models.gguf_blocks import leaf_dtype
+from jaxpaged.ops import gguf_panels
 
 
 def _with_layers(params, layers):
@@ -84,6 +86,20 @@ def stack_layers(params):
     per_layer = [jax.tree.leaves(layer) for layer in layers]
     stacked = [_stack([leaves[j] for leaves in per_layer]) for j in range(len(per_layer[0]))]
     return _with_layers(params, jax.tree.unflatten(treedef, stacked))
+
+
+def serving_layout(params, *, per_layer: bool, kernels: frozenset):
+    """The tree the step reads, from the runner's own canonical copy (whose device leaves it consumes):
+    GGUF projections as panels where the gguf_panels kernel serves them (models/gguf_blocks.py
+    `to_panels`), then one buffer per layer with `per_layer`."""
+    if gguf_panels.NAME in kernels and gguf_blocks.SERVE_PANELS:
+        params = gguf_blocks.to_panels(params, delete=True)
+    return split_layers(params, delete=True) if per_layer else params
+
+
+def canonical_layout(served):
+    """The canonical tree of a served one (new arrays where the layout differs)."""
+    return gguf_blocks.from_panels(stack_layers(served))
 
 
 def own_copy(params, dtype, tp=None):

@@ -32,7 +32,7 @@ from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.kv_cache import apply_page_copies
-from jaxpaged.device.layer_params import own_copy, split_layers, stack_layers
+from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
 from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
 
@@ -193,13 +193,13 @@ class ModelRunner:
 
     @property
     def params(self):
-        """The canonical (stacked) parameter tree: with `per_layer_weights` the runner serves from one
-        buffer per layer (`served_params`, device/layer_params.py) and this is a new stacked copy."""
-        return stack_layers(self.served_params)
+        """The canonical (stacked) parameter tree: where the runner serves another layout (one buffer per
+        layer, GGUF panels: `served_params`, device/layer_params.py) this is a new copy."""
+        return canonical_layout(self.served_params)
 
     def _serve(self, params) -> None:
-        """Keeps the runner's own copy `params` (canonical) as the step reads it (stacked leaves deleted once split)."""
-        self.served_params = split_layers(params, delete=True) if self.per_layer_weights else params
+        """Keeps the runner's own copy `params` (canonical) as the step reads it (device/layer_params.py)."""
+        self.served_params = serving_layout(params, per_layer=self.per_layer_weights, kernels=self.matmul_kernels)
 
     def _abstract(self, x) -> jax.ShapeDtypeStruct:  # x's shape and dtype on the compile-only runner's devices
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)

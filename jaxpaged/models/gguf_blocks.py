@@ -34,6 +34,10 @@ head (`panel_leaves`: `embedding_codes` [vocab/16, hidden, 16], one byte per cod
 and `embedding_mins` [vocab/16, hidden/32, 16]) that the CPU kernel ops/cpu/gguf_panels.cc reads as
 contiguous runs. An untied embedding or output head, MoE experts and other block types (K quants) stay
 float, and so does a projection any layer of which is not kept.
+
+The CPU runner serves the projections as panels too (`to_panels`: `name_panels`, `name_panel_scales`,
+`name_panel_mins`, the same bytes reordered, read by gguf_panels.cc); the tree above stays the canonical
+one (`from_panels`), which `llm.params` returns and `update_params` takes.
 """
 
 from __future__ import annotations
@@ -54,7 +58,14 @@ SUFFIXES = ("_codes", "_scales", "_mins")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A tied embedding kept as codes (`panel_leaves`): the token lookup and the LM head read them.
 EMBEDDING = "embedding"
-KEPT_LEAVES = frozenset(name + suffix for name in (*PROJECTIONS, EMBEDDING) for suffix in SUFFIXES)
+# A projection as the runner serves it on the CPU (`to_panels`): its codes, scales and minimums in
+# 16-column panels, read by ops/cpu/gguf_panels.cc.
+PANEL_SUFFIXES = ("_panels", "_panel_scales", "_panel_mins")
+KEPT_LEAVES = frozenset([*(name + suffix for name in (*PROJECTIONS, EMBEDDING) for suffix in SUFFIXES),
+                         *(name + suffix for name in PROJECTIONS for suffix in PANEL_SUFFIXES)])
+# Whether runners with the gguf_panels kernel serve the projections as panels (else GGUF's layout, read
+# by gguf_matmul). Read when an engine is built: benchmarks compare the two in one process.
+SERVE_PANELS = True
 # gguf.GGMLQuantizationType values: Q4_0, Q4_1, Q8_0.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -158,6 +169,59 @@ def keeps_embedding(embedding, tied: bool) -> bool:
     return isinstance(embedding, BlockCodes) and tied and embedding.shape[0] % PANEL == 0
 
 
+def _panels_of(codes, scales, mins):
+    """One stacked weight's leaves from GGUF's layout ([L, K/32, 32 or 16, N], [L, K/32, N]) to panels
+    ([L, N/16, K or K/2, 16], [L, N/16, K/32, 16]): the same bytes, reordered."""
+    (num_layers, kb, rows, n), xp = codes.shape, jnp if isinstance(codes, jax.Array) else np
+    codes = xp.reshape(codes, (num_layers, kb, rows, n // PANEL, PANEL)).transpose(0, 3, 1, 2, 4)
+    codes = xp.reshape(codes, (num_layers, n // PANEL, kb * rows, PANEL))
+    part = lambda a: xp.reshape(a, (num_layers, kb, n // PANEL, PANEL)).transpose(0, 2, 1, 3)
+    return tuple(xp.ascontiguousarray(a) if xp is np else a for a in (codes, part(scales), part(mins)))
+
+
+def _blocks_of(codes, scales, mins):
+    """The inverse of `_panels_of`."""
+    (num_layers, panels, _, _), kb = codes.shape, scales.shape[2]
+    xp = jnp if isinstance(codes, jax.Array) else np
+    codes = xp.reshape(codes, (num_layers, panels, kb, -1, PANEL)).transpose(0, 2, 3, 1, 4)
+    codes = xp.reshape(codes, (num_layers, kb, codes.shape[2], panels * PANEL))
+    part = lambda a: xp.reshape(a.transpose(0, 2, 1, 3), (num_layers, kb, panels * PANEL))
+    return tuple(xp.ascontiguousarray(a) if xp is np else a for a in (codes, part(scales), part(mins)))
+
+
+def _convert_projections(params, from_suffixes, to_suffixes, convert, delete: bool):
+    """`params` (a canonical tree: stacked layers) with every projection's three leaves renamed and
+    converted; `delete`: device leaves converted are deleted (the runner's own copies)."""
+    if params is None or not isinstance(params.get("params", {}).get("layers"), dict):
+        return params
+    layers = dict(params["params"]["layers"])
+    for module, leaves in layers.items():
+        if not isinstance(leaves, dict) or not any(k.endswith(from_suffixes[0]) for k in leaves):
+            continue
+        leaves = dict(leaves)
+        for name in PROJECTIONS:
+            if name + from_suffixes[0] not in leaves:
+                continue
+            old = [leaves.pop(name + suffix) for suffix in from_suffixes]
+            leaves.update(zip((name + suffix for suffix in to_suffixes), convert(*old)))
+            if delete:
+                for leaf in old:
+                    if isinstance(leaf, jax.Array):
+                        leaf.delete()
+        layers[module] = leaves
+    return {**params, "params": {**params["params"], "layers": layers}}
+
+
+def to_panels(params, *, delete: bool = False):
+    """The projections of a canonical tree as panels (`PANEL_SUFFIXES`), as the CPU runner serves them."""
+    return _convert_projections(params, SUFFIXES, PANEL_SUFFIXES, _panels_of, delete)
+
+
+def from_panels(params):
+    """The canonical tree (GGUF's layout, `SUFFIXES`) of one served as panels: new arrays."""
+    return _convert_projections(params, PANEL_SUFFIXES, SUFFIXES, _blocks_of, False)
+
+
 def is_kept_leaf(name: str) -> bool:
     return name in KEPT_LEAVES
 
@@ -216,6 +280,9 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
             return module.get_variable("params", key)[None] if module.has_variable("params", key) else None
 
         at = 0 if own else layer
+        if gguf_panels.NAME in kernels and leaf(name + "_panels") is not None:  # served as panels (to_panels)
+            codes, scales, mins = (leaf(name + s) for s in PANEL_SUFFIXES)
+            return gguf_panels.gguf_panels(x, codes, scales, mins, at).reshape(out_shape).astype(dtype)
         if "gguf_matmul" in kernels and leaf(name + "_codes") is not None and cols % 16 == 0:
             from jaxpaged.ops.gguf_matmul import gguf_matmul
 
@@ -248,17 +315,18 @@ def panels_head(x, panels: tuple, kernels: frozenset):
 
 
 def cpu_matmul_kernels(params, platform: str, sharded: bool, dtype) -> frozenset:
-    """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_matmul" where the
-    tree keeps codes, "gguf_panels" for a tied embedding kept as codes (`panels_head`), "dense_matmul"
+    """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_panels" where the
+    tree keeps codes (projections the runner serves as panels, `to_panels`, and a tied embedding kept as
+    codes, `panels_head`), "gguf_matmul" for codes in GGUF's layout (SERVE_PANELS off), "dense_matmul"
     for float32 weights; on XLA:CPU, one device (a custom call has no
     sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS)."""
     if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32:
         return frozenset()
     from jaxpaged.ops import dense_matmul, gguf_matmul
 
-    panels = EMBEDDING + "_codes" in params.get("params", params)
+    codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     return frozenset(([gguf_matmul.NAME] if has_kept_weights(params) and gguf_matmul.enabled() else [])
-                     + ([gguf_panels.NAME] if panels and gguf_panels.enabled() else [])
+                     + ([gguf_panels.NAME] if codes and gguf_panels.enabled() else [])
                      + ([dense_matmul.NAME] if dense_matmul.enabled() else []))
 
 
@@ -266,7 +334,7 @@ def stack_of(layers_params: dict, module: str, kernels: frozenset) -> dict:
     """The leaves of `module` ("attn", "mlp") in the stacked `layers` params that `kernels` multiply, for
     `linear`'s stack: kept codes (gguf_matmul), float32 projections (dense_matmul)."""
     def served(name: str, leaf) -> bool:
-        return (("gguf_matmul" in kernels and is_kept_leaf(name))
+        return ((("gguf_matmul" in kernels or gguf_panels.NAME in kernels) and is_kept_leaf(name))
                 or ("dense_matmul" in kernels and name in PROJECTIONS and leaf.dtype == jnp.float32))
 
     return {name: leaf for name, leaf in layers_params.get(module, {}).items() if served(name, leaf)}
@@ -275,6 +343,10 @@ def stack_of(layers_params: dict, module: str, kernels: frozenset) -> dict:
 def linear_weight(module, name: str, shape: tuple[int, ...], dtype, init):
     """The float weight `name` of `shape` (in first) in a flax module: the param itself, or its
     codes dequantized (float32 math, then cast to `dtype`) when the tree keeps it as codes."""
+    if not module.is_initializing() and module.has_variable("params", name + "_panels"):  # served as panels
+        panels = (module.get_variable("params", name + suffix) for suffix in PANEL_SUFFIXES)
+        with jax.named_scope("gguf_dequantize"):
+            return gguf_panels.weight(*panels).reshape(shape).astype(dtype)
     if not module.is_initializing() and module.has_variable("params", name + "_codes"):
         codes = unpacked(module.get_variable("params", name + "_codes"))  # [in/32, 32, out]
         scales = module.get_variable("params", name + "_scales")[:, None, :]

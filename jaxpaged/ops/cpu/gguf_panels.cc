@@ -1,21 +1,24 @@
-// y = x @ W for a weight kept as GGUF block codes in 16-column panels: a tied LM head, W = E^T for the
-// embedding E [N, K] (jaxpaged/models/gguf_blocks.py, `panel_leaves`), on the CPU.
+// y = x @ W for a weight kept as GGUF block codes in 16-column panels, on the CPU: the layer
+// projections as the runner serves them and a tied LM head (jaxpaged/models/gguf_blocks.py).
 //
-//   x       float32 [M, K]              activations, row-major
-//   codes   uint8   [N/16, K, 16]       panel p: columns 16p .. 16p + 15 of W (vocabulary rows of E),
-//                                       k-major, 16 bytes per k
-//   scales  float32 [N/16, K/32, 16]    W[k, 16p + j] = scales[p, k/32, j] * codes[p, k, j] + mins[p, k/32, j]
-//   mins    float32 [N/16, K/32, 16]
+//   x       float32 [M, K]                 activations, row-major
+//   codes   uint8   [L, N/16, K, 16]       panel p of layer l: columns 16p .. 16p + 15 of W, k-major,
+//                                          16 bytes per k row; or
+//           uint8   [L, N/16, K/2, 16]     packed 4-bit codes: in each block of 32 k rows, byte row j
+//                                          holds row j in its low four bits and row j + 16 in its high
+//   scales  float32 [L, N/16, K/32, 16]    W[k, 16p + c] = scales[l, p, k/32, c] * code + mins[l, p, k/32, c]
+//   mins    float32 [L, N/16, K/32, 16]
+//   layer   int32   []                     l: which of the L stacked weights
 //   y       float32 [M, N]
 //
-// A head is short in k and long in n (SmolLM2: 576 x 49152). gguf_matmul.cc's layout keeps a k row of
-// every column together, so a thread walking all of k for a few columns would read a few bytes every
-// N; here a panel's codes, scales and minimums are three contiguous runs, and each thread takes whole
-// panels, all of k: y is written once, with no partial sums. The codes are dequantized in registers
-// right before their multiply-adds, anew for every 8-row pass of x (a pair's 18 KB of codes stay in
-// L1 between passes). A buffer of dequantized floats shared by the passes, as gguf_matmul.cc keeps
-// beyond 8 rows, was slower here at every row count measured (16 rows: 7.1 against 5.8-5.9 ms,
-// benchmarks/peers/README.md, eleventh pass).
+// A panel's codes, scales and minimums are three contiguous runs. Each thread takes whole pairs of
+// panels, all of k, and keeps its accumulators in registers from the first k row to the last: it
+// reads in order, writes y once and needs no partial sums. (gguf_matmul.cc, on GGUF's own layout,
+// where a block row spans every column, reads 16-32 rows at a stride of N for each strip; the panels
+// read at 1.3-1.6x its rate from 1 to 16 rows, benchmarks/peers/README.md, eleventh pass.) The codes
+// are dequantized in registers right before their multiply-adds, anew for every 8-row pass of x (a
+// pair's codes stay in L1 between passes); a buffer of dequantized floats shared by the passes was
+// slower at every row count measured.
 //
 // Each dequantized W[k, n] is the float gguf_blocks computes (one rounding of scale * code + min; the
 // product is exact), so y differs from XLA's only in the order of the float32 sums over k.
@@ -31,45 +34,63 @@ namespace {
 using jaxpaged::f32x16;
 using jaxpaged::load_codes;
 using jaxpaged::load_f32;
+using jaxpaged::load_nibbles;
 using jaxpaged::store_f32;
 using jaxpaged::Matmul;
 
-constexpr int kBlock = 32;    // GGUF values per scale
-constexpr int kPanel = 16;    // columns per panel
+constexpr int kBlock = 32;  // GGUF values per scale
+constexpr int kPanel = 16;  // columns per panel
 
-struct Panels : Matmul {  // x, y, m, k, n; and the panels' codes, scales and minimums
+struct Panels : Matmul {  // x, y, m, k, n; and one layer's panels: codes, scales and minimums
   const uint8_t* codes;
   const float* scales;
   const float* mins;
-
-  const uint8_t* panel_codes(int64_t panel) const { return codes + panel * k * kPanel; }
-  const float* panel_scales(int64_t panel) const { return scales + panel * (k / kBlock) * kPanel; }
-  const float* panel_mins(int64_t panel) const { return mins + panel * (k / kBlock) * kPanel; }
 };
 
-// y[0:R, 16 panel .. 16 (panel + V)]: V panels (1 or 2) against R <= 8 rows over all of k, the
-// accumulators in registers from the first k to the last.
-template <int R, int V>
-void tile_direct(const Panels& p, int64_t r0, int64_t panel) {
+// Bytes of codes per k row of a panel's block: 32 rows of 16 bytes, or 16 of two packed codes each.
+template <bool Packed>
+constexpr int64_t kCodeRows = Packed ? kBlock / 2 : kBlock;
+
+// y[r0:r0+R, 16 panel .. 16 (panel + V)]: V panels (1 or 2) against R <= 8 rows over all of k.
+template <bool Packed, int R, int V>
+void tile(const Panels& p, int64_t r0, int64_t panel) {
+  const int64_t blocks = p.k / kBlock, panel_codes = blocks * kCodeRows<Packed> * kPanel;
   f32x16 acc[R][V] = {};
-  for (int64_t b = 0; b < p.k / kBlock; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     f32x16 scale[V], min[V];
     const uint8_t* codes[V];
     for (int v = 0; v < V; ++v) {
-      scale[v] = load_f32(p.panel_scales(panel + v) + b * kPanel);
-      min[v] = load_f32(p.panel_mins(panel + v) + b * kPanel);
-      codes[v] = p.panel_codes(panel + v) + b * kBlock * kPanel;
+      scale[v] = load_f32(p.scales + ((panel + v) * blocks + b) * kPanel);
+      min[v] = load_f32(p.mins + ((panel + v) * blocks + b) * kPanel);
+      codes[v] = p.codes + (panel + v) * panel_codes + b * kCodeRows<Packed> * kPanel;
     }
     // the next pair's codes at this block, requested into L2 while this pair's are multiplied
     for (int v = V; v < 2 * V; ++v)
-      for (int line = 0; line < kBlock * kPanel; line += 64) __builtin_prefetch(codes[0] + v * p.k * kPanel + line, 0, 2);
+      for (int64_t line = 0; line < kCodeRows<Packed> * kPanel; line += 64)
+        __builtin_prefetch(codes[0] + v * panel_codes + line, 0, 2);
     const float* x = p.x + r0 * p.k + b * kBlock;
-    for (int i = 0; i < kBlock; ++i) {
-      f32x16 w[V];
-      for (int v = 0; v < V; ++v) w[v] = scale[v] * load_codes(codes[v] + i * kPanel) + min[v];
-      for (int r = 0; r < R; ++r) {
-        const float xr = x[r * p.k + i];
-        for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+    for (int i = 0; i < kCodeRows<Packed>; ++i) {
+      if constexpr (Packed) {  // k rows i and i + 16 of the block
+        f32x16 low[V], high[V];
+        for (int v = 0; v < V; ++v) {
+          load_nibbles(codes[v] + i * kPanel, low[v], high[v]);
+          low[v] = scale[v] * low[v] + min[v];
+          high[v] = scale[v] * high[v] + min[v];
+        }
+        for (int r = 0; r < R; ++r) {
+          const float xl = x[r * p.k + i], xh = x[r * p.k + i + kBlock / 2];
+          for (int v = 0; v < V; ++v) {
+            acc[r][v] += xl * low[v];
+            acc[r][v] += xh * high[v];
+          }
+        }
+      } else {
+        f32x16 w[V];
+        for (int v = 0; v < V; ++v) w[v] = scale[v] * load_codes(codes[v] + i * kPanel) + min[v];
+        for (int r = 0; r < R; ++r) {
+          const float xr = x[r * p.k + i];
+          for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+        }
       }
     }
   }
@@ -77,46 +98,63 @@ void tile_direct(const Panels& p, int64_t r0, int64_t panel) {
     for (int v = 0; v < V; ++v) store_f32(p.y + (r0 + r) * p.n + (panel + v) * kPanel, acc[r][v]);
 }
 
-// Every row of x in passes of up to 8.
-template <int V>
-void direct(const Panels& p, int64_t panel) {
+// Every row of x for panels [panel, panel + V), in passes of up to 8 rows.
+template <bool Packed, int V>
+void panels(const Panels& p, int64_t panel) {
   for (int64_t r0 = 0; r0 < p.m; r0 += jaxpaged::kRows) {
     switch (std::min<int64_t>(jaxpaged::kRows, p.m - r0)) {
-      case 1: tile_direct<1, V>(p, r0, panel); break;
-      case 2: tile_direct<2, V>(p, r0, panel); break;
-      case 3: tile_direct<3, V>(p, r0, panel); break;
-      case 4: tile_direct<4, V>(p, r0, panel); break;
-      case 5: tile_direct<5, V>(p, r0, panel); break;
-      case 6: tile_direct<6, V>(p, r0, panel); break;
-      case 7: tile_direct<7, V>(p, r0, panel); break;
-      default: tile_direct<8, V>(p, r0, panel); break;
+      case 1: tile<Packed, 1, V>(p, r0, panel); break;
+      case 2: tile<Packed, 2, V>(p, r0, panel); break;
+      case 3: tile<Packed, 3, V>(p, r0, panel); break;
+      case 4: tile<Packed, 4, V>(p, r0, panel); break;
+      case 5: tile<Packed, 5, V>(p, r0, panel); break;
+      case 6: tile<Packed, 6, V>(p, r0, panel); break;
+      case 7: tile<Packed, 7, V>(p, r0, panel); break;
+      default: tile<Packed, 8, V>(p, r0, panel); break;
     }
   }
 }
 
+// Thread t of `tasks`: pairs of panels [t pairs / tasks, (t + 1) pairs / tasks), contiguous runs.
+template <bool Packed>
+void pair_range(const Panels& p, int64_t t, int64_t tasks) {
+  const int64_t num_panels = p.n / kPanel, pairs = (num_panels + 1) / 2;
+  for (int64_t pair = t * pairs / tasks; pair < (t + 1) * pairs / tasks; ++pair) {
+    if (num_panels - 2 * pair >= 2)
+      panels<Packed, 2>(p, 2 * pair);
+    else
+      panels<Packed, 1>(p, 2 * pair);
+  }
+}
+
 ffi::Error GgufPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer_buffer,
+                      ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions(), s_dims = scales.dimensions();
-  if (x_dims.size() != 2 || c_dims.size() != 3 || s_dims.size() != 3)
-    return ffi::Error::InvalidArgument("gguf_panels: x must be [M, K], codes [N/16, K, 16], scales [N/16, K/32, 16]");
-  const int64_t m = x_dims[0], k = x_dims[1], num_panels = c_dims[0];
-  if (c_dims[1] != k || c_dims[2] != kPanel || k % kBlock != 0 || s_dims[0] != num_panels ||
-      s_dims[1] != k / kBlock || s_dims[2] != kPanel || mins.element_count() != scales.element_count())
-    return ffi::Error::InvalidArgument("gguf_panels: codes [N/16, K, 16], scales and mins [N/16, K/32, 16], K % 32 == 0");
-  const Panels p{{x.typed_data(), y->typed_data(), m, k, num_panels * kPanel},
-                 codes.typed_data(), scales.typed_data(), mins.typed_data()};
+  if (x_dims.size() != 2 || c_dims.size() != 4 || s_dims.size() != 4 || layer_buffer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "gguf_panels: x must be [M, K], codes [L, N/16, K or K/2, 16], scales [L, N/16, K/32, 16], layer a scalar");
+  const int64_t m = x_dims[0], k = x_dims[1], num_layers = c_dims[0], num_panels = c_dims[1];
+  const bool packed = c_dims[2] * 2 == k;
+  if ((c_dims[2] != k && !packed) || c_dims[3] != kPanel || k % kBlock != 0 || s_dims[0] != num_layers ||
+      s_dims[1] != num_panels || s_dims[2] != k / kBlock || s_dims[3] != kPanel ||
+      mins.element_count() != scales.element_count())
+    return ffi::Error::InvalidArgument(
+        "gguf_panels: codes [L, N/16, K or K/2, 16], scales and mins [L, N/16, K/32, 16], K % 32 == 0");
+  // On the CPU every buffer is host memory: the layer index is read here, where the call runs.
+  const int64_t layer = *layer_buffer.typed_data();
+  if (layer < 0 || layer >= num_layers) return ffi::Error::InvalidArgument("gguf_panels: layer index out of range");
   if (m == 0) return ffi::Error::Success();
-  // Thread t of `tasks` takes pairs of panels [t pairs / tasks, (t + 1) pairs / tasks): contiguous runs.
-  const int64_t pairs = (num_panels + 1) / 2;
-  const int64_t tasks = std::min<int64_t>(pairs, std::max<int64_t>(1, pool.num_threads()));
-  jaxpaged::parallel_for(pool, tasks, [p, pairs, tasks, num_panels](int64_t t) {
-    for (int64_t pair = t * pairs / tasks; pair < (t + 1) * pairs / tasks; ++pair) {
-      const int64_t panel = 2 * pair, count = std::min<int64_t>(2, num_panels - panel);
-      if (count == 2)
-        direct<2>(p, panel);
-      else
-        direct<1>(p, panel);
-    }
+  const int64_t layer_codes = num_panels * c_dims[2] * kPanel, layer_scales = num_panels * (k / kBlock) * kPanel;
+  const Panels p{{x.typed_data(), y->typed_data(), m, k, num_panels * kPanel},
+                 codes.typed_data() + layer * layer_codes, scales.typed_data() + layer * layer_scales,
+                 mins.typed_data() + layer * layer_scales};
+  const int64_t tasks = std::min<int64_t>((num_panels + 1) / 2, std::max<int64_t>(1, pool.num_threads()));
+  jaxpaged::parallel_for(pool, tasks, [p, tasks, packed](int64_t t) {
+    if (packed)
+      pair_range<true>(p, t, tasks);
+    else
+      pair_range<false>(p, t, tasks);
   });
   return ffi::Error::Success();
 }
@@ -130,4 +168,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_panels, GgufPanels,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
