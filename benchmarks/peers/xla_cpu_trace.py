@@ -39,8 +39,9 @@ def classify(hlo_text: str, weight_dims: set[int], split_attention: bool = False
         op_name = op_name.group(1) if op_name else ""
         target = re.search(r'custom_call_target="([^"]*)"', rest)
         target = target.group(1) if target else ""
-        if target.startswith(("jaxpaged_gguf_matmul", "jaxpaged_dense_matmul")):  # the C++ kernels (jaxpaged/ops/cpu/)
-            cat = "MLP matmuls (gate, up, down)" if "/mlp/" in op_name else "attention projections (q, k, v, o)"
+        if target.startswith(("jaxpaged_gguf_matmul", "jaxpaged_gguf_panels", "jaxpaged_dense_matmul")):  # C++ kernels
+            cat = ("LM head matmul" if "/lm_head/" in op_name else "MLP matmuls (gate, up, down)" if "/mlp/" in op_name
+                   else "attention projections (q, k, v, o)")  # (jaxpaged/ops/cpu/; panels: a tied head too)
         elif target.startswith("jaxpaged_paged_attention"):
             cat = "attention: C++ decode kernel" if split_attention else "attention (page gather, softmax, PV)"
         elif target.startswith("jaxpaged_ragged_attention"):
