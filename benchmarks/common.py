@@ -154,10 +154,12 @@ def environment_variables(env: dict[str, str]):
 
 
 def git_commit() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
+    """HEAD, with "-dirty" when jaxpaged/ or benchmarks/ differ from it (paths from the repository root:
+    run from benchmarks/, the pathspecs had named benchmarks/jaxpaged and benchmarks/benchmarks)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxpaged", "benchmarks"], cwd=here,
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxpaged", "benchmarks"], cwd=root,
                                capture_output=True, text=True, check=True)
         return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):

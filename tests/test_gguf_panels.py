@@ -23,6 +23,8 @@ from jaxpaged.models import gguf_blocks
 from jaxpaged.models.gguf_blocks import BlockCodes, pack_nibbles, panel_leaves
 from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops import gguf_panels as gp
+from test_gguf_matmul import oracle as stack_oracle  # GGUF's layout, one layer, float64
+from test_gguf_matmul import stacked_weight  # codes [L, K/32, 32, N], scales, mins
 
 kernel_only = pytest.mark.skipif(not gp.available(), reason="no C++ compiler: the kernel cannot be built here")
 
@@ -64,27 +66,12 @@ def test_xla_forms_dequantize_to_the_embedding():
     np.testing.assert_allclose(np.asarray(gp.reference(x, *panels)), oracle(x, blocks), rtol=1e-5, atol=1e-4)
 
 
-def stacked_weight(num_layers: int, k: int, n: int, seed: int, bits: int):
-    """codes [L, K/32, 32, N] below 2**bits in GGUF's layout (the oracle's), scales, mins."""
-    rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 2 ** bits, (num_layers, k // 32, 32, n), dtype=np.uint8)
-    scales = (rng.random((num_layers, k // 32, n), dtype=np.float32) * 0.02).astype(np.float32)
-    mins = (-rng.random((num_layers, k // 32, n), dtype=np.float32) * 2.0).astype(np.float32)
-    return codes, scales, mins
-
-
 def served(codes, scales, mins, packed: bool):
     """A stack in GGUF's layout as the runner serves it: panels (4-bit codes packed two per byte first)."""
     tree = {"params": {"layers": {"mlp": {"up_proj_codes": pack_nibbles(codes) if packed else codes,
                                           "up_proj_scales": scales, "up_proj_mins": mins}}}}
     leaves = gguf_blocks.to_panels(tree)["params"]["layers"]["mlp"]
     return tuple(leaves["up_proj" + s] for s in gguf_blocks.PANEL_SUFFIXES), tree
-
-
-def stack_oracle(x, codes, scales, mins, layer: int) -> np.ndarray:
-    k, n = x.shape[1], scales.shape[-1]
-    weight = scales[layer][:, None, :] * codes[layer].astype(np.float32) + mins[layer][:, None, :]
-    return x.astype(np.float64) @ weight.reshape(k, n).astype(np.float64)
 
 
 @kernel_only

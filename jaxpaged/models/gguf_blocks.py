@@ -195,6 +195,8 @@ def _convert_projections(params, from_suffixes, to_suffixes, convert, delete: bo
     if params is None or not isinstance(params.get("params", {}).get("layers"), dict):
         return params
     layers = dict(params["params"]["layers"])
+    if not any(isinstance(leaves, dict) and any(k.endswith(from_suffixes[0]) for k in leaves) for leaves in layers.values()):
+        return params  # nothing to convert: the same tree (the float engine's `llm.params` stays its own object)
     for module, leaves in layers.items():
         if not isinstance(leaves, dict) or not any(k.endswith(from_suffixes[0]) for k in leaves):
             continue
