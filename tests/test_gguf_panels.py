@@ -107,6 +107,16 @@ def test_panels_convert_back_to_the_same_leaves(packed):
         np.testing.assert_array_equal(np.asarray(on_device["up_proj" + suffix]), want)
 
 
+def test_a_weight_of_columns_not_in_whole_panels_stays_in_ggufs_layout():
+    tree = {"params": {"layers": {"mlp": dict(zip(("up_proj" + s for s in gguf_blocks.SUFFIXES),
+                                                  stacked_weight(2, 64, 24, seed=2))),
+                                  "attn": dict(zip(("q_proj" + s for s in gguf_blocks.SUFFIXES),
+                                                   stacked_weight(2, 64, 32, seed=3)))}}}
+    served = gguf_blocks.to_panels(tree)["params"]["layers"]
+    assert sorted(served["mlp"]) == ["up_proj_codes", "up_proj_mins", "up_proj_scales"]  # 24 columns
+    assert sorted(served["attn"]) == ["q_proj_panel_mins", "q_proj_panel_scales", "q_proj_panels"]
+
+
 def test_bad_shapes_are_refused_with_what_to_pass():
     _, (codes, scales, mins) = embedding(32, 64, seed=1)
     with pytest.raises(ValueError, match=r"needs codes \[L, N/16, 96, 16\] \(packed: \[L, N/16, 48, 16\]\) and "

@@ -202,8 +202,8 @@ def _convert_projections(params, from_suffixes, to_suffixes, convert, delete: bo
             continue
         leaves = dict(leaves)
         for name in PROJECTIONS:
-            if name + from_suffixes[0] not in leaves:
-                continue
+            if name + from_suffixes[0] not in leaves or (to_suffixes == PANEL_SUFFIXES and leaves[name + "_codes"].shape[-1] % PANEL):
+                continue  # (columns not whole panels: kept in GGUF's layout, multiplied by XLA)
             old = [leaves.pop(name + suffix) for suffix in from_suffixes]
             leaves.update(zip((name + suffix for suffix in to_suffixes), convert(*old)))
             if delete:
