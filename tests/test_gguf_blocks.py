@@ -67,6 +67,19 @@ def test_codes_dequantize_to_ggufs_own_floats_bit_for_bit(kind):
     assert_bits_equal(np.asarray(got), np.ascontiguousarray(expected.T))
 
 
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_codes_served_as_panels_dequantize_to_the_same_floats(kind):
+    """XLA's path from the panels the CPU runner serves (`to_panels`; `linear_weight`'s panels branch)."""
+    weight = random_matrix(32, 96, seed=7 + list(TYPES).index(kind))
+    codes = gguf_blocks.unpack(quantize(weight, TYPES[kind]), int(TYPES[kind]), weight.shape)
+    stacked = gguf_blocks.stacked_leaves("up_proj", [codes])
+    served = gguf_blocks.to_panels({"params": {"layers": {"mlp": stacked}}})["params"]["layers"]["mlp"]
+    assert sorted(served) == ["up_proj_panel_mins", "up_proj_panel_scales", "up_proj_panels"]
+    params = {"params": {"w" + k.removeprefix("up_proj"): v[0] for k, v in served.items()}}
+    got = jax.jit(Weight((96, 32)).apply)(params)
+    assert_bits_equal(np.asarray(got), np.ascontiguousarray(codes.dequantize().T))
+
+
 def test_packed_codes_round_trip_and_wider_codes_stay_bytes():
     codes = np.random.default_rng(3).integers(0, 16, (2, 3, 32, 40), dtype=np.uint8)
     packed = gguf_blocks.pack_nibbles(codes)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 
 def main() -> None:
@@ -30,6 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     from jaxpaged import LLM
 
+    from benchmarks.peers.cpu_step_ab import interleave
     from benchmarks.peers.profile_cpu_decode import decode_step_input
 
     llm = LLM(enable_prefix_caching=False, warmup=False, **json.loads(args.engine_args))
@@ -37,15 +37,10 @@ def main() -> None:
     inputs = {b: decode_step_input(runner, b, args.context) for b in args.batches}
     for step_input in inputs.values():
         runner.execute(step_input).block_until_ready()  # compiles
-    walls = {b: [] for b in inputs}
-    for _ in range(args.rounds):
-        for b, step_input in inputs.items():
-            for _ in range(3):
-                t = time.perf_counter()
-                runner.execute(step_input).block_until_ready()
-                walls[b].append(time.perf_counter() - t)
-    print(args.label, " ".join(f"b{b}: {min(w) * 1e3:.2f}/{statistics.median(w) * 1e3:.2f}" for b, w in walls.items()),
-          flush=True)
+    runs = [{"runner": runner, "input": step_input} for step_input in inputs.values()]
+    interleave(runs, args.rounds)  # 3 timed steps of every batch per round
+    print(args.label, " ".join(f"b{b}: {min(r['wall']) * 1e3:.2f}/{statistics.median(r['wall']) * 1e3:.2f}"
+                               for b, r in zip(inputs, runs)), flush=True)
 
 
 if __name__ == "__main__":

@@ -194,16 +194,14 @@ def _convert_projections(params, from_suffixes, to_suffixes, convert, delete: bo
     converted; `delete`: device leaves converted are deleted (the runner's own copies)."""
     if params is None or not isinstance(params.get("params", {}).get("layers"), dict):
         return params
-    layers = dict(params["params"]["layers"])
-    if not any(isinstance(leaves, dict) and any(k.endswith(from_suffixes[0]) for k in leaves) for leaves in layers.values()):
-        return params  # nothing to convert: the same tree (the float engine's `llm.params` stays its own object)
+    layers, changed = dict(params["params"]["layers"]), False
     for module, leaves in layers.items():
-        if not isinstance(leaves, dict) or not any(k.endswith(from_suffixes[0]) for k in leaves):
+        names = [name for name in PROJECTIONS if isinstance(leaves, dict) and name + from_suffixes[0] in leaves
+                 and not (to_suffixes == PANEL_SUFFIXES and leaves[name + "_codes"].shape[-1] % PANEL)]
+        if not names:  # (columns not whole panels: kept in GGUF's layout, multiplied by XLA)
             continue
-        leaves = dict(leaves)
-        for name in PROJECTIONS:
-            if name + from_suffixes[0] not in leaves or (to_suffixes == PANEL_SUFFIXES and leaves[name + "_codes"].shape[-1] % PANEL):
-                continue  # (columns not whole panels: kept in GGUF's layout, multiplied by XLA)
+        leaves, changed = dict(leaves), True
+        for name in names:
             old = [leaves.pop(name + suffix) for suffix in from_suffixes]
             leaves.update(zip((name + suffix for suffix in to_suffixes), convert(*old)))
             if delete:
@@ -211,6 +209,8 @@ def _convert_projections(params, from_suffixes, to_suffixes, convert, delete: bo
                     if isinstance(leaf, jax.Array):
                         leaf.delete()
         layers[module] = leaves
+    if not changed:  # the same tree: a float engine's `llm.params` stays its own object
+        return params
     return {**params, "params": {**params["params"], "layers": layers}}
 
 
