@@ -165,18 +165,22 @@ def phases(peer: str) -> list[Phase]:
 
 
 GGUF_SYSTEM = "jaxpaged (gguf blocks)"  # --gguf-blocks: quantization="gguf", the same weights' values
+Q8_SYSTEM = "jaxpaged (gguf blocks, q8_1)"  # --gguf-q8-1: gguf_activations="q8_1", GGUF's integer arithmetic
+RATIO_KEYS = {GGUF_SYSTEM: "ratio_jaxpaged_gguf_over_this", Q8_SYSTEM: "ratio_jaxpaged_gguf_q8_1_over_this"}
 
 
 def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repeats: int, results: dict,
-              rows: list[dict], gguf_llm=None) -> None:
+              rows: list[dict], extra_llms: dict | None = None) -> None:
     """Every workload of the phase: one warm-up call per system, then `repeats` timed calls per
     system in rotated order; the summary, ratios and greedy checks go into `results` and `rows`.
-    `gguf_llm`: a second jaxpaged engine (quantization="gguf") run as one more system; its ratio to
-    each vLLM is `ratio_jaxpaged_gguf_over_this`, its greedy tokens are checked against jaxpaged's."""
+    `extra_llms`: more jaxpaged engines by system name (GGUF_SYSTEM: quantization="gguf"; Q8_SYSTEM:
+    and gguf_activations="q8_1"), each one more system; its ratio to each vLLM is RATIO_KEYS[name], its
+    greedy tokens are checked against jaxpaged's."""
+    extra_llms = extra_llms or {}
     # An idle vLLM worker uses ~1% of a core (measured), so the ones not running do not slow the one that is.
     systems = {"jaxpaged": lambda w, call: run_jaxpaged(llm, w, call)}
-    if gguf_llm is not None:
-        systems[GGUF_SYSTEM] = lambda w, call: run_jaxpaged(gguf_llm, w, call)
+    for name, engine in extra_llms.items():
+        systems[name] = lambda w, call, engine=engine: run_jaxpaged(engine, w, call)
     systems.update({name: (lambda w, call, v=v: v.generate(w.prompts_for(call), w.params))
                     for name, v in workers.items()})
     for workload in workloads:
@@ -195,10 +199,9 @@ def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repea
         for name in workers:
             entry[name]["ratio_jaxpaged_over_this"] = round(
                 entry["jaxpaged"]["output_tok_s"] / entry[name]["output_tok_s"], 3)
-            if gguf_llm is not None:
-                entry[name]["ratio_jaxpaged_gguf_over_this"] = round(
-                    entry[GGUF_SYSTEM]["output_tok_s"] / entry[name]["output_tok_s"], 3)
-        for name in [*workers, *([GGUF_SYSTEM] if gguf_llm is not None else [])]:
+            for extra in extra_llms:
+                entry[name][RATIO_KEYS[extra]] = round(entry[extra]["output_tok_s"] / entry[name]["output_tok_s"], 3)
+        for name in [*workers, *extra_llms]:
             if workload.compare_tokens:  # the last repeat: the same call index, so the same prompts
                 entry[name]["greedy_check_vs_jaxpaged"] = compare_greedy(
                     timed["jaxpaged"][-1]["token_ids"], timed[name][-1]["token_ids"])
@@ -210,7 +213,8 @@ def run_phase(phase: Phase, workloads: list[Workload], llm, workers: dict, repea
             rows.append({
                 "workload": workload.name, "system": name, "out_tok_s": summary["output_tok_s"],
                 "ratio": summary.get("ratio_jaxpaged_over_this"),
-                "ratio_gguf": summary.get("ratio_jaxpaged_gguf_over_this"), "out_tokens": summary["num_output_tokens"],
+                "ratio_gguf": summary.get("ratio_jaxpaged_gguf_over_this"),
+                "ratio_q8": summary.get("ratio_jaxpaged_gguf_q8_1_over_this"), "out_tokens": summary["num_output_tokens"],
                 "walls": " ".join(f"{w:.1f}" for w in summary["wall_s"]),
                 "load": f"{min(loads):.1f}-{max(loads):.1f}",
                 "hit": f"{max(summary['prefix_hit_rate']):.0%}",
@@ -237,6 +241,9 @@ def main() -> None:
                         help=f"also run '{GGUF_SYSTEM}': jaxpaged with quantization='gguf' (the bundled file's "
                              "Q4_1 codes, dequantized in the step to the same float32 values), offline and in S1 "
                              "(bench_serving's jaxpaged-gguf)")
+    parser.add_argument("--gguf-q8-1", action="store_true",
+                        help=f"also run '{Q8_SYSTEM}': quantization='gguf' with gguf_activations='q8_1' (activations "
+                             "quantized to Q8_1 blocks, integer sums: GGUF's arithmetic, not float32's tokens), offline")
     parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOAD_NAMES,
                         help="run only these offline workloads; phases left with none are skipped")
     args = parser.parse_args()
@@ -249,24 +256,27 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     results, rows, vllm_info, jaxpaged_info, workloads = {}, [], {}, {}, []
-    llm = gguf_llm = None
+    llm, extra_llms = None, {}
+    extra_args = {**({GGUF_SYSTEM: {"quantization": "gguf"}} if args.gguf_blocks else {}),
+                  **({Q8_SYSTEM: {"quantization": "gguf", "gguf_activations": "q8_1"}} if args.gguf_q8_1 else {})}
     for i, phase in enumerate(p for p in phases(PEER_BINDINGS[args.peer_binding]) if p.key in args.phases):
-        del llm, gguf_llm  # one jaxpaged engine (of each kind) at a time
+        llm, extra_llms = None, {}  # one jaxpaged engine (of each kind) at a time
         t0 = time.perf_counter()
         llm = LLM(**phase.jaxpaged_args)
-        load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        gguf_llm = LLM(**phase.jaxpaged_args, quantization="gguf") if args.gguf_blocks else None
-        gguf_load_s = time.perf_counter() - t0
+        loads = [(phase.name, llm, time.perf_counter() - t0)]
+        for name, extra in extra_args.items():
+            t0 = time.perf_counter()
+            extra_llms[name] = LLM(**phase.jaxpaged_args, **extra)
+            loads.append((f"{phase.name}, {name}", extra_llms[name], time.perf_counter() - t0))
         phase_workloads = [w for w in phase.make_workloads(llm.tokenizer)
                            if args.workloads is None or w.name in args.workloads]
         if not phase_workloads:
             continue
         workloads += phase_workloads
-        for key, engine, seconds in [(phase.name, llm, load_s), *(
-                [(f"{phase.name}, {GGUF_SYSTEM}", gguf_llm, gguf_load_s)] if gguf_llm is not None else [])]:
+        for key, engine, seconds in loads:
             jaxpaged_info[key] = {
-                "args": {**phase.jaxpaged_args, "quantization": engine.config.quantization},
+                "args": {**phase.jaxpaged_args, "quantization": engine.config.quantization,
+                         "gguf_activations": engine.config.gguf_activations},
                 "load_s": round(seconds, 2),
                 "config": {k: v for k, v in dataclasses.asdict(engine.config).items()
                            if isinstance(v, (int, float, str, bool, type(None)))}}
@@ -280,16 +290,16 @@ def main() -> None:
                 vllm_info[f"{name}, {phase.name}"] = {
                     "version": w.vllm_version, "engine": w.engine, "load_s": round(w.load_s, 2),
                     "engine_args": phase.vllm_args, "extra_env": env, "log": log_path}
-            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows, gguf_llm)
+            run_phase(phase, phase_workloads, llm, workers, args.repeats, results, rows, extra_llms)
         finally:
             for w in workers.values():
                 w.close()
-    del llm, gguf_llm
+    del llm, extra_llms
     offline_s = time.perf_counter() - t_start
 
     if results:  # --phases may select none (S1 only)
         env = environment()
-        systems = ["jaxpaged", *([GGUF_SYSTEM] if args.gguf_blocks else []), *VLLM_CONFIGS]
+        systems = ["jaxpaged", *extra_args, *VLLM_CONFIGS]
         report = {
             "benchmark": "bench_vs_vllm", "environment": env, "vllm": vllm_info, "jaxpaged": jaxpaged_info,
             "protocol": {"repeats": args.repeats, "warmup_calls": 1, "order": "rotated per repeat",
@@ -309,6 +319,7 @@ def main() -> None:
         print(format_table(rows, [("workload", "workload"), ("system", "system"), ("out tok/s", "out_tok_s"),
                                   ("jaxpaged/this", "ratio"),
                                   *([("gguf blocks/this", "ratio_gguf")] if args.gguf_blocks else []),
+                                  *([("q8_1/this", "ratio_q8")] if args.gguf_q8_1 else []),
                                   ("out tokens", "out_tokens"), ("walls s", "walls"),
                                   ("load 1m", "load"), ("hit rate", "hit"), ("preemptions", "preempt"),
                                   ("greedy match", "match"), ("prompts identical", "identical")]))

@@ -13,6 +13,8 @@ ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
 QUANTIZATIONS = (None, "gguf")  # weights as given, or a .gguf's block codes kept (models/gguf_blocks.py)
+# quantization="gguf": the activations the codes multiply, float32 or Q8_1 blocks (ops/gguf_panels.py)
+GGUF_ACTIVATIONS = ("float32", "q8_1")
 # vLLM's spellings of the same storage, accepted and stored under jaxpaged's name ("fp8" is e4m3 in vLLM).
 KV_CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 # preemption_mode="swap" without swap_space_bytes: vLLM's default swap space (4 GiB), at most this
@@ -86,6 +88,11 @@ class EngineConfig:
     # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes (0.75 bytes per weight for Q4, 1.25 for Q8_0), dequantized
     # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py).
     quantization: str | None = None
+    # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
+    # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
+    # blocks of 32 and sums integer products (AVX512-VNNI), GGUF's own arithmetic, as vLLM's GGUF
+    # kernels run on a GPU and llama.cpp on a CPU: ~2.9x the matmul rate, not float32's tokens.
+    gguf_activations: str = "float32"
 
     def __post_init__(self):
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
@@ -97,6 +104,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: jaxpaged supports only 'gguf' (a .gguf model's "
                              "own Q4_0 / Q4_1 / Q8_0 blocks) or None")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations={self.gguf_activations!r} must be one of {GGUF_ACTIVATIONS}")
+        if self.gguf_activations != "float32" and self.quantization != "gguf":
+            raise ValueError(f"gguf_activations={self.gguf_activations!r} quantizes the activations GGUF codes "
+                             "multiply: it needs quantization='gguf' and a .gguf model")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' needs tensor_parallel_size=1 (GGUF blocks are not sharded yet); "
                              "leave quantization None to shard float weights")

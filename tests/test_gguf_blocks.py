@@ -177,6 +177,57 @@ def test_engine_with_codes_serves_the_float_engines_tokens(float_outputs, per_la
     _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
 
 
+SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+
+def scored_logprobs(llm, sequences) -> np.ndarray:
+    """Teacher-forced: the logprob of every token after the first of each sequence, concatenated."""
+    return np.array([lp[t].logprob for seq, out in zip(sequences, llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], SCORE)) for t, lp in zip(seq[1:], out.prompt_logprobs[1:])])
+
+
+@pytest.fixture(scope="module")
+def q8_1_scored(float_outputs):
+    """The float engine's sequences (prompt and greedy tokens), scored by GGUF's arithmetic in XLA's
+    plain form (JAXPAGED_CPU_KERNELS=0: Q8_1's values of x times the float weights) and by the float
+    engine."""
+    from jaxpaged.ops import cpu_kernels
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_kernels.DISABLE_ENV, "0")
+        llm = LLM(quantization="gguf", gguf_activations="q8_1", **ENGINE)
+        assert llm.engine.runner.matmul_kernels == {"q8_1"}
+        sequences = [llm.tokenizer.encode(p) + list(o.token_ids) for p, o in zip(PROMPTS, float_outputs)]
+        return sequences, scored_logprobs(llm, sequences), scored_logprobs(LLM(**ENGINE), sequences)
+
+
+@pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
+def test_q8_1_activations_kernel_scores_as_the_plain_form(q8_1_scored, per_layer_weights):
+    """gguf_activations="q8_1": every projection and the tied head on ops/cpu/gguf_panels_q8.cc (integer
+    sums of Q8_1 x and the codes; exact against an oracle in test_gguf_panels_q8.py) scores the same
+    sequences as the plain form within what rounding x to 1/127 of its block's largest value does to
+    float32 noise (a float difference that moves x * (1 / d) across a half moves that value by d), and
+    is not float32's arithmetic."""
+    from jaxpaged.ops import gguf_panels
+
+    if not gguf_panels.available():
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    llm = LLM(quantization="gguf", gguf_activations="q8_1", per_layer_weights=per_layer_weights, **ENGINE)
+    runner = llm.engine.runner
+    assert {"gguf_panels_q8", "q8_1"} <= runner.matmul_kernels
+    layers = runner.served_params["params"]["layers"]
+    hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
+    assert hlo.count('custom_call_target="jaxpaged_gguf_panels_q8"') == 7 * (len(layers) if per_layer_weights else 1) + 1
+    assert 'custom_call_target="jaxpaged_gguf_panels"' not in hlo
+    sequences, plain, floats = q8_1_scored
+    got = scored_logprobs(llm, sequences)
+    gap, off_float = np.abs(got - plain), np.abs(got - floats)
+    print(f"q8_1 kernel vs plain: mean {gap.mean():.4f} max {gap.max():.4f}; vs float32: mean "
+          f"{off_float.mean():.4f} max {off_float.max():.4f}")
+    assert gap.mean() < 0.08 and gap.max() < 0.5  # measured here: 0.032 and 0.15 (float32 vs plain: 0.043, 0.37)
+    assert off_float.mean() > 0.005 and np.abs(plain - floats).mean() > 0.005
+
+
 def test_weight_updates_take_the_codes_tree_and_refuse_floats(float_outputs):
     llm = LLM(quantization="gguf", **ENGINE)
     floats = load_model(None, "float32")[1]
@@ -221,6 +272,12 @@ def test_bad_settings_are_refused_by_name(tmp_path):
 
     assert EngineConfig(**engine_args(build_parser().parse_args(["-q", "gguf"]))).quantization == "gguf"  # CLI, server
     assert EngineConfig(**engine_args(build_parser().parse_args([]))).quantization is None
+    assert EngineConfig(**engine_args(build_parser().parse_args(["-q", "gguf", "--gguf-activations", "q8_1"]))
+                        ).gguf_activations == "q8_1"
+    with pytest.raises(ValueError, match="needs quantization='gguf'"):
+        EngineConfig(gguf_activations="q8_1")
+    with pytest.raises(ValueError, match=r"must be one of \('float32', 'q8_1'\)"):
+        EngineConfig(quantization="gguf", gguf_activations="int8")
     from tiny_checkpoint import write_tiny_checkpoint
 
     with pytest.raises(ValueError, match="is not a .gguf file"):

@@ -45,6 +45,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     eos_ids = generation_eos_ids(generation_file, None)
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization)
+    model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations)
     eos_ids = tuple(t for t in eos_ids if t != tokenizer.eos_token_id)  # the tokenizer's own eos stops anyway
     if any(t >= model_config.vocab_size for t in eos_ids):
         raise ValueError(f"generation_config.json's eos_token_id lists {list(eos_ids)}, outside the vocabulary "

@@ -7,6 +7,8 @@
 import dataclasses
 from typing import Any
 
+from jaxpaged.config import GGUF_ACTIVATIONS
+
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,6 +76,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
     max_position_embeddings: int = 2048
     dtype: str = "float32"  # of weights, activations and the KV pages; logits are always float32
+    # GGUF codes served as panels (EngineConfig.gguf_activations): their x in float32, or quantized to
+    # Q8_1 blocks with integer sums ("q8_1", GGUF's own arithmetic: ops/gguf_panels.py).
+    gguf_activations: str = "float32"
     # Sliding window (Mistral, Phi-3, Gemma 2/3): a token at position p attends keys p-window+1..p.
     # `layer_types` names each layer "sliding_attention" or "full_attention"; None: every layer
     # is sliding when `sliding_window` is set, else full.
@@ -107,6 +112,8 @@ class ModelConfig:
             raise ValueError(f"{head_dim=} must be even: RoPE rotates pairs of dimensions")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations={self.gguf_activations!r} must be one of {GGUF_ACTIVATIONS}")
         if dtype not in _DTYPES:
             raise ValueError(f"{dtype=} is not supported; use one of {_DTYPES}")
         if self.sliding_window is not None and self.sliding_window <= 0:

@@ -54,6 +54,7 @@ from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either l
 
 BLOCK = 32
 PANEL = gguf_panels.PANEL
+Q8_1 = "q8_1"  # in a runner's kernels: codes multiply Q8_1 activations (gguf_activations="q8_1")
 SUFFIXES = ("_codes", "_scales", "_mins")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A tied embedding kept as codes (`panel_leaves`): the token lookup and the LM head read them.
@@ -269,22 +270,32 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     at `layer`: inside the scan over layers a slice of the module's own leaves would be a copy) or,
     without a stack, the module's own leaves (one layer). x must then be [T, in] float32 (any T: the
     kernels are the faster, or as fast, from 1 to 512 rows, benchmarks/peers/README.md, ninth pass);
-    otherwise XLA's path below runs."""
+    otherwise XLA's path below runs.
+
+    With Q8_1 in `kernels` (gguf_activations="q8_1"), a weight kept as codes multiplies x as its Q8_1
+    blocks hold it: the gguf_panels_q8 kernel quantizes x itself; every other path is handed
+    `dequantized_q8_1(x)` (the same products up to float32 rounding)."""
+    own = stack is None
+
+    def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
+        if not own:
+            return stack.get(key)
+        return module.get_variable("params", key)[None] if module.has_variable("params", key) else None
+
+    panels = not module.is_initializing() and leaf(name + "_panels") is not None
+    if Q8_1 in kernels and not module.is_initializing() and any(
+            leaf(name + s) is not None or module.has_variable("params", name + s) for s in ("_panels", "_codes")):
+        if not (panels and gguf_panels.Q8_NAME in kernels and x.ndim == 2 and x.dtype == jnp.float32):
+            x = _as_q8_1(x, math.prod(shape[:-1]) if matrix else shape[0])
     if kernels and not module.is_initializing() and x.ndim == 2 and x.dtype == jnp.float32:
         out_shape = x.shape[:-1] + ((shape[-1],) if matrix else shape[1:])
         rows = math.prod(shape[:-1]) if matrix else shape[0]  # the weight as [rows, cols]
         cols = math.prod(shape) // rows
-        own = stack is None
-
-        def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
-            if not own:
-                return stack.get(key)
-            return module.get_variable("params", key)[None] if module.has_variable("params", key) else None
-
         at = 0 if own else layer
-        if gguf_panels.NAME in kernels and leaf(name + "_panels") is not None:  # served as panels (to_panels)
+        if gguf_panels.NAME in kernels and panels:  # served as panels (to_panels)
             codes, scales, mins = (leaf(name + s) for s in PANEL_SUFFIXES)
-            return gguf_panels.gguf_panels(x, codes, scales, mins, at).reshape(out_shape).astype(dtype)
+            multiply = gguf_panels.gguf_panels_q8 if gguf_panels.Q8_NAME in kernels else gguf_panels.gguf_panels
+            return multiply(x, codes, scales, mins, at).reshape(out_shape).astype(dtype)
         if "gguf_matmul" in kernels and leaf(name + "_codes") is not None and cols % 16 == 0:
             from jaxpaged.ops.gguf_matmul import gguf_matmul
 
@@ -300,6 +311,12 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     return jnp.einsum(equation, x, w.reshape(-1, shape[-1]) if matrix else w)
 
 
+def _as_q8_1(x, features: int):
+    """x as Q8_1 blocks of its last axes (the weight's `features` in values, flattened) hold it, in x's dtype."""
+    flat = x.reshape(-1, features).astype(jnp.float32)
+    return gguf_panels.dequantized_q8_1(flat).astype(x.dtype).reshape(x.shape)
+
+
 def kept_panels(module) -> tuple | None:
     """The tied embedding's (codes, scales, mins) panels where the tree keeps it as codes, else None."""
     if module.is_initializing() or not module.has_variable("params", EMBEDDING + "_codes"):
@@ -312,24 +329,31 @@ def panels_head(x, panels: tuple, kernels: frozenset):
     enabled it (ops/cpu/gguf_panels.cc; float32 x), else XLA dequantizes E (float32 math, then x's
     dtype, as a float engine of that dtype holds it), then multiplies."""
     if gguf_panels.NAME in kernels and x.ndim == 2 and x.dtype == jnp.float32:
-        return gguf_panels.gguf_panels(x, *panels)
+        return (gguf_panels.gguf_panels_q8 if gguf_panels.Q8_NAME in kernels else gguf_panels.gguf_panels)(x, *panels)
+    if Q8_1 in kernels:
+        x = _as_q8_1(x, x.shape[-1])
     return jnp.einsum("SD,DV->SV", x, gguf_panels.weight(*panels).astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def cpu_matmul_kernels(params, platform: str, sharded: bool, dtype) -> frozenset:
+def cpu_matmul_kernels(params, platform: str, sharded: bool, model_config) -> frozenset:
     """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_panels" where the
     tree keeps codes (projections the runner serves as panels, `to_panels`, and a tied embedding kept as
     codes, `panels_head`), "gguf_matmul" for codes in GGUF's layout (SERVE_PANELS off), "dense_matmul"
     for float32 weights; on XLA:CPU, one device (a custom call has no
-    sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS)."""
-    if platform != "cpu" or sharded or jnp.dtype(dtype) != jnp.float32:
-        return frozenset()
+    sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS).
+    With model_config.gguf_activations "q8_1": Q8_1 (on every platform; `linear`), and "gguf_panels_q8"
+    (the panels against Q8_1 activations) where gguf_panels runs."""
+    codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
+    q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
+    if platform != "cpu" or sharded or jnp.dtype(model_config.dtype) != jnp.float32:
+        return q8
     from jaxpaged.ops import dense_matmul, gguf_matmul
 
-    codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
-    return frozenset(([gguf_matmul.NAME] if has_kept_weights(params) and gguf_matmul.enabled() else [])
-                     + ([gguf_panels.NAME] if codes and gguf_panels.enabled() else [])
-                     + ([dense_matmul.NAME] if dense_matmul.enabled() else []))
+    panels = codes and gguf_panels.enabled()
+    return q8 | frozenset(([gguf_matmul.NAME] if has_kept_weights(params) and gguf_matmul.enabled() else [])
+                          + ([gguf_panels.NAME] if panels else [])
+                          + ([gguf_panels.Q8_NAME] if q8 and panels and gguf_panels.q8_enabled() else [])
+                          + ([dense_matmul.NAME] if dense_matmul.enabled() else []))
 
 
 def stack_of(layers_params: dict, module: str, kernels: frozenset) -> dict:

@@ -11,6 +11,10 @@ use (`cpu_kernels.py`); where it cannot be, `available()` is False and the model
                                         of each block of 32 k rows holding row j low, row j + 16 high)
     scales, mins  float32 [L, N/16, K/32, 16]                                   ->  y float32 [M, N]
     W[l, k, 16p + c] = scales[l, p, k/32, c] * code[l, p, k, c] + mins[l, p, k/32, c]
+
+`gguf_panels_q8` multiplies the same panels in GGUF's integer arithmetic (`cpu/gguf_panels_q8.cc`): x
+quantized to Q8_1 blocks (`quantize_q8_1`), integer sums per block, as vLLM's GGUF layers run on a GPU
+and llama.cpp on a CPU (EngineConfig.gguf_activations="q8_1"). `reference_q8_1` is its plain form.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from jax.typing import ArrayLike
 from jaxpaged.ops import cpu_kernels
 
 NAME = "gguf_panels"
+Q8_NAME = "gguf_panels_q8"  # the same panels against Q8_1 activations
 PANEL = 16  # columns per panel
+BLOCK = 32  # GGUF values per scale: the Q8_1 block of x too
 
 
 def available() -> bool:
@@ -31,6 +37,10 @@ def available() -> bool:
 
 def enabled() -> bool:
     return cpu_kernels.enabled(NAME)
+
+
+def q8_enabled() -> bool:
+    return cpu_kernels.enabled(Q8_NAME)
 
 
 def is_packed(codes_shape: tuple, k: int) -> bool:
@@ -57,14 +67,25 @@ def gguf_panels(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLi
     docstring) -> y [M, N] float32. One weight ([N/16, K or K/2, 16] and [N/16, K/32, 16]) is taken as
     L = 1. `layer` an int32 scalar, traced or not. CPU only: call `available()` first.
     `march`: the build to run (tests; cpu_kernels.register)."""
+    return _call(NAME, x, codes, scales, mins, layer, march)
+
+
+def gguf_panels_q8(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike, layer: ArrayLike = 0, *,
+                   march: str = "native") -> jax.Array:
+    """As `gguf_panels`, with x quantized to Q8_1 blocks and each block's products summed as integers
+    (`reference_q8_1`; cpu/gguf_panels_q8.cc): GGUF's arithmetic, not float32's."""
+    return _call(Q8_NAME, x, codes, scales, mins, layer, march)
+
+
+def _call(name: str, x, codes, scales, mins, layer, march: str) -> jax.Array:
     if codes.ndim == 3:  # one weight: a leading axis of 1 (a free reshape)
         codes, scales, mins = codes[None], scales[None], mins[None]
     check_shapes(x.shape, codes.shape, scales.shape, mins.shape)
-    if not cpu_kernels.register(NAME, march):
-        raise RuntimeError(f"{cpu_kernels.target(NAME, march)} could not be built on this machine (see the warning "
+    if not cpu_kernels.register(name, march):
+        raise RuntimeError(f"{cpu_kernels.target(name, march)} could not be built on this machine (see the warning "
                            "logged); use XLA's path (weight())")
     m, n = x.shape[0], codes.shape[1] * PANEL
-    call = jax.ffi.ffi_call(cpu_kernels.target(NAME, march), jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = jax.ffi.ffi_call(cpu_kernels.target(name, march), jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), codes, scales, mins, jnp.asarray(layer, jnp.int32))
 
 
@@ -96,3 +117,39 @@ def reference(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike
     if codes.ndim == 4:
         codes, scales, mins = codes[layer], scales[layer], mins[layer]
     return jnp.dot(x.astype(jnp.float32), weight(codes, scales, mins), precision=jax.lax.Precision.HIGHEST)
+
+
+def quantize_q8_1(x: ArrayLike) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [M, K] float32 as Q8_1 blocks of 32: qx int8 [M, K], dx and sx float32 [M, K/32], with dx =
+    max |x| * (1 / 127) per block, qx = round(x * (1 / dx)) (to nearest even; 0 where dx is 0) and
+    sx = dx * sum(qx). (llama.cpp divides by 127, within one ulp, and keeps dx and sx in float16.) Bit
+    for bit the kernel's: XLA:CPU computes a division as a product by a reciprocal, so there is none."""
+    m, k = x.shape
+    blocks = jnp.asarray(x, jnp.float32).reshape(m, k // BLOCK, BLOCK)
+    d = jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / 127)
+    inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, 1), 0)
+    q = jnp.round(blocks * inv[..., None]).astype(jnp.int32)
+    return q.astype(jnp.int8).reshape(m, k), d, d * jnp.sum(q, axis=-1).astype(jnp.float32)
+
+
+def dequantized_q8_1(x: ArrayLike) -> jax.Array:
+    """x [..., K] as its Q8_1 blocks hold it (dx * qx, float32): multiplied by float weights, the same
+    products as `gguf_panels_q8`'s up to float32 rounding; XLA's form of GGUF's arithmetic."""
+    shape = x.shape
+    qx, dx, _ = quantize_q8_1(jnp.reshape(x, (-1, shape[-1])))
+    return (qx.astype(jnp.float32).reshape(-1, shape[-1] // BLOCK, BLOCK) * dx[..., None]).reshape(shape)
+
+
+def reference_q8_1(x: ArrayLike, codes: ArrayLike, scales: ArrayLike, mins: ArrayLike, layer: int = 0) -> jax.Array:
+    """The plain form of `gguf_panels_q8`: Q8_1 x, exact integer sums per block, then
+    y = sum over blocks b of (scale * dx) * sum(code * qx) + min * sx, in float32."""
+    if codes.ndim == 4:
+        codes, scales, mins = codes[layer], scales[layer], mins[layer]
+    num_panels, blocks = scales.shape[:2]
+    qx, dx, sx = quantize_q8_1(x)
+    m = qx.shape[0]
+    code = unpacked(codes, blocks * BLOCK).astype(jnp.int32).reshape(num_panels, blocks, BLOCK, PANEL)
+    dots = jnp.einsum("mbi,pbic->mbpc", qx.astype(jnp.int32).reshape(m, blocks, BLOCK), code)  # exact int32
+    scaled = dots.astype(jnp.float32) * (scales.transpose(1, 0, 2)[None] * dx[:, :, None, None])
+    shifted = mins.transpose(1, 0, 2)[None] * sx[:, :, None, None]  # [M, blocks, P, 16]
+    return jnp.sum(scaled + shifted, axis=1).reshape(m, num_panels * PANEL)
