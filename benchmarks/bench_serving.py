@@ -190,9 +190,10 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=["jaxpaged", "transformers"],
-                   choices=["jaxpaged", "jaxpaged-gguf", "transformers", "vllm", "external"],
+                   choices=["jaxpaged", "jaxpaged-gguf", "jaxpaged-gguf-q8", "transformers", "vllm", "external"],
                    help="jaxpaged-gguf: jaxpaged serving the GGUF's block codes (--quantization gguf), "
-                        "the same float values; its greedy answers are checked against jaxpaged's")
+                        "the same float values; its greedy answers are checked against jaxpaged's; "
+                        "jaxpaged-gguf-q8: and Q8_1 activations (--gguf-activations q8_1), GGUF's arithmetic")
     p.add_argument("--url", help="base URL of a running server, for --systems external")
     p.add_argument("--model", help="model name to send, for --systems external")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests per second")
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     results = {system: rows for system, rows in results.items() if system in servers}  # failed ones dropped
 
     ratios, greedy_checks = {}, {}
-    own = [s for s in ("jaxpaged", "jaxpaged-gguf") if s in results]
+    own = [s for s in ("jaxpaged", "jaxpaged-gguf", "jaxpaged-gguf-q8") if s in results]
     for mine in own:
         for peer in [s for s in results if s not in own or (mine == "jaxpaged" and s != mine)]:
             ratios[f"{mine}_over_{peer}"] = ratio_rows(results[mine], results[peer])

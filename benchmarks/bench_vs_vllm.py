@@ -243,7 +243,11 @@ def main() -> None:
                              "(bench_serving's jaxpaged-gguf)")
     parser.add_argument("--gguf-q8-1", action="store_true",
                         help=f"also run '{Q8_SYSTEM}': quantization='gguf' with gguf_activations='q8_1' (activations "
-                             "quantized to Q8_1 blocks, integer sums: GGUF's arithmetic, not float32's tokens), offline")
+                             "quantized to Q8_1 blocks, integer sums: GGUF's arithmetic, not float32's tokens), offline "
+                             "and in S1 (bench_serving's jaxpaged-gguf-q8)")
+    parser.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="vLLM's dtype engine argument (default: the converted model's, float32); bfloat16 "
+                             "runs its matmuls in AVX512-BF16 where the CPU has it, not float32's tokens")
     parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOAD_NAMES,
                         help="run only these offline workloads; phases left with none are skipped")
     args = parser.parse_args()
@@ -260,6 +264,8 @@ def main() -> None:
     extra_args = {**({GGUF_SYSTEM: {"quantization": "gguf"}} if args.gguf_blocks else {}),
                   **({Q8_SYSTEM: {"quantization": "gguf", "gguf_activations": "q8_1"}} if args.gguf_q8_1 else {})}
     for i, phase in enumerate(p for p in phases(PEER_BINDINGS[args.peer_binding]) if p.key in args.phases):
+        if args.vllm_dtype:
+            phase.vllm_args = {**phase.vllm_args, "dtype": args.vllm_dtype}
         llm, extra_llms = None, {}  # one jaxpaged engine (of each kind) at a time
         t0 = time.perf_counter()
         llm = LLM(**phase.jaxpaged_args)
@@ -328,7 +334,8 @@ def main() -> None:
     if not args.no_serving:
         from benchmarks import bench_serving
 
-        bench_serving.main(["--systems", "jaxpaged", *(["jaxpaged-gguf"] if args.gguf_blocks else []), "vllm",
+        bench_serving.main(["--systems", "jaxpaged", *(["jaxpaged-gguf"] if args.gguf_blocks else []),
+                            *(["jaxpaged-gguf-q8"] if args.gguf_q8_1 else []), "vllm",
                             "--rates", *map(str, args.serving_rates),
                             "--vllm-threads-bind", args.peer_binding,
                             "--out", os.path.join(args.out, f"serving_{args.name}"),

@@ -41,6 +41,8 @@ def hf_directory(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
+JAXPAGED_SYSTEMS = {"jaxpaged": [], "jaxpaged-gguf": ["--quantization", "gguf"],
+                    "jaxpaged-gguf-q8": ["--quantization", "gguf", "--gguf-activations", "q8_1"]}
 SCHEDULER_LIMITS = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
 
 
@@ -48,9 +50,9 @@ def start_server(system: str, port: int, hf_dir: str | None, log_path: str, peer
                  vllm_threads_bind: str = "0-1") -> tuple[subprocess.Popen, str | None]:
     """Starts a server subprocess; returns it and the model name requests must carry."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if system in ("jaxpaged", "jaxpaged-gguf"):  # jaxpaged-gguf: the file's block codes kept (-q gguf)
+    if system in JAXPAGED_SYSTEMS:  # -gguf: the file's block codes kept (-q gguf); -gguf-q8: Q8_1 activations too
         cmd = [sys.executable, "-m", "jaxpaged.serve", "--port", str(port), "--log-level", "warning",
-               *SCHEDULER_LIMITS, *(["--quantization", "gguf"] if system == "jaxpaged-gguf" else [])]
+               *SCHEDULER_LIMITS, *JAXPAGED_SYSTEMS[system]]
         model = None
     elif system == "vllm":
         from benchmarks.peers import vllm_peer

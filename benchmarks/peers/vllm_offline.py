@@ -61,7 +61,7 @@ def _load(model: str, engine_args: dict):
     import vllm
 
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=model, enforce_eager=True, dtype="float32", **engine_args)
+    llm = vllm.LLM(model=model, enforce_eager=True, **{"dtype": "float32", **engine_args})  # float32 unless asked
     load_s = time.perf_counter() - t0
     try:  # internal config, read only to report beside the figures
         cfg = llm.llm_engine.vllm_config
