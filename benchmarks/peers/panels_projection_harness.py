@@ -10,6 +10,9 @@ program per layout runs the 7 projections of all 30 layers on a fixed x (each re
 once: 53 MB of codes plus 27 MB of scales and minimums either way); per row count, each round times one
 call of each in turn, best and median kept. Both layouts' products of one layer are compared with a
 float64 product (float32 summation order only).
+
+    python -m benchmarks.peers.panels_projection_harness --q8-1 --out benchmarks/results/panels_projection_harness_q8_1.json
+        # and the same panels against Q8_1 activations (gguf_panels_q8: gguf_activations="q8_1")
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--q8-1", action="store_true",
+                        help="also the panels against Q8_1 activations (gguf_panels_q8, gguf_activations='q8_1')")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "results", "panels_projection_harness.json"))
     args = parser.parse_args()
@@ -56,9 +61,10 @@ def main() -> None:
             for layer in range(num_layers):
                 for group, name in NAMES:
                     xi = xs.get(name, x)
-                    if layout == "panels":
+                    if layout in ("panels", "panels_q8"):
                         leaves = (panels[group][name + s] for s in gguf_blocks.PANEL_SUFFIXES)
-                        y = gguf_panels.gguf_panels(xi, *leaves, layer)
+                        multiply = gguf_panels.gguf_panels_q8 if layout == "panels_q8" else gguf_panels.gguf_panels
+                        y = multiply(xi, *leaves, layer)
                     else:
                         leaves = (blocks[group][name + s] for s in gguf_blocks.SUFFIXES)
                         y = gguf_matmul.gguf_matmul(xi, *leaves, layer)
@@ -66,7 +72,7 @@ def main() -> None:
             return total
         return jax.jit(fn)
 
-    fns = {"panels": run("panels"), "blocks": run("blocks")}
+    fns = {"panels": run("panels"), "blocks": run("blocks"), **({"panels_q8": run("panels_q8")} if args.q8_1 else {})}
     # One layer's up_proj both ways against float64.
     x1 = jnp.asarray(np.random.default_rng(1).standard_normal((5, 576)).astype(np.float32))
     want = np.asarray(x1, np.float64) @ np.asarray(gguf_matmul.reference(
@@ -88,7 +94,8 @@ def main() -> None:
                 times[k].append(time.perf_counter() - t)
         rows_out.append({"rows": m, **{f"{k}_best_ms": min(v) * 1e3 for k, v in times.items()},
                          **{f"{k}_median_ms": statistics.median(v) * 1e3 for k, v in times.items()},
-                         "panels_over_blocks": min(times["panels"]) / min(times["blocks"])})
+                         "panels_over_blocks": min(times["panels"]) / min(times["blocks"]),
+                         **({"q8_over_panels": min(times["panels_q8"]) / min(times["panels"])} if args.q8_1 else {})})
     nbytes = {k: sum(int(v.nbytes) for g in tree.values() for v in g.values()) for k, tree in
               (("panels", panels), ("blocks", blocks))}
     report = {"benchmark": "panels_projection_harness", "environment": environment(), "bytes": nbytes,
@@ -100,7 +107,9 @@ def main() -> None:
           f"up_proj vs float64: panels {errors['panels']:.2e}, blocks {errors['blocks']:.2e}")
     print(format_table(rows_out, [("rows", "rows"), ("panels best ms", "panels_best_ms"), ("blocks best ms", "blocks_best_ms"),
                                   ("panels median", "panels_median_ms"), ("blocks median", "blocks_median_ms"),
-                                  ("panels/blocks", "panels_over_blocks")]))
+                                  ("panels/blocks", "panels_over_blocks"),
+                                  *([("q8_1 best ms", "panels_q8_best_ms"), ("q8_1/panels", "q8_over_panels")]
+                                    if args.q8_1 else [])]))
 
 
 if __name__ == "__main__":
