@@ -1,10 +1,24 @@
-// Reading GGUF block codes into float vectors: what gguf_matmul.cc (codes [L, K/32, 32 or 16, N]) and
-// gguf_panels.cc (codes in 16-column panels) share.
+// Reading GGUF block codes into float vectors, and the FFI signature: what gguf_matmul.cc (codes [L, K/32,
+// 32 or 16, N]), gguf_panels.cc and gguf_panels_q8.cc (codes in 16-column panels) share.
 #pragma once
 
 #include "common.h"
 
 namespace jaxpaged {
+
+// The FFI signature of a matmul over GGUF codes (gguf_matmul, gguf_panels, gguf_panels_q8):
+// (x f32, codes u8, scales f32, mins f32, layer s32) -> y f32, on XLA's intra-op thread pool.
+inline auto codes_matmul_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
 // 16 codes as floats. GCC 12 scalarizes __builtin_convertvector from uint8, hence the intrinsics.
 inline f32x16 load_codes(const uint8_t* p) {

@@ -26,6 +26,7 @@
 
 #include "gguf_codes.h"
 #include "matmul.h"
+#include "panels.h"
 
 namespace ffi = xla::ffi;
 
@@ -130,25 +131,13 @@ void pair_range(const Panels& p, int64_t t, int64_t tasks) {
 ffi::Error GgufPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer_buffer,
                       ffi::ResultBuffer<ffi::F32> y) {
-  const auto x_dims = x.dimensions(), c_dims = codes.dimensions(), s_dims = scales.dimensions();
-  if (x_dims.size() != 2 || c_dims.size() != 4 || s_dims.size() != 4 || layer_buffer.element_count() != 1)
-    return ffi::Error::InvalidArgument(
-        "gguf_panels: x must be [M, K], codes [L, N/16, K or K/2, 16], scales [L, N/16, K/32, 16], layer a scalar");
-  const int64_t m = x_dims[0], k = x_dims[1], num_layers = c_dims[0], num_panels = c_dims[1];
-  const bool packed = c_dims[2] * 2 == k;
-  if ((c_dims[2] != k && !packed) || c_dims[3] != kPanel || k % kBlock != 0 || s_dims[0] != num_layers ||
-      s_dims[1] != num_panels || s_dims[2] != k / kBlock || s_dims[3] != kPanel ||
-      mins.element_count() != scales.element_count())
-    return ffi::Error::InvalidArgument(
-        "gguf_panels: codes [L, N/16, K or K/2, 16], scales and mins [L, N/16, K/32, 16], K % 32 == 0");
-  // On the CPU every buffer is host memory: the layer index is read here, where the call runs.
-  const int64_t layer = *layer_buffer.typed_data();
-  if (layer < 0 || layer >= num_layers) return ffi::Error::InvalidArgument("gguf_panels: layer index out of range");
-  if (m == 0) return ffi::Error::Success();
-  const int64_t layer_codes = num_panels * c_dims[2] * kPanel, layer_scales = num_panels * (k / kBlock) * kPanel;
-  const Panels p{{x.typed_data(), y->typed_data(), m, k, num_panels * kPanel},
-                 codes.typed_data() + layer * layer_codes, scales.typed_data() + layer * layer_scales,
-                 mins.typed_data() + layer * layer_scales};
+  jaxpaged::PanelCall call;
+  if (ffi::Error error = jaxpaged::read_panels("gguf_panels", x, codes, scales, mins, layer_buffer, call); !error.success())
+    return error;
+  if (call.m == 0) return ffi::Error::Success();
+  const int64_t num_panels = call.n / kPanel;
+  const bool packed = call.packed;
+  const Panels p{{x.typed_data(), y->typed_data(), call.m, call.k, call.n}, call.codes, call.scales, call.mins};
   const int64_t tasks = std::min<int64_t>((num_panels + 1) / 2, std::max<int64_t>(1, pool.num_threads()));
   jaxpaged::parallel_for(pool, tasks, [p, tasks, packed](int64_t t) {
     if (packed)
@@ -161,12 +150,4 @@ ffi::Error GgufPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_panels, GgufPanels,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_panels, GgufPanels, jaxpaged::codes_matmul_binding());

@@ -19,7 +19,7 @@
 #include <cmath>
 #include <vector>
 
-#include "common.h"
+#include "panels.h"
 
 namespace ffi = xla::ffi;
 
@@ -174,20 +174,12 @@ void panel_range(const Problem& p, int64_t first, int64_t last) {
 ffi::Error GgufPanelsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer_buffer,
                         ffi::ResultBuffer<ffi::F32> y) {
-  const auto x_dims = x.dimensions(), c_dims = codes.dimensions(), s_dims = scales.dimensions();
-  if (x_dims.size() != 2 || c_dims.size() != 4 || s_dims.size() != 4 || layer_buffer.element_count() != 1)
-    return ffi::Error::InvalidArgument(
-        "gguf_panels_q8: x must be [M, K], codes [L, N/16, K or K/2, 16], scales [L, N/16, K/32, 16], layer a "
-        "scalar");
-  const int64_t m = x_dims[0], k = x_dims[1], num_layers = c_dims[0], num_panels = c_dims[1];
-  const bool packed = c_dims[2] * 2 == k;
-  if ((c_dims[2] != k && !packed) || c_dims[3] != kPanel || k % kBlock != 0 || s_dims[0] != num_layers ||
-      s_dims[1] != num_panels || s_dims[2] != k / kBlock || s_dims[3] != kPanel ||
-      mins.element_count() != scales.element_count())
-    return ffi::Error::InvalidArgument(
-        "gguf_panels_q8: codes [L, N/16, K or K/2, 16], scales and mins [L, N/16, K/32, 16], K % 32 == 0");
-  const int64_t layer = *layer_buffer.typed_data();  // host memory on the CPU
-  if (layer < 0 || layer >= num_layers) return ffi::Error::InvalidArgument("gguf_panels_q8: layer index out of range");
+  jaxpaged::PanelCall call;
+  if (ffi::Error error = jaxpaged::read_panels("gguf_panels_q8", x, codes, scales, mins, layer_buffer, call);
+      !error.success())
+    return error;
+  const int64_t m = call.m, k = call.k, num_panels = call.n / kPanel;
+  const bool packed = call.packed;
   if (m == 0) return ffi::Error::Success();
   thread_local std::vector<int8_t> qx;
   thread_local std::vector<float> dx, sx;
@@ -203,10 +195,7 @@ ffi::Error GgufPanelsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   jaxpaged::parallel_for(pool, row_tasks, [=](int64_t t) {
     quantize(xs, k, t * m / row_tasks, (t + 1) * m / row_tasks, q, d, s);
   });
-  const int64_t layer_codes = num_panels * c_dims[2] * kPanel, layer_scales = num_panels * (k / kBlock) * kPanel;
-  const Problem p{m, k, num_panels * kPanel, q, d, s, codes.typed_data() + layer * layer_codes,
-                  scales.typed_data() + layer * layer_scales, mins.typed_data() + layer * layer_scales,
-                  y->typed_data()};
+  const Problem p{m, k, call.n, q, d, s, call.codes, call.scales, call.mins, y->typed_data()};
   const int64_t tasks = std::min<int64_t>(num_panels, threads);
   jaxpaged::parallel_for(pool, tasks, [p, tasks, packed, num_panels](int64_t t) {
     const int64_t first = t * num_panels / tasks, last = (t + 1) * num_panels / tasks;
@@ -220,12 +209,4 @@ ffi::Error GgufPanelsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_panels_q8, GgufPanelsQ8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_gguf_panels_q8, GgufPanelsQ8, jaxpaged::codes_matmul_binding());
