@@ -127,7 +127,7 @@ class ModelRunner:
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
         # ops/cpu/gguf_matmul.cc, dense_matmul.cc
-        self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp is not None, model_config)
+        self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
                                   matmul_kernels=self.matmul_kernels)

@@ -335,17 +335,18 @@ def panels_head(x, panels: tuple, kernels: frozenset):
     return jnp.einsum("SD,DV->SV", x, gguf_panels.weight(*panels).astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def cpu_matmul_kernels(params, platform: str, sharded: bool, model_config) -> frozenset:
+def cpu_matmul_kernels(params, platform: str, tp, model_config) -> frozenset:
     """The C++ kernels a runner multiplies its layer projections with (`linear`): "gguf_panels" where the
     tree keeps codes (projections the runner serves as panels, `to_panels`, and a tied embedding kept as
     codes, `panels_head`), "gguf_matmul" for codes in GGUF's layout (SERVE_PANELS off), "dense_matmul"
-    for float32 weights; on XLA:CPU, one device (a custom call has no
-    sharding rule), float32 activations, each kernel built and not switched off (JAXPAGED_CPU_KERNELS).
+    for float32 weights; on XLA:CPU, one device (a custom call has no sharding rule: no `tp`, the
+    runner's TensorParallel, or a one-device mesh, as a data-parallel replica's), float32 activations,
+    each kernel built and not switched off (JAXPAGED_CPU_KERNELS).
     With model_config.gguf_activations "q8_1": Q8_1 (on every platform; `linear`), and "gguf_panels_q8"
     (the panels against Q8_1 activations) where gguf_panels runs."""
     codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
-    if platform != "cpu" or sharded or jnp.dtype(model_config.dtype) != jnp.float32:
+    if platform != "cpu" or (tp is not None and tp.mesh.size > 1) or jnp.dtype(model_config.dtype) != jnp.float32:
         return q8
     from jaxpaged.ops import dense_matmul, gguf_matmul
 

@@ -1,6 +1,7 @@
 """quantization="gguf" on two data-parallel replicas: each replica's one-device mesh places the block
 codes (uint8) and their float32 scales and mins with their own dtypes (device/sharding.py
-`place_params`), and the replicas serve the tokens one float engine serves."""
+`place_params`), multiplies them with the CPU kernels as a single engine does (one device: no
+sharding rule needed), and the replicas serve the tokens one float engine serves."""
 
 import numpy as np
 
@@ -16,9 +17,11 @@ def test_gguf_codes_on_two_replicas_serve_the_float_engines_tokens():
     expected = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(PROMPTS, GREEDY)]
     llm = LLM(quantization="gguf", data_parallel_size=2, **ENGINE)
     assert isinstance(llm.engine, DataParallelEngine)
+    single = LLM(quantization="gguf", **ENGINE).engine.runner.matmul_kernels
     for replica in llm.engine.engines:
+        assert replica.runner.matmul_kernels == single and "gguf_panels" in single  # the kernels (as built here)
         attn = replica.runner.served_params["params"]["layers"]["attn"]
-        assert attn["q_proj_codes"].dtype == np.uint8 and attn["q_proj_scales"].dtype == np.float32
+        assert attn["q_proj_panels"].dtype == np.uint8 and attn["q_proj_panel_scales"].dtype == np.float32
         assert replica.runner.served_params["params"]["embedding_codes"].dtype == np.uint8  # the tied head's panels
     assert len({next(iter(r.runner.served_params["params"]["embedding_codes"].devices())) for r in llm.engine.engines}) == 2
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
