@@ -162,11 +162,13 @@ void rows_of(const Problem& p, int64_t r0, int64_t rows, int64_t panel, std::int
   kTiles[rows - 1](p, r0, panel);
 }
 
-// Panels [first, last), every row of x in passes of up to 16 rows.
+// Panels [first, last) against every row of x, in passes of up to 16 rows: each pass over all the
+// thread's panels, its rows' activations staying in L1 while the panels stream from L2 (the other order,
+// each panel against every pass, took 35.8 against 24.7 ms on SmolLM2's 210 projections at 64 rows).
 template <bool Packed>
 void panel_range(const Problem& p, int64_t first, int64_t last) {
-  for (int64_t panel = first; panel < last; ++panel)
-    for (int64_t r0 = 0; r0 < p.m; r0 += kMaxRows)
+  for (int64_t r0 = 0; r0 < p.m; r0 += kMaxRows)
+    for (int64_t panel = first; panel < last; ++panel)
       rows_of<Packed>(p, r0, std::min<int64_t>(kMaxRows, p.m - r0), panel,
                       std::make_integer_sequence<int, kMaxRows>{});
 }
