@@ -91,7 +91,8 @@ class EngineConfig:
     # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
     # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
     # blocks of 32 and sums integer products (AVX512-VNNI), GGUF's own arithmetic, as vLLM's GGUF
-    # kernels run on a GPU and llama.cpp on a CPU: ~2.9x the matmul rate, not float32's tokens.
+    # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
+    # float32's tokens (README.md).
     gguf_activations: str = "float32"
 
     def __post_init__(self):
