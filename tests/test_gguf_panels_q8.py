@@ -21,7 +21,7 @@ import pytest
 from jaxpaged.ops import cpu_kernels
 from jaxpaged.ops import gguf_panels as gp
 from test_gguf_matmul import oracle as float_oracle  # GGUF's layout, one layer, float64 dequantized product
-from test_gguf_matmul import stacked_weight  # codes [L, K/32, 32, N], scales, mins
+from test_gguf_matmul import poison_other_layers, stacked_weight  # codes [L, K/32, 32, N], scales, mins
 from test_gguf_panels import served  # the same weight as the runner's panels
 
 q8_kernel_only = pytest.mark.skipif(not cpu_kernels.register(gp.Q8_NAME), reason="no C++ compiler: no kernel here")
@@ -69,9 +69,7 @@ def test_quantization_is_llama_cpps_q8_1():
 def test_kernel_matches_the_integer_oracle(m, k, n, packed):
     num_layers, layer = 3, 1
     codes, scales, mins = stacked_weight(num_layers, k, n, seed=m * 100 + n, bits=4 if packed else 8)
-    poisoned = scales.copy()
-    poisoned[np.arange(num_layers) != layer] = np.nan
-    panels, _ = served(codes, poisoned, mins, packed)
+    panels, _ = served(codes, poison_other_layers(scales, layer), mins, packed)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     got = np.asarray(jax.jit(gp.gguf_panels_q8)(x, *panels, jax.numpy.int32(layer)), np.float64)
     want = oracle(x, codes, scales, mins, layer)

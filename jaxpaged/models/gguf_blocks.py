@@ -283,10 +283,12 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
         return module.get_variable("params", key)[None] if module.has_variable("params", key) else None
 
     panels = not module.is_initializing() and leaf(name + "_panels") is not None
-    if Q8_1 in kernels and not module.is_initializing() and any(
-            leaf(name + s) is not None or module.has_variable("params", name + s) for s in ("_panels", "_codes")):
-        if not (panels and gguf_panels.Q8_NAME in kernels and x.ndim == 2 and x.dtype == jnp.float32):
-            x = _as_q8_1(x, math.prod(shape[:-1]) if matrix else shape[0])
+    q8_kernel = panels and gguf_panels.Q8_NAME in kernels and x.ndim == 2 and x.dtype == jnp.float32
+    kept = not module.is_initializing() and any(  # codes: the module's own leaves (in the scan) or the stack's
+        module.has_variable("params", name + s) or (stack is not None and name + s in stack)
+        for s in ("_panels", "_codes"))
+    if Q8_1 in kernels and kept and not q8_kernel:  # every path but the q8 kernel takes x as Q8_1 holds it
+        x = _as_q8_1(x, math.prod(shape[:-1]) if matrix else shape[0])
     if kernels and not module.is_initializing() and x.ndim == 2 and x.dtype == jnp.float32:
         out_shape = x.shape[:-1] + ((shape[-1],) if matrix else shape[1:])
         rows = math.prod(shape[:-1]) if matrix else shape[0]  # the weight as [rows, cols]
@@ -294,7 +296,7 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
         at = 0 if own else layer
         if gguf_panels.NAME in kernels and panels:  # served as panels (to_panels)
             codes, scales, mins = (leaf(name + s) for s in PANEL_SUFFIXES)
-            multiply = gguf_panels.gguf_panels_q8 if gguf_panels.Q8_NAME in kernels else gguf_panels.gguf_panels
+            multiply = gguf_panels.gguf_panels_q8 if q8_kernel else gguf_panels.gguf_panels
             return multiply(x, codes, scales, mins, at).reshape(out_shape).astype(dtype)
         if "gguf_matmul" in kernels and leaf(name + "_codes") is not None and cols % 16 == 0:
             from jaxpaged.ops.gguf_matmul import gguf_matmul
