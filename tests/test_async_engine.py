@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.device.step_runner import StepResult
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
@@ -126,38 +127,62 @@ def test_async_stepping_gives_the_synchronous_outputs(tiny_params, engine_args):
             assert "".join(d.delta_text for d in deltas) == completion.text
 
 
-def test_step_n_plus_1_is_dispatched_before_step_n_is_read_back(tiny_params):
+def record_events(engine, monkeypatch) -> list[tuple[str, int]]:
+    """("dispatch", n) when step n is dispatched, ("readback", n) when its sampled tokens are read back,
+    observed by wrapping the step runner and StepResult.read_tokens (the step has no test hook)."""
+    events = []
+    dispatch = engine.step_runner.run
+
+    def recording_run(*args):
+        step = dispatch(*args)
+        if step is not None:
+            events.append(("dispatch", step.idx))
+        return step
+
+    read = StepResult.read_tokens
+
+    def recording_read(step):
+        if step.tokens is not None:
+            events.append(("readback", step.idx))
+        return read(step)
+
+    monkeypatch.setattr(engine.step_runner, "run", recording_run)
+    monkeypatch.setattr(StepResult, "read_tokens", recording_read)
+    return events
+
+
+def test_step_n_plus_1_is_dispatched_before_step_n_is_read_back(tiny_params, monkeypatch):
     engine = make_engine(tiny_params)
-    engine.events = []
+    events = record_events(engine, monkeypatch)
     run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in PROMPTS[:3]])
-    dispatched = [step for kind, step in engine.events if kind == "dispatch"]
+    dispatched = [step for kind, step in events if kind == "dispatch"]
     assert len(dispatched) >= 8
     # In steady decoding, step n's tokens are read only after step n+1 is on its way.
     for n in dispatched[:-1]:
-        assert engine.events.index(("dispatch", n + 1)) < engine.events.index(("readback", n)), engine.events
+        assert events.index(("dispatch", n + 1)) < events.index(("readback", n)), events
     # Synchronous stepping reads every step back before dispatching the next.
     sync_engine = make_engine(tiny_params, async_scheduling=False)
-    sync_engine.events = []
+    sync_events = record_events(sync_engine, monkeypatch)
     run(sync_engine, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))])
-    assert sync_engine.events == [(kind, n) for n in range(1, 5) for kind in ("dispatch", "readback")]
+    assert sync_events == [(kind, n) for n in range(1, 5) for kind in ("dispatch", "readback")]
 
 
-def test_logprobs_come_back_only_when_asked_and_prefill_chunks_wait_for_nothing(tiny_params):
+def test_logprobs_come_back_only_when_asked_and_prefill_chunks_wait_for_nothing(tiny_params, monkeypatch):
     engine = make_engine(tiny_params, max_num_batched_tokens=8)
-    engine.events = []
+    events = record_events(engine, monkeypatch)
     engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=3))  # 21 tokens: 3 chunks of 8
     engine.step()
     assert engine._in_flight.tokens is None  # a chunk of a longer prompt samples nothing ...
     engine.step()
     engine.step()
     assert engine._in_flight.tokens is not None and engine._in_flight.logprobs is None  # ... nobody asked
-    assert ("readback", 1) not in engine.events and ("readback", 2) not in engine.events
+    assert ("readback", 1) not in events and ("readback", 2) not in events
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, logprobs=True))
     while engine._in_flight is None or engine._in_flight.logprobs is None:
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    assert ("readback", 1) not in engine.events and ("readback", 3) in engine.events
+    assert ("readback", 1) not in events and ("readback", 3) in events
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

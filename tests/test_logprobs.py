@@ -230,4 +230,4 @@ def test_no_compilation_after_warmup_with_every_feature_mixed_in_a_batch():
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
     assert len(outs[0].prompt_logprobs) == len(p[4]) and len(outs[0].outputs[0].logprobs) == 6
     assert all(t < 100 for t in outs[2].outputs[0].token_ids) and all(o.outputs[0].logprobs is None for o in plain)
-    assert TINY.vocab_size == engine.sampler.slots.vocab_size
+    assert TINY.vocab_size == engine.step_runner.sampler.slots.vocab_size

@@ -38,6 +38,7 @@ from typing import no_type_check
 
 import numpy as np
 
+from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
 
@@ -268,12 +269,34 @@ class BeamSearch:
         return BeamSearchOutput(self.request_id, self.prompt, self.prompt_token_ids, beams, sequences=sequences)
 
 
-class BeamSearches:
-    """The engine's live searches, and which search each beam sequence belongs to."""
+class BeamSearches(StepFeature):
+    """The engine's live searches, and which search each beam sequence belongs to; a feature of the
+    step (engine/features.py): beams are left out of the sampler, which gives their top candidates
+    instead (device/step_runner.py), and a step with beams is committed at once."""
 
-    def __init__(self) -> None:
+    name = "beams"
+
+    def __init__(self, scheduler: Scheduler | None = None, decode=None) -> None:
+        self.scheduler = scheduler
+        self.decode = decode  # token ids -> text (the tokenizer's), for the outputs
         self.searches: dict[str, BeamSearch] = {}  # request_id -> search
         self.owner: dict[int, BeamSearch] = {}  # seq_id of a live beam -> its search
+
+    def after_schedule(self, out) -> None:
+        if out.preempted and self.searches:
+            self.forget(out.preempted)
+
+    def sample_args(self, out) -> dict:
+        return {"beam_owner": self.owner} if self.owner else {}
+
+    def commits_at_once(self, step) -> bool:
+        return bool(step.beam_seqs)  # the search decides the beams' next tokens on the host
+
+    def after_commit(self, step) -> list:
+        if not step.beam_seqs:
+            return []
+        logprobs, token_ids = (np.asarray(a) for a in step.beam_candidates)
+        return [search.output(self.decode) for search in self.commit(self.scheduler, step.beam_seqs, logprobs, token_ids)]
 
     def add(self, search: BeamSearch) -> None:
         self.searches[search.request_id] = search

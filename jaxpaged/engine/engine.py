@@ -1,29 +1,31 @@
 """The engine: plan a step on the host while the device runs the previous one.
 
-    add_request ──► Scheduler.add ──► waiting
+    add_request ──► Scheduler.add ──► waiting (or waiting for its grammar)
 
-    step() k:  Scheduler.schedule()                 host: which sequences compute which tokens
-               prepare_step_input                   host: one packed int32 array (placeholders as rows)
-               ModelRunner.execute, sample          device, dispatched: decodes read their input token
-                                                      from step k-1's sampled tokens, still on device
-               Scheduler.advance                    host: placeholders for step k's tokens; n > 1 forks
+    step() k:  Scheduler.schedule()            host: which sequences compute which tokens
+               StepRunner.run                  host KV moves; StepInput (placeholders as rows); the
+                                                 jitted step and the sampler, dispatched: decodes read
+                                                 their input token from step k-1's sampled tokens,
+                                                 still on the device
+               RequestLifecycle.advance        host: placeholders for step k's tokens; n > 1 forks
                ── step k-1's tokens are read back here, while the device runs step k ──
-               Scheduler.commit(k-1)                host: fill placeholders, token-level stop rules
-               OutputProcessor.process(k-1)         host: text, stop strings, RequestOutputs of k-1
+               RequestLifecycle.commit(k-1)    host: fill placeholders, stop rules, RequestOutputs
 
 Outputs arrive one step late: step() returns what became known in that call, and is called until
 has_unfinished_requests() is False (the last call drains the step still in flight). A sequence that
 turns out finished when its token lands has computed at most one more token, which is discarded.
 With `EngineConfig(async_scheduling=False)` each step is committed right after its own dispatch
-(the same code, no lag): for debugging, and as the benchmark's comparison.
+(the same code, no lag): for debugging, and as the benchmark's comparison. A feature whose next
+step needs this one's tokens on the host (beams, grammars, speculation) commits it at once too.
 
-The engine owns the requests (through the output processor: a request is n sequences); the
+Optional features (speculative decoding, beam search, structured outputs, routed experts) plug in
+through `StepFeature` (engine/features.py): the step calls its hooks and names none of them.
+The engine owns the requests (through the output processor: a request is n samples); the
 scheduler owns the sequences' states and pages. Everything runs on the caller's thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -35,26 +37,25 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.device.kv_cache import bytes_per_page
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
-from jaxpaged.device.sampler import beam_candidates
-from jaxpaged.device.sampling import beam_candidate_width, warmup_sampler
-from jaxpaged.device.step_input import BlockTableRows
-from jaxpaged.engine.dispatched import Dispatched
+from jaxpaged.device.step_runner import StepResult, StepRunner
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
-from jaxpaged.engine.logprobs import HostLogprobs, prompt_targets
+from jaxpaged.engine.lifecycle import RequestLifecycle
 from jaxpaged.engine.output_processor import OutputProcessor
-from jaxpaged.engine.routed_experts import routed_experts_recorder
-from jaxpaged.engine.step_sampler import StepSampler, fan_out_order
 from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.routed_experts import routed_experts_recorder
 from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
-from jaxpaged.engine import weights
+from jaxpaged.engine.weights import WeightLifecycle, reset_prefix_cache
+from jaxpaged.models.gguf_blocks import has_kept_weights
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
-from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.spec_decode.speculator import Speculator, commit_step, verification_buckets
+from jaxpaged.sample.rows import warmup_sampler
+from jaxpaged.sample.step_sampler import StepSampler
+from jaxpaged.spec_decode.speculator import Speculator, verification_buckets
 
 logger = logging.getLogger("jaxpaged")
 
@@ -113,23 +114,28 @@ class LLMEngine:
             return_routed_experts=config.enable_return_routed_experts,
         )
         self.processor = OutputProcessor(tokenizer)
-        self.routed = self.processor.routed_experts = routed_experts_recorder(self, num_swap_pages + num_host_cache_pages)
-        self.sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
-        self.structured = StructuredRequests(self)  # requests with structured_outputs, their grammars
-        self.beams = BeamSearches()  # beam search requests (jaxpaged/engine/beam_search.py)
-        self.host_kv = HostKVStore(self.runner, num_swap_pages + num_host_cache_pages)
-        self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh,  # None when off
-                                      self.host_kv.num_host_pages)
-        self._block_table_rows = BlockTableRows(2 * config.max_num_seqs, self.runner.pages_per_seq)
-        self._in_flight: Dispatched | None = None
+        self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
+        num_host_pages = num_swap_pages + num_host_cache_pages
+        # The optional features of the step (engine/features.py), each None when off, called in this order.
+        self.routed = self.processor.routed_experts = routed_experts_recorder(config, model_config, num_pages,
+                                                                               num_host_pages)
+        self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh, num_host_pages,
+                                      scheduler=self.scheduler, owner=self.processor.owner)
+        self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor)
+        self.beams = BeamSearches(self.scheduler, tokenizer.decode)
+        self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
+        sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
+        self.host_kv = HostKVStore(self.runner, num_host_pages)
+        self.step_runner = StepRunner(self.runner, self.host_kv, sampler, max_num_seqs=config.max_num_seqs,
+                                      features=self.features, timings=self.timings)
+        self.lifecycle = RequestLifecycle(self.scheduler, self.processor, sampler, self.features, self.timings)
+        self.weights = WeightLifecycle(  # version, epoch, sleep level, aborted outputs (engine/weights.py)
+            self.runner, self.scheduler, self.processor, keeps_gguf_codes=has_kept_weights(params),
+            draft_runner=self.spec.draft.runner if self.spec is not None and self.spec.draft is not None else None,
+            beam_searches=self.beams)
+        self._in_flight: StepResult | None = None  # dispatched, tokens not yet read (asynchronous scheduling)
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self._num_generated_tokens = 0
-        self._num_steps = 0
-        self.weights = weights.WeightState(params)  # version, epoch, sleep level, aborted outputs (engine/weights.py)
-        self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
-        # Tests set a list here to record ("dispatch", step) and ("readback", step) in order.
-        self.events: list[tuple[str, int]] | None = None
         if config.warmup:
             self.warmup()
 
@@ -170,7 +176,7 @@ class LLMEngine:
         )
         if params.structured_outputs is None:
             self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
-        else:  # validates the spec (ValueError); the request waits there until its grammar compiled
+        else:  # validates the spec (ValueError); the sequence waits in the scheduler until its grammar compiled
             self.structured.hold(request_id, seq, params.structured_outputs)
         self.processor.add_request(request_id, prompt, seq, params, seed, self.weights.version)
         return request_id
@@ -227,7 +233,7 @@ class LLMEngine:
 
     @property
     def num_generated_tokens(self) -> int:
-        return self._num_generated_tokens
+        return self.lifecycle.num_generated_tokens
 
     # ---------------------------------------------------------------- the step
 
@@ -238,120 +244,36 @@ class LLMEngine:
         `only_finished=True` returns outputs only for requests that finished: building a snapshot
         copies every moved request's tokens, which offline generation does not need.
         """
-        aborted, self.weights.aborted_outputs = self.weights.aborted_outputs, []  # by update_params
+        outputs = self.weights.take_aborted_outputs()  # of update_params(in_flight="abort")
         t0 = time.perf_counter()
-        failed = self.structured.admit(wait=not self.scheduler.has_unfinished()) if self.structured.pending else []
-        out = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)
+        for feature in self.features:
+            outputs += feature.before_schedule(self.scheduler)
+        out = self.scheduler.schedule()
+        for feature in self.features:
+            feature.after_schedule(out)
         self.timings["schedule"] += time.perf_counter() - t0
-        if out.swap_out:  # before this step's writes reuse the pages (swap-outs before swap-ins)
-            self.host_kv.swap_out(out.swap_out)
-        if out.swap_in:  # before this step reads them
-            self.host_kv.swap_in(out.swap_in)
-        if self.routed is not None:  # routed-expert rows move with their pages
-            self.routed.add_swaps(out)
-        dispatched = self._dispatch(out) if out.seqs else None
+        if out.seqs and logger.isEnabledFor(logging.DEBUG):
+            log_step(logger, self.step_runner.num_steps + 1, out, self.block_manager.stats())
+        step = self.step_runner.run(out, self.processor.owner, self._in_flight)  # None: nothing scheduled
+        if step is not None:
+            self.lifecycle.advance(step)
 
         previous, self._in_flight = self._in_flight, None
-        outputs = failed + aborted + (self._commit(previous, only_finished) if previous is not None else [])
-        if dispatched is not None:
-            if self.config.async_scheduling and dispatched.next_can_read and self.has_unfinished_requests():
-                self._in_flight = dispatched
-            else:  # synchronous, beams, or nothing left to overlap with (the drain)
-                outputs += self._commit(dispatched, only_finished)
-        elif previous is None and not failed and self.has_unfinished_requests():
+        if previous is not None:
+            outputs += self.lifecycle.commit(previous, only_finished)
+        if step is not None:
+            if self._keeps_in_flight(step):
+                self._in_flight = step
+            else:  # synchronous, a feature needs its tokens, or nothing left to overlap with (the drain)
+                outputs += self.lifecycle.commit(step, only_finished)
+        elif previous is None and not outputs and self.has_unfinished_requests():
             raise RuntimeError("the scheduler scheduled nothing while requests are waiting; this is a bug")
         return outputs
 
-    def _dispatch(self, out: SchedulerOutput) -> Dispatched:
-        """Prepares and launches the step on the device, then advances the scheduler past it."""
-        self._num_steps += 1
-        if logger.isEnabledFor(logging.DEBUG):
-            log_step(logger, self._num_steps, out, self.block_manager.stats())
-        t0 = time.perf_counter()
-        if self.spec is not None:  # the draft model's swaps, copies and proposals (before the input is read)
-            self.spec.before_step(out, self.processor.owner)
-        plan = out.spec_plan  # speculative verification: several logits rows per sequence
-        step_input = self.runner.prepare(out, self._block_table_rows, **(self.spec.logits_rows(plan) if plan else {}))
-        targets, prompt_chunks = prompt_targets(out, self.processor.owner, step_input.num_tokens)
-        if targets is not None:  # some request wants prompt logprobs: the step's program that gives them
-            step_input = dataclasses.replace(step_input, prompt_logprob_targets=targets)
-        self.timings["prepare"] += time.perf_counter() - t0
-        if out.copies:
-            self.runner.copy_pages(out.copies)
-        if out.preempted and self.beams:
-            self.beams.forget(out.preempted)
-        previous = self._in_flight
-        prev_tokens = previous.tokens if previous is not None else None
-        logits = self.runner.execute(step_input, prev_tokens)
-        if self.spec is not None:
-            self.spec.mirror(step_input, prev_tokens)  # the draft model computes the same tokens' K/V
-        logits, routed = self.routed.plan(out, step_input.slot_mapping, logits) if self.routed else (logits, None)
-        prompt_logprobs = None
-        if targets is not None:
-            logits, prompt_logprobs = logits
-            for array in prompt_logprobs.values():
-                array.copy_to_host_async()
-
-        t1 = time.perf_counter()
-        # Rows to sample: one per sampling sequence; a request with n > 1 draws n rows from its
-        # parent's logits row at its first token, and advance() forks the parent n-1 times.
-        sampled, beam_seqs = self.sampler.sample(
-            out, logits, self.processor.owner, self.beams.owner,
-            lambda entries, num_rows, first: self.structured.step_mask(out.seqs, entries, num_rows, first), plan)
-        entries, num_rows = sampled.entries, sampled.num_rows
-        candidates = None
-        if beam_seqs:
-            candidates = beam_candidates(  # one width, warmed up; each search reads the first it needs
-                logits, num_candidates=beam_candidate_width(self.config.max_num_seqs, logits.shape[-1]))
-            for array in candidates:
-                array.copy_to_host_async()
-        if self.events is not None:
-            self.events.append(("dispatch", self._num_steps))
-
-        children = self.scheduler.advance(out, entries)
-        for child, (request, j) in zip(children, fan_out_order(out, entries, self.processor.owner)):
-            self.processor.add_sample(request, child)
-        if sampled.fan_out_slots:
-            self.sampler.assign_children(out, entries, sampled.fan_out_slots, children)
-        self.timings["postprocess"] += time.perf_counter() - t1
-        return Dispatched(
-            idx=self._num_steps, out=out, tokens=sampled.tokens, logprobs=sampled.logprobs,
-            next_can_read=(num_rows <= self.runner.num_prev_token_rows and not beam_seqs and not sampled.constrained
-                           and (self.spec is None or not self.spec.enabled(self.scheduler))),
-            beam_seqs=beam_seqs, beam_candidates=candidates, prompt_logprobs=prompt_logprobs,
-            prompt_chunks=prompt_chunks, spec=self.spec.verify(logits, out, self.processor.owner) if plan else None,
-            routed=routed,
-        )
-
-    def _commit(self, dispatched: Dispatched, only_finished: bool) -> list[RequestOutput | BeamSearchOutput]:
-        """Reads a dispatched step's tokens back (waiting for the device) and applies them."""
-        t0 = time.perf_counter()
-        tokens = logprobs = None
-        if dispatched.tokens is not None:
-            if self.events is not None:
-                self.events.append(("readback", dispatched.idx))
-            tokens = np.asarray(dispatched.tokens).tolist()  # waits for the device
-            if dispatched.logprobs is not None:
-                logprobs = HostLogprobs.read(dispatched.logprobs)
-        if dispatched.routed is not None:
-            self.routed.commit(dispatched.routed)
-        if dispatched.prompt_chunks:
-            self.processor.add_prompt_logprobs(HostLogprobs.read(dispatched.prompt_logprobs), dispatched.prompt_chunks)
-        t1 = time.perf_counter()
-        self.timings["device"] += t1 - t0
-
-        update, logprobs = commit_step(self.scheduler, self.spec, dispatched, tokens, logprobs)  # spec: rollback too
-        self._num_generated_tokens += len(update.appended)
-        outputs, stopped = self.processor.process(update.appended, update.rows, logprobs, only_finished=only_finished)
-        for seq in stopped:
-            self.scheduler.finish(seq, "stop")
-        self.structured.release()
-        if dispatched.beam_seqs:
-            beam_logprobs, beam_token_ids = (np.asarray(a) for a in dispatched.beam_candidates)
-            for search in self.beams.commit(self.scheduler, dispatched.beam_seqs, beam_logprobs, beam_token_ids):
-                outputs.append(search.output(self.tokenizer.decode))
-        self.timings["postprocess"] += time.perf_counter() - t1
-        return outputs
+    def _keeps_in_flight(self, step: StepResult) -> bool:
+        """Whether `step` stays on the device while the next one is planned (asynchronous scheduling)."""
+        return (self.config.async_scheduling and step.fits_next_input and self.has_unfinished_requests()
+                and not any(feature.commits_at_once(step) for feature in self.features))
 
     # ---------------------------------------------------------------- utilities
 
@@ -359,23 +281,27 @@ class LLMEngine:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         warmup_sampler(self.runner, self.config.max_num_seqs)
-        self.sampler.warmup(self.config.max_num_seqs)
-        if self.spec is not None:
-            self.spec.warmup(self.runner, self.sampler)  # the verification steps' programs
+        self.step_runner.sampler.warmup(self.config.max_num_seqs)
+        for feature in self.features:
+            feature.warmup(self.runner, self.step_runner.sampler)  # speculation: the verification steps' programs
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:  # vLLM's (engine/weights.py)
-        return weights.reset_prefix_cache([self], reset_running_requests)
+        return reset_prefix_cache([self], reset_running_requests)
 
     def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
         """New weights (a copy; same tree and shapes, any sharding), no recompiling, between two steps;
         requests in flight are kept, recomputed or aborted (engine/weights.py)."""
-        weights.update_params(self, params, version=version, in_flight=in_flight)
+        self.weights.update_params(params, version=version, in_flight=in_flight)
 
-    def sleep(self, level: int = 1) -> None:  # frees the KV pool; weights to host (1) or dropped (2)
-        weights.sleep(self, level)
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV pool; weights to host (1) or dropped (2). Only with no request in the engine."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.num_unfinished_requests} requests are in the engine; finish or abort them "
+                             "before sleep (their K/V live in the pool that sleep frees)")
+        self.weights.sleep(level)
 
     def wake_up(self) -> None:  # undoes sleep(); after level 2, update_params brings the weights
-        weights.wake_up(self)
+        self.weights.wake_up()
 
     def page_ref_counts(self) -> dict[int, int]:
         """{ref count: number of pages in use with it} (the server's histogram)."""
@@ -388,11 +314,11 @@ class LLMEngine:
             **self.block_manager.stats(),
             **self.scheduler.stats(),
             "num_requests": self.num_unfinished_requests,
-            "num_generated_tokens": self._num_generated_tokens,
-            "num_steps": self._num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.step_runner.num_steps,
             "num_compiles": self.runner.num_compiles,
             "weight_version": self.weights.version, "sleep_level": self.weights.sleep_level,
             "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
             "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
-            **(self.spec.stats() if self.spec is not None else {}),
+            **{key: value for feature in self.features for key, value in feature.stats().items()},
         }

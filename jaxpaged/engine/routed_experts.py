@@ -31,6 +31,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxpaged.engine.features import StepFeature
+
 ROUTED_DTYPE = np.int16  # expert ids; every MoE model's num_experts fits (checked at start-up)
 
 
@@ -44,20 +46,24 @@ class RoutedStep:
     ids: object = None  # the step's ids on the device, int16 [num_tokens (padded), L, k]
 
 
-def routed_experts_recorder(engine, num_host_pages: int) -> RoutedExpertsRecorder | None:
+def routed_experts_recorder(config, model_config, num_pages: int, num_host_pages: int) -> RoutedExpertsRecorder | None:
     """The engine's recorder, or None with the flag off (the default: nothing recorded, nothing returned)."""
-    config, model_config = engine.config, engine.model_config
     if not config.enable_return_routed_experts:
         return None
     if not model_config.num_experts:
         raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Mixtral, Qwen3-MoE); "
                          "this one has a dense MLP")
-    return RoutedExpertsRecorder(num_pages=engine.runner.num_pages, num_host_pages=num_host_pages,
+    return RoutedExpertsRecorder(num_pages=num_pages, num_host_pages=num_host_pages,
                                  page_size=config.page_size, num_layers=model_config.num_layers,
                                  top_k=model_config.num_experts_per_tok, num_experts=model_config.num_experts)
 
 
-class RoutedExpertsRecorder:
+class RoutedExpertsRecorder(StepFeature):
+    """A feature of the step (engine/features.py): page moves noted after scheduling, the step's ids
+    split off its result after execution, applied at commit."""
+
+    name = "routed"
+
     def __init__(self, *, num_pages: int, num_host_pages: int, page_size: int, num_layers: int, top_k: int,
                  num_experts: int):
         if num_experts > np.iinfo(ROUTED_DTYPE).max:
@@ -70,9 +76,16 @@ class RoutedExpertsRecorder:
         self.lengths: dict[int, int] = {}
         self._moves: list[tuple[str, int, int]] = []
 
-    def add_swaps(self, out) -> None:
+    def after_schedule(self, out) -> None:
         """A planned step's host transfers (issued even when it schedules nothing), in device order."""
         self._moves += [("out", *pair) for pair in out.swap_out] + [("in", *pair) for pair in out.swap_in]
+
+    def after_execute(self, step, step_input, prev_tokens, result):
+        logits, step.pending[self.name] = self.plan(step.out, step_input.slot_mapping, result)
+        return logits
+
+    def before_commit(self, step) -> None:
+        self.commit(step.pending[self.name])
 
     def plan(self, out, slot_mapping: np.ndarray, result) -> tuple[object, RoutedStep]:
         """At dispatch, before the scheduler advances: splits the step's `result` into (what the engine

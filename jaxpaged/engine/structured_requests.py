@@ -1,13 +1,15 @@
-"""The engine's side of structured outputs: requests wait for their grammar, steps get their mask.
+"""The engine's side of structured outputs, a feature of the step (engine/features.py).
 
-    add_request ─► hold: the spec is validated now (ValueError), compiled on a worker thread;
-                   the request waits here, outside the scheduler, until its grammar is ready
-    step()      ─► admit: ready requests go to the scheduler's waiting queue (nothing else waits)
-    dispatch    ─► step_mask: the step's int32 mask, or None when no row needs one (the sampler's
-                   unmasked variant: an unconstrained step pays nothing); rows of greedy or
-                   plain-temperature requests draw first and are checked after (matchers.py)
-    commit      ─► release: matchers of finished sequences and templates of gone requests dropped;
-                   the next masks start on a worker thread (matchers.py: prefetch)
+    add_request     ─► hold: the spec is validated now (ValueError), compiled on a worker thread;
+                       the sequence enters the scheduler as WAITING_FOR_GRAMMAR (planned for nothing)
+    before_schedule ─► compiled grammars: Scheduler.grammar_ready (the queue's FIFO from then on);
+                       failed ones: the request ends with finish_reason "abort". With nothing else
+                       to run, waits for one grammar.
+    sample_args     ─► step_mask: the step's int32 mask, or None when no row needs one (the sampler's
+                       unmasked variant: an unconstrained step pays nothing); rows of greedy or
+                       plain-temperature requests draw first and are checked after (matchers.py)
+    after_commit    ─► release: matchers of finished sequences and templates of gone requests dropped;
+                       the next masks start on a worker thread (matchers.py: prefetch)
 
 Async stepping: the mask for a row's next token needs its last token, so a step with a constrained
 row is committed in the engine step that dispatched it (as beam search steps are); a step without
@@ -19,18 +21,19 @@ from __future__ import annotations
 
 import logging
 
-from jaxpaged.planner.request import check_fits_pool, check_prompt_fits
+from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.sequence import SequenceStatus
 
 logger = logging.getLogger("jaxpaged")
 
 
-class StructuredRequests:
-    def __init__(self, engine):
-        self.tokenizer, self.vocab_size = engine.tokenizer, engine.model_config.vocab_size
-        self.scheduler, self.processor = engine.scheduler, engine.processor
-        self.max_model_len = engine.config.max_model_len
-        self.pending: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence)
+class StructuredRequests(StepFeature):
+    name = "structured"
+
+    def __init__(self, tokenizer, vocab_size: int, scheduler, processor):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.scheduler, self.processor = scheduler, processor
+        self.compiling: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence)
         self.compiler = self.state = None  # built on first use
 
     def _start(self) -> None:
@@ -49,38 +52,43 @@ class StructuredRequests:
 
     def __len__(self) -> int:
         """Requests waiting for a grammar plus matchers held: 0 when none is in flight (no leak)."""
-        return len(self.pending) + (len(self.state) if self.state is not None else 0)
+        return len(self.compiling) + (len(self.state) if self.state is not None else 0)
 
     def hold(self, request_id: str, seq, spec) -> None:
-        """Validates the spec and the request's fit (ValueError), starts its compile, holds the sequence."""
+        """Validates the spec (ValueError), starts its compile, adds the sequence to the scheduler as
+        WAITING_FOR_GRAMMAR (ValueError, and nothing queued, if it could never run)."""
         if self.compiler is None:
             self._start()
-        check_prompt_fits(len(seq.token_ids), self.max_model_len)
-        check_fits_pool(min(seq.max_num_tokens, self.max_model_len), self.scheduler.block_manager.page_size,
-                        self.scheduler.block_manager.num_pages - 1)
-        self.pending[request_id] = (self.compiler.submit(spec), seq)
+        future = self.compiler.submit(spec)
+        seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+        self.scheduler.add(seq)
+        self.compiling[request_id] = (future, seq)
 
-    def admit(self, wait: bool) -> list:
-        """Moves requests whose grammar is ready into the scheduler; `wait`: block for one if nothing
-        else can run. Returns outputs of requests whose grammar failed to compile (finish "abort")."""
-        if wait and self.pending:
-            next(iter(self.pending.values()))[0].exception()  # blocks until it is compiled (or failed)
+    def before_schedule(self, scheduler) -> list:
+        """Sequences whose grammar compiled join the scheduler's queue; with nothing else to plan,
+        waits for one grammar first. Returns outputs of requests whose grammar failed to compile
+        (finish "abort")."""
+        if not self.compiling:
+            return []
+        if not scheduler.num_schedulable:
+            next(iter(self.compiling.values()))[0].exception()  # blocks until it is compiled (or failed)
         failed = []
-        for request_id, (future, seq) in list(self.pending.items()):
+        for request_id, (future, seq) in list(self.compiling.items()):
             if not future.done():
                 continue
-            del self.pending[request_id]
+            del self.compiling[request_id]
             try:
                 self.state.templates[request_id] = future.result()
-                self.scheduler.add(seq)
             except ValueError as e:
                 logger.warning("request %s: %s", request_id, e)
                 failed.append(self._fail(request_id, seq))
+            else:
+                scheduler.grammar_ready(seq)
         return [output for output in failed if output is not None]
 
     def _fail(self, request_id: str, seq):
+        self.scheduler.abort(seq.seq_id)
         request = self.processor.requests.get(request_id)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         if request is None:
             return None
         request.samples[0].finish_reason = "abort"
@@ -90,7 +98,20 @@ class StructuredRequests:
         return output
 
     def abort(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+        self.compiling.pop(request_id, None)
+
+    def sample_args(self, out) -> dict:
+        if self.state is None or not len(self.state):
+            return {}
+        return {"step_mask_fn": lambda entries, num_rows, first: self.step_mask(out.seqs, entries, num_rows, first)}
+
+    def commits_at_once(self, step) -> bool:
+        """A constrained row's next mask needs its token: the step commits in the engine step that dispatched it."""
+        return step.constrained
+
+    def after_commit(self, step) -> list:
+        self.release()
+        return []
 
     def step_mask(self, seqs, entries, num_rows: int, sample_first: bool):
         """The step's StepMask (structured/matchers.py), or None if no row has a grammar. `entries`:

@@ -25,12 +25,16 @@ from jaxpaged.models.gguf_blocks import REFUSED_UPDATE, has_kept_weights
 from jaxpaged.planner.weight_update import check_in_flight, discard_kv, resalt_waiting
 
 
-class WeightState:
-    """Which weights the engine runs (user version, internal epoch) and whether it sleeps."""
+class WeightLifecycle:
+    """Which weights the engine runs (user version, internal epoch), their updates, sleep and wake-up."""
 
-    def __init__(self, params=None):
+    def __init__(self, runner, scheduler, processor, *, keeps_gguf_codes: bool, draft_runner=None,
+                 beam_searches=None):
+        self.runner, self.draft_runner = runner, draft_runner  # the draft's weights stay on the host asleep
+        self.scheduler, self.processor = scheduler, processor
+        self.beam_searches = beam_searches  # truthy while beam searches run (they refuse recompute/abort)
         # quantization="gguf": only trees of GGUF codes may replace these weights (kept across sleep).
-        self.keeps_gguf_codes = params is not None and has_kept_weights(params)
+        self.keeps_gguf_codes = keeps_gguf_codes
         self.version = 0  # the label users give (`update_params(version=)`); recorded per token
         self.epoch = 0  # bumped on every update: the prefix cache's salt (versions may repeat)
         self.sleep_level = 0  # 0: awake
@@ -43,35 +47,59 @@ class WeightState:
         if not self.has_params:
             raise RuntimeError("the engine has no weights since sleep(level=2); call update_params(params) first")
 
+    def take_aborted_outputs(self) -> list:
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
 
-def update_params(engine, params, *, version: int | None, in_flight: str) -> None:
-    """Applies new weights between two steps (aborted requests' final outputs: state.aborted_outputs)."""
-    check_in_flight(in_flight)
-    state: WeightState = engine.weights
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise ValueError(f"version={version!r}; pass an int (or None for the current version + 1)")
-    if in_flight != "keep" and engine.beams:
-        raise ValueError(f"in_flight={in_flight!r} with beam searches running; use in_flight='keep' "
-                         "or finish the searches first")
-    if state.keeps_gguf_codes and not has_kept_weights(params):
-        raise ValueError(REFUSED_UPDATE)  # float weights for an engine serving GGUF codes (models/gguf_blocks.py)
-    engine.runner.update_params(params)  # ValueError on a wrong tree/shape/dtype: nothing changed
-    state.version = state.version + 1 if version is None else version
-    state.epoch += 1
-    state.has_params = True
-    if state.sleep_level:  # the weights are on the device now; wake_up restores only the KV pool
-        engine.runner.params_on_host = False
-    scheduler = engine.scheduler
-    if in_flight == "abort":
-        for request in engine.processor.requests.values():
-            for sample in request.samples:
-                scheduler.abort(sample.seq.seq_id)
-        state.aborted_outputs += engine.processor.finish_all("abort")
-    elif in_flight == "recompute":
-        discard_kv(scheduler)
-    resalt_waiting(scheduler, state.epoch)
-    engine.block_manager.reset_prefix_cache()
-    engine.processor.start_weight_version(state.version)
+    def update_params(self, params, *, version: int | None, in_flight: str) -> None:
+        """Applies new weights between two steps (aborted requests' final outputs: aborted_outputs)."""
+        check_in_flight(in_flight)
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(f"version={version!r}; pass an int (or None for the current version + 1)")
+        if in_flight != "keep" and self.beam_searches:
+            raise ValueError(f"in_flight={in_flight!r} with beam searches running; use in_flight='keep' "
+                             "or finish the searches first")
+        if self.keeps_gguf_codes and not has_kept_weights(params):
+            raise ValueError(REFUSED_UPDATE)  # float weights for an engine serving GGUF codes (models/gguf_blocks.py)
+        self.runner.update_params(params)  # ValueError on a wrong tree/shape/dtype: nothing changed
+        self.version = self.version + 1 if version is None else version
+        self.epoch += 1
+        self.has_params = True
+        if self.sleep_level:  # the weights are on the device now; wake_up restores only the KV pool
+            self.runner.params_on_host = False
+        scheduler = self.scheduler
+        if in_flight == "abort":
+            for request in self.processor.requests.values():
+                for sample in request.samples:
+                    scheduler.abort(sample.seq.seq_id)
+            self.aborted_outputs += self.processor.finish_all("abort")
+        elif in_flight == "recompute":
+            discard_kv(scheduler)
+        resalt_waiting(scheduler, self.epoch)
+        scheduler.block_manager.reset_prefix_cache()
+        self.processor.start_weight_version(self.version)
+
+    def sleep(self, level: int) -> None:
+        """Call with no request in the engine (the caller checks: their K/V live in the pool freed here)."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level={level!r}; use 1 (weights kept in host memory) or 2 (weights dropped)")
+        if self.sleep_level:
+            raise ValueError(f"the engine already sleeps at level {self.sleep_level}; call wake_up() first")
+        self.scheduler.block_manager.reset_prefix_cache()  # the pool's contents are gone
+        sleep_runner(self.runner, level)
+        if self.draft_runner is not None:  # the draft model's weights stay on the host: update_params brings only the target's
+            sleep_runner(self.draft_runner, 1)
+        self.sleep_level = level
+        if level == 2:
+            self.has_params = False
+
+    def wake_up(self) -> None:
+        if not self.sleep_level:
+            return  # awake already: nothing to restore
+        wake_runner(self.runner)
+        if self.draft_runner is not None:
+            wake_runner(self.draft_runner)
+        self.sleep_level = 0
 
 
 def reset_prefix_cache(engines, reset_running_requests: bool) -> bool:
@@ -87,32 +115,3 @@ def reset_prefix_cache(engines, reset_running_requests: bool) -> bool:
             discard_kv(engine.scheduler)
         engine.block_manager.reset_prefix_cache()
     return True
-
-
-def sleep(engine, level: int) -> None:
-    if level not in SLEEP_LEVELS:
-        raise ValueError(f"level={level!r}; use 1 (weights kept in host memory) or 2 (weights dropped)")
-    if engine.has_unfinished_requests():
-        raise ValueError(f"{engine.num_unfinished_requests} requests are in the engine; finish or abort them "
-                         "before sleep (their K/V live in the pool that sleep frees)")
-    state: WeightState = engine.weights
-    if state.sleep_level:
-        raise ValueError(f"the engine already sleeps at level {state.sleep_level}; call wake_up() first")
-    engine.block_manager.reset_prefix_cache()  # the pool's contents are gone
-    sleep_runner(engine.runner, level)
-    draft = engine.spec.draft if engine.spec is not None else None
-    if draft is not None:  # the draft model's weights stay on the host: update_params brings only the target's
-        sleep_runner(draft.runner, 1)
-    state.sleep_level = level
-    if level == 2:
-        state.has_params = False
-
-
-def wake_up(engine) -> None:
-    state: WeightState = engine.weights
-    if not state.sleep_level:
-        return  # awake already: nothing to restore
-    wake_runner(engine.runner)
-    if engine.spec is not None and engine.spec.draft is not None:
-        wake_runner(engine.spec.draft.runner)
-    state.sleep_level = 0

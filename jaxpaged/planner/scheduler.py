@@ -13,6 +13,10 @@ A step's life on the host, with the device's sampled tokens arriving one step la
     commit(out, tokens) the tokens landed: placeholders filled, token-level stop rules, prefix cache
 
 `update(out, sampled)` is advance + commit back to back (synchronous stepping, tests).
+
+A request with a structured-output grammar is added with status WAITING_FOR_GRAMMAR: the scheduler
+holds it (it counts as unfinished, can be aborted) but plans nothing for it until the engine calls
+`grammar_ready(seq)`; only then does it take its place in the FIFO queue.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jaxpaged.planner.sequence import Sequence, SequenceStatus, new_seq_id, num_
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
 SWAPPED = SequenceStatus.SWAPPED
+WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
 
 
 class Scheduler:
@@ -57,6 +62,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()  # FIFO; preempted at the front
         self.running: list[Sequence] = []  # hold pages; in arrival order
         self._unfinished: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        self.waiting_for_grammar: dict[int, Sequence] = {}  # seq_id -> sequence held until grammar_ready()
         self._next_arrival_idx = 0
 
         self.num_preemptions = 0
@@ -70,8 +76,9 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request, or raise ValueError if it could never run."""
-        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+        """Queue a new request, or raise ValueError if it could never run. A sequence with status
+        WAITING_FOR_GRAMMAR is held aside until `grammar_ready(seq)`."""
+        if seq.status not in (SequenceStatus.WAITING, WAITING_FOR_GRAMMAR) or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}; add only new sequences")
         if seq.seq_id in self._unfinished:
             raise ValueError(f"seq_id {seq.seq_id} is already queued or running; give each request its own id")
@@ -79,10 +86,28 @@ class Scheduler:
         max_len = min(seq.max_num_tokens, self.max_model_len)  # prompt + max_tokens (None: unbounded)
         check_fits_pool(max_len, self.block_manager.page_size, self.block_manager.num_pages - 1)
         seq.max_num_tokens = max_len
+        self._unfinished[seq.seq_id] = seq
+        if seq.status is WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar[seq.seq_id] = seq
+        else:
+            self._enqueue(seq)
+
+    def grammar_ready(self, seq: Sequence) -> None:
+        """`seq`'s grammar compiled: it joins the FIFO queue now (its arrival, for the order of rule 2)."""
+        if self.waiting_for_grammar.pop(seq.seq_id, None) is not seq:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name}, not waiting for its grammar")
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.arrival_idx = self._next_arrival_idx
         self._next_arrival_idx += 1
         self.waiting.append(seq)
-        self._unfinished[seq.seq_id] = seq
+
+    @property
+    def num_schedulable(self) -> int:
+        """Unfinished sequences the scheduler may plan now (those waiting for a grammar excluded)."""
+        return len(self._unfinished) - len(self.waiting_for_grammar)
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
@@ -359,6 +384,8 @@ class Scheduler:
             return
         if seq.status is RUNNING:
             self.running.remove(seq)
+        elif seq.status is WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[seq.seq_id]
         else:
             self.waiting.remove(seq)
         self._release(seq, reason)
@@ -389,7 +416,8 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self.waiting) + len(self.waiting_for_grammar),  # vLLM counts both
+            "num_waiting_for_grammar": len(self.waiting_for_grammar),
             "num_running": len(self.running),
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,

@@ -15,6 +15,9 @@ from jaxpaged.planner.request import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    # Held aside by the scheduler until `Scheduler.grammar_ready(seq)` (vLLM's WAITING_FOR_FSM): its
+    # structured-output grammar compiles on a worker thread; it joins the FIFO queue, and arrives, then.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     WAITING = "waiting"  # queued, holds no pages
     RUNNING = "running"  # holds pages; scheduled on every step it fits in the budget
     PREEMPTED = "preempted"  # pages freed under memory pressure; queued again, recomputed from token 0

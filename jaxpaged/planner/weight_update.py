@@ -58,8 +58,9 @@ def discard_kv(scheduler: Scheduler) -> int:
 
 
 def resalt_waiting(scheduler: Scheduler, weight_epoch: int) -> None:
-    """Waiting sequences without K/V take `weight_epoch` into their salt and hash their pages anew."""
-    for seq in scheduler.waiting:
+    """Waiting sequences without K/V (those waiting for a grammar too) take `weight_epoch` into their
+    salt and hash their pages anew."""
+    for seq in [*scheduler.waiting, *scheduler.waiting_for_grammar.values()]:
         if seq.status is SequenceStatus.SWAPPED:  # keeps its K/V (and so its epoch) until swapped in
             continue
         seq.cache_salt = versioned_salt(seq.cache_salt, weight_epoch)

@@ -34,6 +34,7 @@ import numpy as np
 from jaxpaged.device.sampler import GREEDY_TEMPERATURE, RowSpec
 from jaxpaged.device.sampling import warmup_sampler
 from jaxpaged.device.step_input import default_buckets
+from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
@@ -61,10 +62,17 @@ class SpecPending:
     seqs: list  # [(sequence, proposals)] in verification-row order
     tokens: jax.Array
     num_accepted: jax.Array
+    appended: list = dataclasses.field(default_factory=list)  # at commit: (sequence, token) accepted or drawn
+    finished: list = dataclasses.field(default_factory=list)  # at commit: (sequence, stop reason)
 
 
-class Speculator:
-    def __init__(self, config, draft: DraftModelProposer | None = None):
+class Speculator(StepFeature):
+    """Speculative decoding as a feature of the step (engine/features.py): proposals in before the
+    scheduler plans, verification after the sampler, rollback at commit."""
+
+    name = "spec"
+
+    def __init__(self, config, draft: DraftModelProposer | None = None, *, scheduler: Scheduler, owner: dict):
         spec_config, max_num_seqs = config.speculative_config, config.max_num_seqs
         self.method = spec_config["method"]
         self.draft = draft  # the draft model's proposer, for method "draft_model"
@@ -75,6 +83,9 @@ class Speculator:
         self.lookup_min = spec_config.get("prompt_lookup_min")  # ngram only
         self.lookup_max = spec_config.get("prompt_lookup_max")
         self.max_num_seqs = max_num_seqs
+        self.scheduler = scheduler
+        self.owner = owner  # seq_id -> (request, sample index): the output processor's
+        self._proposed: dict[int, tuple] = {}  # seq_id -> (sequence, proposals) put in before schedule()
         disable = spec_config.get("disable_by_batch_size")
         # Default: 1 on the CPU (bench_spec_decode, k = 5: batch 1 gains 1.6-1.75x, batch 4 ~1.05x, batch
         # 16 0.87x: batching amortises the weight reads there, and a verification step's extra tokens
@@ -88,7 +99,8 @@ class Speculator:
         self.num_accepted_per_pos = [0] * self.k  # verifications that kept the proposal at position j
 
     @classmethod
-    def create(cls, config, runner, draft_model, attention_fn, mesh, num_host_pages: int) -> Speculator | None:
+    def create(cls, config, runner, draft_model, attention_fn, mesh, num_host_pages: int, *, scheduler: Scheduler,
+               owner: dict) -> Speculator | None:
         """The engine's speculator (None without speculative_config); `draft_model`: (ModelConfig, params)
         of the draft for method "draft_model", else None."""
         if not config.speculative_config:
@@ -96,20 +108,21 @@ class Speculator:
                 raise ValueError("a draft model was given without speculative_config; pass "
                                  "speculative_config={'method': 'draft_model', ...}")
             return None
-        return cls(config, draft_proposer(draft_model, runner, config, attention_fn, mesh, num_host_pages))
+        return cls(config, draft_proposer(draft_model, runner, config, attention_fn, mesh, num_host_pages),
+                   scheduler=scheduler, owner=owner)
 
     # ---------------------------------------------------------------- planning
 
-    def schedule(self, scheduler: Scheduler):
-        """Scheduler.schedule() with proposals for the decoding sequences it can take whole."""
+    def before_schedule(self, scheduler: Scheduler) -> list:
+        """Proposals for the decoding sequences the scheduler can take whole, appended to their tokens."""
         # Running sequences are scheduled first and in order: while their total demand fits the token
         # budget, each gets all its tokens, proposals included (none is cut into a chunk).
         if not self.enabled(scheduler):
-            return scheduler.schedule()  # a large batch: no proposals, and the engine steps asynchronously
+            return []  # a large batch: no proposals, and the engine steps asynchronously
         budget = scheduler.max_num_batched_tokens
         for seq in scheduler.running:
             budget -= len(seq.token_ids) - seq.num_computed_tokens
-        proposed: dict[int, tuple] = {}
+        proposed = self._proposed
         for seq in scheduler.running[: scheduler.max_num_seqs]:
             if budget <= 0:
                 break
@@ -130,7 +143,13 @@ class Speculator:
                 seq.token_ids.extend(drafts)
                 proposed[seq.seq_id] = (seq, drafts)
                 budget -= len(drafts)
-        out = scheduler.schedule()
+        return []
+
+    def after_schedule(self, out) -> None:
+        """Keeps the proposals of sequences scheduled whole (`out.spec_plan`); removes the others'."""
+        proposed, self._proposed = self._proposed, {}
+        if not proposed:
+            return
         plan = [None] * len(out.seqs)
         for i, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
             entry = proposed.pop(seq.seq_id, None)
@@ -142,7 +161,6 @@ class Speculator:
         for seq, drafts in proposed.values():  # not scheduled, or preempted: they never ran
             del seq.token_ids[len(seq.token_ids) - len(drafts) :]
         out.spec_plan = self._plan(plan) if any(plan) else None
-        return out
 
     def enabled(self, scheduler: Scheduler) -> bool:
         """Whether steps propose now: at most disable_by_batch_size requests in the engine (vLLM's rule).
@@ -150,15 +168,19 @@ class Speculator:
         tokens); otherwise the engine overlaps steps as without speculation."""
         return scheduler.num_unfinished <= self.disable_by_batch_size
 
-    def before_step(self, out, owner) -> None:
-        """For the draft model, after the step's swaps and copies on the target: the same on the
-        draft's buffer, then the draft's proposals in place of the placeholders."""
-        if self.draft is None:
-            return
-        self.draft.before_step(out)
+    def before_execute(self, out) -> dict:
+        """For the draft model, after the step's swaps on the target: the same swaps and copies on the
+        draft's buffer, then the draft's proposals in place of the placeholders. Returns the step
+        input's logits rows (several per verified sequence)."""
         plan = out.spec_plan
-        if plan is None:
-            return
+        if self.draft is not None:
+            self.draft.before_step(out)
+            if plan is not None:
+                self._propose_with_draft(out, plan)
+        return self.logits_rows(plan) if plan is not None else {}
+
+    def _propose_with_draft(self, out, plan: SpecPlan) -> None:
+        owner = self.owner
         rows, idx = [], []
         for i, (seq, drafts) in enumerate(zip(out.seqs, plan.drafts)):
             if drafts:
@@ -174,10 +196,23 @@ class Speculator:
             out.seqs[i].token_ids[row.num_known :] = drafts
             plan.drafts[i] = drafts
 
-    def mirror(self, step_input, prev_tokens) -> None:
+    def after_execute(self, step, step_input, prev_tokens, result):
         """The draft model computes the target step's tokens too (draft_model.py: its invariant)."""
         if self.draft is not None:
             self.draft.mirror(step_input, prev_tokens)
+        return result
+
+    def sample_args(self, out) -> dict:
+        """Sequences with proposals are verified, not sampled; every sequence's logits row is plan.first[i]."""
+        return {"plan": out.spec_plan} if out.spec_plan is not None else {}
+
+    def after_sample(self, step, logits) -> None:
+        if step.out.spec_plan is not None:
+            step.pending[self.name] = self.verify(logits, step.out, self.owner)
+
+    def commits_at_once(self, step) -> bool:
+        """While steps propose, the next proposals need this step's tokens."""
+        return self.enabled(self.scheduler)
 
     def _plan(self, drafts: list[list[int] | None]) -> SpecPlan:
         num_logits = np.array([1 + len(d) if d else 1 for d in drafts], np.int32)
@@ -210,15 +245,15 @@ class Speculator:
 
     # ---------------------------------------------------------------- after the step
 
-    def commit(self, scheduler: Scheduler, out, tokens, logprobs, pending: SpecPending):
-        """Scheduler.commit for a step with proposals: accepted tokens in, rejected ones rolled back.
-
-        Returns the UpdateOutput (the sampled sequences' tokens, then the verified ones, whose rows
-        index the returned logprobs list) and that list."""
+    def before_commit(self, step) -> None:
+        """Before Scheduler.commit: each verified sequence's proposals rolled back, its accepted
+        tokens and the drawn one appended (each through the token-level stop rules)."""
+        pending: SpecPending | None = step.pending.get(self.name)
+        if pending is None:
+            return
         new_tokens = np.asarray(pending.tokens).tolist()
         num_accepted = np.asarray(pending.num_accepted).tolist()
-        block_manager = scheduler.block_manager
-        appended, finished = [], []
+        block_manager = self.scheduler.block_manager
         for r, (seq, drafts) in enumerate(pending.seqs):
             if seq.status is not RUNNING:
                 continue  # finished or aborted since dispatch
@@ -235,12 +270,12 @@ class Speculator:
                 token_idx = len(token_ids)
                 token_ids.append(token_id)
                 seq.output_token_ids.append(token_id)
-                appended.append((seq, token_id))
+                pending.appended.append((seq, token_id))
                 self.num_emitted_tokens += 1
                 reason = token_stop_reason(token_idx, token_id, len(seq.output_token_ids), seq.max_num_tokens,
                                            seq.stop_token_set, seq.sampling_params.min_tokens)
                 if reason is not None:
-                    finished.append((seq, reason))
+                    pending.finished.append((seq, reason))
                     break
             # Slots past the last known token hold rejected proposals (or nothing): recomputed later.
             seq.num_computed_tokens = len(token_ids) - 1
@@ -253,14 +288,19 @@ class Speculator:
                 # regrown with another page would keep the stale page id).
                 seq.block_table = seq.block_table[:num_pages]
 
-        update = scheduler.commit(out, tokens)  # registers full pages of known tokens only
-        for seq, reason in finished:
-            scheduler.finish(seq, reason)
-        base = len(tokens) if tokens is not None else 0
-        update.appended += appended
-        update.rows += range(base, base + len(appended))
-        update.finished += [seq for seq, _ in finished]
-        return update, logprobs  # verified rows (>= base) are of requests that asked for no logprobs
+    def amend_update(self, step, update) -> None:
+        """After Scheduler.commit (which registers full pages of known tokens only): the verified
+        tokens join the update, after the sampled ones, and the sequences they stopped finish."""
+        pending: SpecPending | None = step.pending.get(self.name)
+        if pending is None:
+            return
+        for seq, reason in pending.finished:
+            self.scheduler.finish(seq, reason)
+        # Their rows lie past the sampler's (they index no logprobs: speculated requests asked for none).
+        base = step.tokens.shape[0] if step.tokens is not None else 0
+        update.appended += pending.appended
+        update.rows += range(base, base + len(pending.appended))
+        update.finished += [seq for seq, _ in pending.finished]
 
     # ---------------------------------------------------------------- warm-up and stats
 
@@ -304,14 +344,6 @@ class Speculator:
             **{f"num_spec_accepted_tokens_pos{j}": n for j, n in enumerate(self.num_accepted_per_pos)},
             "num_spec_draft_compiles": self.draft.num_compiles if self.draft is not None else 0,
         }
-
-
-def commit_step(scheduler: Scheduler, spec: Speculator | None, dispatched, tokens, logprobs):
-    """The engine's commit of a dispatched step: Scheduler.commit, after the rollback of rejected
-    proposals when the step verified some. Returns (UpdateOutput, logprobs indexed by its rows)."""
-    if dispatched.spec is None:
-        return scheduler.commit(dispatched.out, tokens), logprobs
-    return spec.commit(scheduler, dispatched.out, tokens, logprobs, dispatched.spec)
 
 
 def draft_proposer(draft_model, runner, config, attention_fn, mesh, num_host_pages: int) -> DraftModelProposer | None:
