@@ -8,9 +8,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxpaged.engine.logprobs import PromptChunk
 from jaxpaged.planner.scheduler_output import SchedulerOutput
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.sample.logprobs import PromptChunk
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class Dispatched:
     out: SchedulerOutput  # advanced: out.sampled names each token's sampler row
     tokens: jax.Array | np.ndarray | None  # int32 [num_rows padded], None if nothing sampled; numpy: a
     # constrained step's tokens fixed on the host (committed at once, never an input of the next step)
-    logprobs: dict | None  # sampler_ext.token_logprobs' arrays, None unless some row asked for logprobs
+    logprobs: dict | None  # sample/logprobs.token_logprobs' arrays, None unless some row asked for logprobs
     next_can_read: bool  # its tokens fit the next step's prev_tokens input (else commit at once)
     # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
     # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once (see DESIGN.md).

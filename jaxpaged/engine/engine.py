@@ -35,15 +35,11 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.device.kv_cache import bytes_per_page
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
-from jaxpaged.device.sampler import beam_candidates
-from jaxpaged.device.sampling import beam_candidate_width, warmup_sampler
 from jaxpaged.device.step_input import BlockTableRows
 from jaxpaged.engine.dispatched import Dispatched
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
-from jaxpaged.engine.logprobs import HostLogprobs, prompt_targets
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.routed_experts import routed_experts_recorder
-from jaxpaged.engine.step_sampler import StepSampler, fan_out_order
 from jaxpaged.engine.outputs import RequestOutput
 from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
@@ -54,6 +50,10 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_tok
 from jaxpaged.planner.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.sample.logprobs import HostLogprobs, prompt_targets
+from jaxpaged.sample.rows import beam_candidate_width, warmup_sampler
+from jaxpaged.sample.sampler import beam_candidates
+from jaxpaged.sample.step_sampler import StepSampler, fan_out_order
 from jaxpaged.spec_decode.speculator import Speculator, commit_step, verification_buckets
 
 logger = logging.getLogger("jaxpaged")

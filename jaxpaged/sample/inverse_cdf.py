@@ -11,7 +11,7 @@ A cumulative sum over the vocabulary is a log-depth scan on XLA:CPU: ~1.6 ms of 
 16 x 49152, most of the sampler's cost at temperature > 0. The blocked form sums blocks (one pass)
 and scans only the block totals and one block per row. Same distribution; the float rounding of the
 partial sums differs, so a u within rounding of a token boundary may pick its neighbour. The sampler
-uses the blocked form on the CPU only (device/sampler.py `_inverse_cdf_draw`): GPU draws are unchanged.
+uses the blocked form on the CPU only (sampler.py `_inverse_cdf_draw`): GPU draws are unchanged.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def successive_draws(
     """`first` (a row's draw), then num_more draws WITHOUT replacement: draw j comes from probs with
     every earlier draw of its row set to 0, at uniform u[:, j - 1]. Column 0 is `first`. A draw that
     finds no mass left (fewer tokens of positive probability than candidates) is -1, as are those
-    after it. Structured outputs' candidates (sampling.sample_first_padded): the first of them in
+    after it. Structured outputs' candidates (rows.sample_first_padded): the first of them in
     a grammar's allowed set A is a draw from probs restricted to A (each draw, given that every
     earlier one fell outside A, is probs restricted to the tokens not yet drawn, which contain A).
 

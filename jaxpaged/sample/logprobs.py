@@ -1,82 +1,83 @@
-"""Host side of logprobs and penalties: device slots of token state, and `{id: Logprob}` dicts.
+"""Logprobs, device and host: the sampler's per-row arrays, and the `{id: Logprob}` dicts made of them.
 
-    TokenSlots      which sequence owns which row of the device TokenState (device/token_state.py);
-                    a row is written once when its sequence first samples (or resumes after a
-                    preemption), then only the jitted sampler updates it
-    TokenDecoder    decoded_token of an id (`tokenizer.decode([id])`, cached per id)
-    step_logprobs   the sampler's per-row arrays, read back once per step, as numpy
-    logprobs_entry  one position's {token_id: Logprob}: the chosen / prompt token, then the top k
-    PromptTargets   which tokens of a step need prompt logprobs, and where their dicts go
+    device (inside the jitted sampler / model step)
+      token_logprobs         per row: the chosen id's logprob and 1-based rank, the top NUM_TOP_LOGPROBS
+      with_every_token       the logits rows a step keeps: each sequence's last token, then (prompt
+                             logprobs) every token of the step
+      split_prompt_logprobs  those logits split back: the sequences' rows, and token_logprobs of every
+                             token at its next prompt token
+    host (after the step's arrays are read back)
+      HostLogprobs           token_logprobs' arrays as Python lists, read once per step; `entry` gives
+                             one position's {token_id: Logprob}: the chosen / prompt token, then the top k
+      TokenDecoder           decoded_token of an id (`tokenizer.decode([id])`, cached per id)
+      prompt_targets         which tokens of a step need prompt logprobs (PromptChunk: where their dicts go)
+      Logprob                vLLM's Logprob (engine/outputs.py re-exports it)
+
+The device rows of token state that penalties read, and which sequence owns which, are penalties.py's.
+
+Importing this module never imports jax: engine/outputs.py re-exports `Logprob`, and `import jaxpaged`
+stays jax-free (tests/test_layout.py). The three device functions import jax when they are traced;
+their shapes are in their docstrings, since jaxtyping's annotations would import jax here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
-from jaxpaged.device.token_state import TokenState, host_slot_rows, init_slot, zeros_token_state
-from jaxpaged.engine.outputs import Logprob
-from jaxpaged.planner.sequence import Sequence, SequenceStatus
+NUM_TOP_LOGPROBS = 20  # = planner.request.MAX_LOGPROBS: the width every row's top logprobs are taken at
 
 
-class TokenSlots:
-    """Rows of the device TokenState, one per running sequence that uses penalties or biases.
+class Logprob(NamedTuple):
+    """vLLM's Logprob: one token's log-probability, its 1-based rank in the distribution (1 = most
+    likely), and its text alone (`tokenizer.decode([token_id])`)."""
 
-    A slot is freed as soon as its sequence stops running (finished, aborted, preempted): the
-    device applies steps in dispatch order, so a row reused by another sequence is rewritten by
-    `init_slot` before any later step reads it, whatever earlier step still writes the old one.
-    A preempted sequence gets a fresh slot built from its landed tokens when it samples again.
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def token_logprobs(logprobs, token_ids) -> dict:
+    """The chosen ids' logprobs and 1-based ranks, and each row's top NUM_TOP_LOGPROBS.
+
+    logprobs: float32 [rows, vocab_size]; token_ids: int32 [rows]. Returns "chosen" f32 [rows],
+    "rank" int32 [rows], "top_values" f32 [rows, 20], "top_ids" int32 [rows, 20].
     """
+    import jax
+    import jax.numpy as jnp
 
-    def __init__(self, num_slots: int, vocab_size: int, place=None):
-        self.num_slots, self.vocab_size = num_slots, vocab_size
-        self._place = place  # tensor parallelism: replicate over the mesh, as the logits are
-        self._state: TokenState | None = None  # allocated on first use (or at warm-up)
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._owner: dict[int, tuple[int, Sequence]] = {}  # seq_id -> (slot, seq)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=1)
+    rank = 1 + jnp.sum(logprobs > chosen, axis=1).astype(jnp.int32)
+    top_values, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[1]))
+    return {"chosen": chosen[:, 0], "rank": rank, "top_values": top_values, "top_ids": top_ids.astype(jnp.int32)}
 
-    @property
-    def state(self) -> TokenState:
-        if self._state is None:
-            state = zeros_token_state(self.num_slots, self.vocab_size)
-            self._state = state if self._place is None else self._place(state)
-        return self._state
 
-    @state.setter
-    def state(self, value: TokenState) -> None:
-        self._state = value
+def with_every_token(logits_indices, targets):
+    """The model's logits rows: each sequence's last token, then (prompt logprobs) every token.
 
-    def release_stopped(self) -> None:
-        """Frees the slots of sequences no longer running (called before each step's rows are built)."""
-        for seq_id, (slot, seq) in list(self._owner.items()):
-            if seq.status is not SequenceStatus.RUNNING:
-                del self._owner[seq_id]
-                self._free.append(slot)
+    logits_indices: int32 [num_seqs]; targets: int32 [num_tokens] or None.
+    """
+    import jax.numpy as jnp
 
-    def slot_of(self, seq: Sequence) -> int:
-        """`seq`'s slot, initialised from its prompt and landed outputs if it has none yet."""
-        owned = self._owner.get(seq.seq_id)
-        if owned is not None:
-            return owned[0]
-        slot = self.new_slot(seq)
-        self._owner[seq.seq_id] = (slot, seq)
-        return slot
+    if targets is None:
+        return logits_indices
+    return jnp.concatenate([logits_indices, jnp.arange(targets.shape[0], dtype=jnp.int32)])
 
-    def new_slot(self, seq: Sequence) -> int:
-        """A slot initialised for `seq`'s tokens, not yet owned (n > 1 fan-out: `assign` it to a child)."""
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} token-state slots are in use; this is a bug (one per "
-                               "running sequence is enough)")
-        slot = self._free.pop()
-        params = seq.sampling_params
-        rows = host_slot_rows(self.vocab_size, seq.prompt_token_ids, seq.output_token_ids, params.logit_bias,
-                              params.allowed_token_ids)
-        self.state = init_slot(self.state, np.int32(slot), *rows)
-        return slot
 
-    def assign(self, seq: Sequence, slot: int) -> None:
-        self._owner[seq.seq_id] = (slot, seq)
+def split_prompt_logprobs(logits, num_seqs: int, targets):
+    """logits (no targets), or (the sequences' logits, token_logprobs of every token at its target).
+
+    logits: [num_seqs + num_tokens, vocab_size] with targets, int32 [num_tokens] (-1: none), else [num_seqs, vocab_size].
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if targets is None:
+        return logits
+    per_token = jax.nn.log_softmax(logits[num_seqs:], axis=1)
+    return logits[:num_seqs], token_logprobs(per_token, jnp.maximum(targets, 0))
 
 
 class TokenDecoder:
@@ -97,7 +98,7 @@ class TokenDecoder:
 
 @dataclasses.dataclass(slots=True)
 class HostLogprobs:
-    """sampler_ext.token_logprobs' arrays on the host, as Python lists (one conversion per step)."""
+    """token_logprobs' arrays on the host, as Python lists (one conversion per step)."""
 
     chosen: list[float]
     rank: list[int]

@@ -1,4 +1,4 @@
-"""A step's sampling on the device: one sampler row per token drawn, and the jitted call.
+"""A step's sampler rows: one row per token drawn, the padded jitted calls, and their warm-up.
 
     scheduled sequences ──row_spec──► RowSpec per row ──make_sampling_arrays──► SamplingArrays (numpy)
     logits [bucket, vocab] + SamplingArrays ──sample_padded──► tokens [num_out] (stay on the device:
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.device.inverse_cdf import successive_draws
-from jaxpaged.device.sampler import (
-    GREEDY_TEMPERATURE, RowSpec, _branch_free, _mask_banned, _row_uniforms, beam_candidates, make_sampling_arrays,
+from jaxpaged.sample.inverse_cdf import successive_draws
+from jaxpaged.sample.sampler import (
+    GREEDY_TEMPERATURE, RowSpec, beam_candidates, make_sampling_arrays, mask_banned, resolve_branch_free, row_uniforms,
     sample)
 from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
 from jaxpaged.planner.sequence import Sequence
@@ -48,7 +48,7 @@ def sample_padded(logits, arrays, num_out: int, token_bitmask=None):
 
 # Structured outputs' sample first: each row's draw and this many - 1 more without replacement
 # (uniforms 1..31 of its (seed, step)); a rejected row takes the first allowed one, so most
-# rejections need no second pass of the sampler (engine/step_sampler.py). SmolLM2, 64 JSON rows at
+# rejections need no second pass of the sampler (step_sampler.py). SmolLM2, 64 JSON rows at
 # T=1: 8 settle 1.3 of 3.2 rejected free rows a step, 32 settle 2.3 of 3.3, at the same device cost.
 NUM_STRUCTURED_CANDIDATES = 32
 
@@ -70,16 +70,16 @@ def sample_first_padded(logits, arrays, num_out: int, num_candidates: int = NUM_
     none = jnp.full((tokens.shape[0], num_candidates), -1, jnp.int32)
 
     def drawn():
-        allowed = _mask_banned(logits.astype(jnp.float32)[arrays.row_idx], arrays.banned_ids)  # [R, V]
+        allowed = mask_banned(logits.astype(jnp.float32)[arrays.row_idx], arrays.banned_ids)  # [R, V]
         temperature = jnp.where(is_random, arrays.temperature, 1.0)
         probs = jax.nn.softmax(allowed / temperature[:, None], axis=1)
-        u = jax.vmap(lambda draw: _row_uniforms(arrays, draw), out_axes=1)(jnp.arange(1, num_candidates))  # [R, C - 1]
+        u = jax.vmap(lambda draw: row_uniforms(arrays, draw), out_axes=1)(jnp.arange(1, num_candidates))  # [R, C - 1]
         more = jax.lax.platform_dependent(  # the blocked scan on the CPU, as the sampler's own draw
             probs, tokens, u, cpu=functools.partial(successive_draws, blocked=True),
             default=functools.partial(successive_draws, blocked=False))
         return jnp.where(is_random[:, None], more, none)
 
-    candidates = drawn() if _branch_free(None) else jax.lax.cond(jnp.any(is_random), drawn, lambda: none)
+    candidates = drawn() if resolve_branch_free(None) else jax.lax.cond(jnp.any(is_random), drawn, lambda: none)
     return jnp.pad(tokens, (0, num_out - tokens.shape[0])), candidates
 
 
@@ -88,7 +88,7 @@ def resample_padded(logits, arrays, tokens, token_bitmask, rejected, num_out: in
     """Structured outputs' sample-first redraw: rows where `rejected` (bool [rows]) draw again from
     the same logits under `token_bitmask`, with a uniform independent of their first draw and of
     their candidates' (uniform NUM_STRUCTURED_CANDIDATES of (seed, step)); the others keep `tokens`
-    (the step's tokens, padded to num_out). Exact (engine/step_sampler.py)."""
+    (the step's tokens, padded to num_out). Exact (step_sampler.py)."""
     again, _ = sample(logits, arrays, token_bitmask=token_bitmask, draw=NUM_STRUCTURED_CANDIDATES)
     pad = num_out - again.shape[0]
     return jnp.where(jnp.pad(rejected, (0, pad)), jnp.pad(again, (0, pad)), tokens)

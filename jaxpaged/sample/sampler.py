@@ -44,6 +44,22 @@ On an accelerator (`branch_free=True`, the default off CPU) a data-dependent `co
 its predicate back to the host every step, stalling the asynchronous engine's overlap; there every
 path is computed and selected per row with `jnp.where` (the full sort included, which on a 2-core
 CPU costs ~40x the greedy step, hence the split). Both modes draw the same tokens.
+
+With logprobs and penalties (`sample_ext`): steps in which no row asks for logprobs or uses
+penalties / logit_bias / allowed_token_ids run `sample` unchanged (nothing extra computed or copied
+back). Any other step runs `sample_ext`, which draws exactly as `sample` does from the penalized logits:
+
+    raw ─► + bias, penalties (penalties.py; only with `penalties`) ─► banned ids ─► sample's draw
+    logprobs of every row under `dist`:
+        "raw_logprobs":       log_softmax(raw)                       (the model's distribution)
+        "processed_logprobs": log_softmax(what the row drew from)    (penalized, temperature-scaled,
+                              top-k/top-p/min-p filtered, -inf outside the kept set; greedy rows:
+                              penalized and banned, unscaled)
+    chosen logprob, its 1-based rank (1 + #ids with a larger logprob), and the top NUM_TOP_LOGPROBS
+    (values descending, ties: lower id first) of every row (logprobs.py `token_logprobs`).
+
+Fixed shapes: the top-k width is always NUM_TOP_LOGPROBS (the host slices each row to its k), so a
+step compiles once per (rows, penalties or not) and the mode; the engine warms them all.
 """
 
 import dataclasses
@@ -55,7 +71,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt
 
-from jaxpaged.device.inverse_cdf import blocked_draw, full_cdf_draw
+from jaxpaged.sample.inverse_cdf import blocked_draw, full_cdf_draw
+from jaxpaged.sample.logprobs import token_logprobs
+from jaxpaged.sample.penalties import PenaltyArrays, TokenState, add_tokens, apply_penalties
 
 # Legend: R=num_rows (output rows, a bucket size) V=vocab_size C=candidates per row (top-k / top-p)
 
@@ -63,6 +81,7 @@ GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM's _SA
 PRNG_IMPL = "threefry2x32"  # fixed so that seeded outputs do not depend on jax_default_prng_impl
 NUM_CANDIDATES = 1024  # top-k / top-p first look at this many largest logits per row
 MIN_BANNED_WIDTH = 4  # banned_ids columns: this, or the next power of two that fits (few compiles)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # sample_ext: the distribution logprobs are read from
 
 
 class RowSpec(NamedTuple):
@@ -243,7 +262,7 @@ def _processed_logits(
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _mask_banned(
+def mask_banned(
     raw: Float[Array, "num_rows vocab_size"], banned_ids: Int[Array, "num_rows num_banned"]
 ) -> Float[Array, "num_rows vocab_size"]:
     """raw with -inf at each row's banned ids; the -1 padding points past the vocabulary and is dropped."""
@@ -266,7 +285,7 @@ def apply_token_bitmask(
     return jnp.where(allowed.astype(jnp.bool_), raw, -jnp.inf)
 
 
-def _row_uniforms(params: SamplingArrays, draw: int | Int[Array, ""] = 0) -> Float[Array, "num_rows"]:
+def row_uniforms(params: SamplingArrays, draw: int | Int[Array, ""] = 0) -> Float[Array, "num_rows"]:
     """One uniform in (0, 1) per row, from (seed, step) alone. `draw` (static > 0, or traced): an
     independent one from the same (seed, step) (structured outputs' candidates and redraw of a
     rejected token)."""
@@ -291,14 +310,14 @@ def _inverse_cdf_draw(
     threefry values per row cost more than the model's decode step.
     """
     probs = jax.nn.softmax(processed, axis=1)
-    # The CPU finds the block first (device/inverse_cdf.py: a full-vocabulary cumsum is most of the
+    # The CPU finds the block first (inverse_cdf.py: a full-vocabulary cumsum is most of the
     # sampler's time there); other backends keep the full cumulative sum, as before. Chosen by the
     # platform the program is lowered for, not the host's: a CUDA program compiled on a CPU host
     # keeps the GPU's draw.
     return jax.lax.platform_dependent(probs, u, cpu=blocked_draw, default=full_cdf_draw)
 
 
-def _branch_free(branch_free: bool | None) -> bool:
+def resolve_branch_free(branch_free: bool | None) -> bool:
     """None: branch-free everywhere but on CPU, where cond skips work and costs no host round trip."""
     return jax.default_backend() != "cpu" if branch_free is None else branch_free
 
@@ -313,7 +332,7 @@ def sampling_logits(
     `sample` computes the same thing inline.
     """
     raw = logits.astype(jnp.float32)[params.row_idx]
-    return _processed_logits(_mask_banned(raw, params.banned_ids), params, _branch_free(branch_free))
+    return _processed_logits(mask_banned(raw, params.banned_ids), params, resolve_branch_free(branch_free))
 
 
 @functools.partial(jax.jit, static_argnames=("branch_free", "draw"))
@@ -334,7 +353,7 @@ def sample(
         mask (see apply_token_bitmask), applied before everything else. None (a separate compiled
         variant) costs nothing; a step passes it only when some row has a grammar.
       draw: static; 0 is a row's draw, > 0 an independent uniform of the same (seed, step)
-        (sampling.py: resample_padded, a grammar-rejected token drawn again under the mask).
+        (rows.py: resample_padded, a grammar-rejected token drawn again under the mask).
 
     Returns:
       token_ids: int32 [num_rows], the chosen token of each output row.
@@ -346,19 +365,58 @@ def sample(
     """
     raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
     constrained = raw if token_bitmask is None else apply_token_bitmask(raw, token_bitmask)
-    allowed = _mask_banned(constrained, params.banned_ids)  # [R, V]
+    allowed = mask_banned(constrained, params.banned_ids)  # [R, V]
     greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
     is_random = params.temperature >= GREEDY_TEMPERATURE
-    branch_free = _branch_free(branch_free)
+    branch_free = resolve_branch_free(branch_free)
 
     def random_ids():
-        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), _row_uniforms(params, draw))
+        drawn = _inverse_cdf_draw(_processed_logits(allowed, params, branch_free), row_uniforms(params, draw))
         return jnp.where(is_random, drawn, greedy_ids)
 
     token_ids = random_ids() if branch_free else jax.lax.cond(jnp.any(is_random), random_ids, lambda: greedy_ids)
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0]
     logprobs = chosen - jax.nn.logsumexp(raw, axis=1)
     return token_ids, logprobs
+
+
+@functools.partial(jax.jit, static_argnames=("logprobs_mode", "num_out", "branch_free"), donate_argnames=("state",))
+def sample_ext(
+    logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, penalties: PenaltyArrays | None,
+    state: TokenState | None, token_bitmask: Int[Array, "num_rows num_words"], *, logprobs_mode: str, num_out: int,
+    branch_free: bool | None = None,
+):
+    """Returns (tokens int32 [num_out] padded with 0, logprobs dict of device arrays, the updated state).
+
+    logprobs: "chosen" f32 [R], "rank" int32 [R], "top_values" f32 [R, 20], "top_ids" int32 [R, 20].
+    `penalties` None (and state None) skips the penalty path: a separate compiled program.
+    `token_bitmask`: the structured-output mask (all ones for rows without a grammar), applied after
+    the penalties and before the min_tokens ban, as `sample` applies it.
+    """
+    raw = logits.astype(jnp.float32)[params.row_idx]  # [R, V]
+    x = raw if penalties is None else apply_penalties(raw, state, penalties)
+    allowed = mask_banned(apply_token_bitmask(x, token_bitmask), params.banned_ids)
+    greedy_ids = jnp.argmax(allowed, axis=1).astype(jnp.int32)
+    is_random = params.temperature >= GREEDY_TEMPERATURE
+    branch_free = resolve_branch_free(branch_free)
+
+    def random_path():
+        processed = _processed_logits(allowed, params, branch_free)
+        drawn = _inverse_cdf_draw(processed, row_uniforms(params))
+        return jnp.where(is_random, drawn, greedy_ids), jnp.where(is_random[:, None], processed, allowed)
+
+    if branch_free:
+        token_ids, processed = random_path()
+    else:
+        token_ids, processed = jax.lax.cond(jnp.any(is_random), random_path, lambda: (greedy_ids, allowed))
+    if penalties is not None:
+        state = add_tokens(state, penalties.slot, token_ids)
+
+    dist = raw if logprobs_mode == "raw_logprobs" else processed
+    logprobs = jax.nn.log_softmax(dist, axis=1)
+    out = token_logprobs(logprobs, token_ids)
+    tokens = jnp.pad(token_ids, (0, num_out - token_ids.shape[0]))
+    return tokens, out, state
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates",))

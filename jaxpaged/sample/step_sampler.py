@@ -1,7 +1,7 @@
-"""A step's sampling, engine side: one sampler row per token drawn, and which sampler runs.
+"""StepSampler: builds a step's sampler rows (one per token drawn) and picks which sampler runs.
 
-    scheduled sequences ──► RowSpec per row (device/sampling.py) ──► sampler.sample          (plain)
-                        └─► + PenaltyArrays / logprobs wanted   ──► sampler_ext.sample_ext  (else)
+    scheduled sequences ──► RowSpec per row (rows.py)         ──► sampler.sample      (plain)
+                        └─► + PenaltyArrays / logprobs wanted ──► sampler.sample_ext  (else)
 
 Only a step where some row asks for logprobs or uses penalties, logit_bias or allowed_token_ids
 pays for the extended sampler; only a step where some row asks for logprobs copies them back.
@@ -15,13 +15,11 @@ import time
 import jax
 import numpy as np
 
-from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
-from jaxpaged.device.sampler_ext import LOGPROBS_MODES, sample_ext
-from jaxpaged.device.sampling import (
-    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded, sampler_row_counts)
-from jaxpaged.device.token_state import host_slot_rows, init_slot, make_penalty_arrays
-from jaxpaged.engine.logprobs import TokenSlots
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.sample.penalties import TokenSlots, host_slot_rows, init_slot, make_penalty_arrays
+from jaxpaged.sample.rows import (
+    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded, sampler_row_counts)
+from jaxpaged.sample.sampler import LOGPROBS_MODES, RowSpec, make_sampling_arrays, sample_ext
 
 _NO_PENALTY = (-1, 0.0, 0.0, 1.0)
 
@@ -29,7 +27,7 @@ _NO_PENALTY = (-1, 0.0, 0.0, 1.0)
 @dataclasses.dataclass
 class SampledStep:
     tokens: jax.Array | np.ndarray | None  # int32 [num_out], None if nothing sampled; numpy: fixed on the host
-    logprobs: dict | None  # sampler_ext.token_logprobs' device arrays, None unless some row asked
+    logprobs: dict | None  # logprobs.token_logprobs' device arrays, None unless some row asked
     entries: list  # per scheduled sequence: None, its sampler row, or n rows (fan-out)
     num_rows: int
     fan_out_slots: list[list[int]]  # per fan-out (in order): the token-state slot of each of its n rows
@@ -99,7 +97,7 @@ class StepSampler:
         if not rows:
             return SampledStep(None, None, entries, 0, fan_out_slots), beam_seqs
         num_rows = num_sample_rows(len(rows), logits.shape[0])
-        if num_rows > logits.shape[0]:  # n > 1 fan-out: the samplers' warmed shape (sampling.pad_logit_rows)
+        if num_rows > logits.shape[0]:  # n > 1 fan-out: the samplers' warmed shape (rows.pad_logit_rows)
             logits = pad_logit_rows(logits, num_rows=num_rows)
         num_out = max(num_rows, self.runner.num_prev_token_rows)
         # Rows drawn first and checked after need the plain sampler's redraw (logprobs keep the mask first).
@@ -179,7 +177,7 @@ def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask, can
     """Structured outputs' sample first: the rows drawn without their grammar mask are checked on the
     host (waiting for the step's tokens: a constrained step commits in this engine step anyway).
     A rejected row takes its grammar's forced token, or its first allowed candidate (`candidates`,
-    sampling.sample_first_padded: draws without replacement for temperature rows, none for greedy
+    rows.sample_first_padded: draws without replacement for temperature rows, none for greedy
     ones); only rows with neither draw again on the device, from the same logits under
     their mask, with an independent uniform. Greedy gives the argmax over the allowed tokens;
     sampling gives exactly p(t) / p(A) over the allowed set A (DESIGN.md). A step whose rejected
