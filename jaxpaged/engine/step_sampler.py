@@ -1,0 +1,9 @@
+"""Moved to jaxpaged.sample.step_sampler; this re-export is kept for one release."""
+
+from jaxpaged.sample.step_sampler import (
+    SampledStep,
+    StepSampler,
+    fan_out_order,
+)
+
+__all__ = ["SampledStep", "StepSampler", "fan_out_order"]
