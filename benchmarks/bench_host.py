@@ -41,10 +41,6 @@ import time
 
 import numpy as np
 
-from jaxpaged.device.sampler import make_sampling_arrays
-from jaxpaged.device.sampling import row_spec
-from jaxpaged.device.token_state import make_penalty_arrays
-from jaxpaged.engine.logprobs import HostLogprobs
 from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.models.loading import default_model_path
 from jaxpaged.engine.output_processor import OutputProcessor, _catch_up
@@ -53,6 +49,10 @@ from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import Sequence
 from jaxpaged.device.step_input import BlockTableRows, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.tokenizer import Tokenizer
+from jaxpaged.sample.sampler import make_sampling_arrays
+from jaxpaged.sample.rows import row_spec
+from jaxpaged.sample.penalties import make_penalty_arrays
+from jaxpaged.sample.logprobs import HostLogprobs
 
 NUM_SEQS = 256
 PAGE_SIZE = 16

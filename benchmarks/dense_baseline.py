@@ -40,8 +40,8 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import CausalLM
-from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
 from jaxpaged.planner.request import SamplingParams, banned_token_ids, seed_for
+from jaxpaged.sample.sampler import RowSpec, make_sampling_arrays, sample
 
 # Legend: R=rows (sequences of the batch, or a prefill group)  S=query tokens per row
 #         K=num_kv_heads  G=query heads per KV head  H=head_dim  L=kv_len (key positions read)

@@ -71,7 +71,7 @@ def test_beam_search_compiles_nothing_after_warm_up():
     """At b8feddf the beam top-k compiled at the first beam step of each width (~seconds under load,
     inside a request). Warm-up now compiles it for every step's row count at one width."""
     from jaxpaged import BeamSearchParams
-    from jaxpaged.device.sampler import beam_candidates
+    from jaxpaged.sample.sampler import beam_candidates
 
     llm = tiny_llm(warmup=True)
     compiled_steps, compiled_top_k = llm.stats()["num_compiles"], beam_candidates._cache_size()

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.device.inverse_cdf import blocked_draw, full_cdf_draw
+from jaxpaged.sample.inverse_cdf import blocked_draw, full_cdf_draw
 
 
 def test_worked_example_from_the_docstring():
@@ -65,7 +65,7 @@ def test_successive_draws_are_the_float64_draws_without_replacement(blocked):
     """Each candidate is the float64 inverse-CDF draw from probs with the row's earlier candidates
     zeroed (vocabulary 3000: 12 blocks of 256, the last padded), distinct and of positive
     probability; column 0 is the given first draw."""
-    from jaxpaged.device.inverse_cdf import successive_draws
+    from jaxpaged.sample.inverse_cdf import successive_draws
 
     num_rows, vocab_size, num_more = 32, 3000, 7
     logits = 2 * jax.random.normal(jax.random.key(3), (num_rows, vocab_size))
@@ -92,7 +92,7 @@ def test_successive_draws_are_the_float64_draws_without_replacement(blocked):
 def test_successive_draws_stop_at_minus_one_when_no_mass_is_left(blocked):
     """Three tokens of positive probability: the fourth candidate on is -1 (never a zero-probability
     or repeated token)."""
-    from jaxpaged.device.inverse_cdf import successive_draws
+    from jaxpaged.sample.inverse_cdf import successive_draws
 
     probs = jnp.zeros((2, 600)).at[:, jnp.array([5, 300, 599])].set(jnp.array([0.2, 0.5, 0.3]))
     candidates = np.asarray(successive_draws(probs, jnp.array([300, 5]), jnp.full((2, 5), 0.5), blocked=blocked))
@@ -108,7 +108,7 @@ def test_successive_draws_after_a_dominant_token_weigh_its_block_right(blocked, 
     tokens in its block of 256 and 256 in the next: the next draw must land in its block 255/511 of
     the time. Subtracting its probability from the float32 block sum left rounding (47.8% at gap
     20, 0% at 24)."""
-    from jaxpaged.device.inverse_cdf import successive_draws
+    from jaxpaged.sample.inverse_cdf import successive_draws
 
     num_rows = 20000
     logits = jnp.full((1, 512), -gap).at[0, 0].set(0.0)

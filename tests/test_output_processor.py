@@ -287,7 +287,7 @@ def test_streamed_snapshots_keep_what_they_showed_when_read_later(tokenizer):
     """Outputs share the engine's growing token and logprob lists instead of copying them; an
     output read steps later (or after its request finished) still shows the tokens, logprobs and
     text it had when it was made, and compares and prints like a plain record."""
-    from jaxpaged.engine.logprobs import HostLogprobs
+    from jaxpaged.sample.logprobs import HostLogprobs
     from jaxpaged.engine.outputs import CompletionOutput, Logprob
 
     processor = OutputProcessor(tokenizer)

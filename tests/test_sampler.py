@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.device.sampler import (
+from jaxpaged.sample.sampler import (
     NUM_CANDIDATES,
     RowSpec,
     _rank_keep_mask,
@@ -164,7 +164,7 @@ def test_min_tokens_bans_stop_tokens_up_to_output_m_and_eos_can_be_output_m_plus
     """min_tokens = m: the row drawing output number k (k - 1 outputs out) bans eos while k - 1 < m,
     i.e. for outputs 1..m; output m + 1 may be eos (vLLM's MinTokensLogitsProcessor). Eos is the
     overwhelming favourite here, so a drawn non-eos token shows the ban."""
-    from jaxpaged.device.sampling import row_spec
+    from jaxpaged.sample.rows import row_spec
     from jaxpaged.planner.request import SamplingParams
     from jaxpaged.planner.sequence import Sequence
 

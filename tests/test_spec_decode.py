@@ -134,7 +134,7 @@ def test_rejection_sampling_matches_target(always_accept, filters):
     NUM_DRAWS draws; with the rule replaced by "always accept" the same check fails."""
     import jax
 
-    from jaxpaged.device.sampler import SamplingArrays, sampling_logits
+    from jaxpaged.sample.sampler import SamplingArrays, sampling_logits
     from jaxpaged.spec_decode import verifier
 
     logits = jax.random.normal(jax.random.key(7), (3, SMALL_VOCAB)) * 1.5  # positions 0, 1, 2

@@ -76,7 +76,7 @@ def test_rejection_sampling_with_draft_probs(always_accept):
     distributed as p (TV < 0.01 at NUM_DRAWS draws, per position), and "always accept" fails that.
     The rule reads the real q: position 0 keeps its proposal at the rate sum_x min(p(x), q(x)) of
     Leviathan et al. (the point-mass rule, also exact, would keep it at sum_x q(x) p(x) only)."""
-    from jaxpaged.device.sampler import SamplingArrays, sampling_logits
+    from jaxpaged.sample.sampler import SamplingArrays, sampling_logits
     from jaxpaged.spec_decode import verifier
 
     t = 0.8

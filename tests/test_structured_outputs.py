@@ -74,7 +74,7 @@ def _counts(state):
 def _num_compiles(llm) -> tuple[int, int, int, int]:
     """(step programs compiled, sampler programs compiled: both variants, every row count, the
     sample-first sampler with candidates, and the grammar's redraw programs)."""
-    from jaxpaged.device.sampling import resample_padded, sample_first_padded, sample_padded
+    from jaxpaged.sample.rows import resample_padded, sample_first_padded, sample_padded
 
     return (_engine(llm).stats()["num_compiles"], sample_padded._cache_size(), sample_first_padded._cache_size(),
             resample_padded._cache_size())
@@ -314,7 +314,7 @@ def test_sampler_bitmask_equals_masking_the_logits_by_hand():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
+    from jaxpaged.sample.sampler import RowSpec, make_sampling_arrays, sample
 
     rng = np.random.default_rng(0)
     vocab, num_rows = 100, 8  # 100 is not a multiple of 32: the last word is partly padding

@@ -204,8 +204,8 @@ def _draws(logits, allowed, temperature, draw):
     """(always-masked tokens, sample-first tokens): row r uses seed r; `draw`: the redraw's uniform."""
     import jax.numpy as jnp
 
-    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays, sample
-    from jaxpaged.device.sampling import resample_padded
+    from jaxpaged.sample.sampler import RowSpec, make_sampling_arrays, sample
+    from jaxpaged.sample.rows import resample_padded
 
     num_rows, vocab = logits.shape
     mask = _bitmask(allowed)
@@ -226,8 +226,8 @@ def _draws_with_candidates(logits, allowed, temperature):
     """The engine's sample first (step_sampler._redraw_rejected): the draw and its candidates, a
     rejected row's first allowed candidate, the device's redraw for rows with none. Returns
     (tokens, share of rows rejected, share of those that took a candidate)."""
-    from jaxpaged.device.sampler import RowSpec, make_sampling_arrays
-    from jaxpaged.device.sampling import resample_padded, sample_first_padded
+    from jaxpaged.sample.sampler import RowSpec, make_sampling_arrays
+    from jaxpaged.sample.rows import resample_padded, sample_first_padded
 
     num_rows, _ = logits.shape
     arrays = make_sampling_arrays([RowSpec(row_idx=r, temperature=temperature, seed=r, step=3) for r in range(num_rows)],

@@ -154,7 +154,7 @@ def pieces(params: dict, batch: int, vocab: int) -> dict:
     if vocab_major is not None:  # the engine's CPU head (models/llama.py tied_lm_head)
         vocab_major(x, emb).block_until_ready()
         out["lm_head_vocab_major_ms"] = best_of(lambda: vocab_major(x, emb).block_until_ready(), 5)[0] * 1e3
-    sampler = _import_first("jaxpaged.device.sampler", "jaxpaged.sampler")
+    sampler = _import_first("jaxpaged.sample.sampler", "jaxpaged.device.sampler", "jaxpaged.sampler")
     logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32)
     for label, temperature in (("sampler_greedy_ms", 0.0), ("sampler_t0.6_ms", 0.6)):
         rows = [sampler.RowSpec(row_idx=i, temperature=temperature, seed=i) for i in range(batch)]
@@ -273,7 +273,7 @@ def main() -> None:
         "step_gflop": step_flops / 1e9, "matmul_peak_share": peak_share, "matmul_peak_share_at_bytes_floor": floor_share,
         "trace": trace, "floors_ms": floors, "pieces_ms": piece, "public": public,
         "internals_used": ["llm.engine.runner (dummy_step_input, execute, trace_step, page_size, num_pages, config)",
-                           "jaxpaged.sampler / jaxpaged.device.sampler (RowSpec, make_sampling_arrays, sample)"],
+                           "jaxpaged.sampler / jaxpaged.device.sampler / jaxpaged.sample.sampler (RowSpec, make_sampling_arrays, sample)"],
         "rows": rows,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

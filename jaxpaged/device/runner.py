@@ -29,7 +29,7 @@ from jaxpaged.device.step_input import StepInput, default_buckets, default_decod
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import codes_layout_hint, cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
-from jaxpaged.device.sampler_ext import split_prompt_logprobs, with_every_token
+from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.kv_cache import apply_page_copies
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
@@ -274,7 +274,7 @@ class ModelRunner:
     def execute(self, step_input: StepInput, prev_tokens=None) -> (
             Float[Array, "num_logits vocab_size"] | tuple):  # a tuple with prompt logprobs / routed experts
         """Runs one step; returns float32 logits for every (padded) sequence row of the bucket (with
-        `step_input.prompt_logprob_targets`: (logits, sampler_ext.token_logprobs of every token)).
+        `step_input.prompt_logprob_targets`: (logits, sample/logprobs.token_logprobs of every token)).
 
         `prev_tokens` (int32 [num_prev_token_rows], on device) are the previous step's sampled tokens,
         read where `step_input.prev_token_rows` says; None when no input token is a placeholder.

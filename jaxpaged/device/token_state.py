@@ -1,110 +1,25 @@
-"""Per-sequence token state on the device: what penalties, logit bias and allowed_token_ids read.
+"""Moved to jaxpaged.sample.penalties; this re-export is kept for one release."""
 
-    TokenState (device, donated through every step that uses it), one row per slot:
-      counts      int32 [slots, V]   occurrences of each id among the sequence's generated tokens
-      prompt_mask bool  [slots, V]   ids that occur in its prompt (repetition_penalty only)
-      bias        f32   [slots, V]   logit_bias, and -inf outside allowed_token_ids
+from jaxpaged.sample.penalties import (
+    HostOrDevice,
+    PenaltyArrays,
+    TokenState,
+    add_tokens,
+    apply_penalties,
+    host_slot_rows,
+    init_slot,
+    make_penalty_arrays,
+    zeros_token_state,
+)
 
-A slot is given to a sequence the first time it samples (`init_slot`, one host->device row write)
-and rebuilt from the host's tokens if it is preempted and resumes; the sampler then adds each row's
-drawn token to its counts inside the jitted step (`add_tokens`), so no token comes back to the host
-for this. Rows without a slot pass slot -1: they read zeros and write nothing.
-
-Penalties, in vLLM's order, on logits x of a row (c = counts, m = prompt_mask | c > 0):
-    x += bias                                                   (logit_bias; -inf outside allowed ids)
-    x = where(m, where(x > 0, x / repetition, x * repetition), x)    (HF RepetitionPenaltyLogitsProcessor)
-    x -= frequency * c + presence * (c > 0)                     (OpenAI: generated tokens only)
-"""
-
-from __future__ import annotations
-
-import dataclasses
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Bool, Float, Int
-
-
-HostOrDevice = Array | np.ndarray
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TokenState:
-    counts: Int[Array, "slots vocab_size"]
-    prompt_mask: Bool[Array, "slots vocab_size"]
-    bias: Float[Array, "slots vocab_size"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PenaltyArrays:
-    """Per output row (padded like SamplingArrays; padding rows: slot -1, no penalty)."""
-
-    slot: Int[HostOrDevice, "num_rows"]  # int32, the row's TokenState slot, -1 = none
-    presence: Float[HostOrDevice, "num_rows"]  # float32
-    frequency: Float[HostOrDevice, "num_rows"]  # float32
-    repetition: Float[HostOrDevice, "num_rows"]  # float32, 1 = off
-
-
-def zeros_token_state(num_slots: int, vocab_size: int) -> TokenState:
-    return TokenState(
-        counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
-        prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),
-        bias=jnp.zeros((num_slots, vocab_size), jnp.float32),
-    )
-
-
-def make_penalty_arrays(rows: list[tuple[int, float, float, float]], num_rows: int) -> PenaltyArrays:
-    """rows: (slot, presence, frequency, repetition) per output row, in sampler-row order."""
-    rows = rows + [(-1, 0.0, 0.0, 1.0)] * (num_rows - len(rows))
-    slot, presence, frequency, repetition = zip(*rows)
-    return PenaltyArrays(
-        slot=np.array(slot, np.int32), presence=np.array(presence, np.float32),
-        frequency=np.array(frequency, np.float32), repetition=np.array(repetition, np.float32),
-    )
-
-
-def host_slot_rows(vocab_size: int, prompt_token_ids, output_token_ids, logit_bias, allowed_token_ids):
-    """The (counts, prompt_mask, bias) numpy rows of a sequence, as `init_slot` writes them."""
-    counts = np.bincount(np.asarray([t for t in output_token_ids if t >= 0], np.int64), minlength=vocab_size)
-    prompt_mask = np.zeros(vocab_size, np.bool_)
-    prompt_mask[np.asarray(prompt_token_ids, np.int64)] = True
-    bias = np.zeros(vocab_size, np.float32)
-    if allowed_token_ids is not None:
-        bias[:] = -np.inf
-        bias[np.asarray(allowed_token_ids, np.int64)] = 0.0
-    for token_id, value in (logit_bias or {}).items():
-        bias[token_id] += value
-    return counts[:vocab_size].astype(np.int32), prompt_mask, bias
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))  # one compile: the rows have fixed shapes
-def init_slot(state: TokenState, slot, counts, prompt_mask, bias) -> TokenState:
-    return TokenState(
-        counts=state.counts.at[slot].set(counts),
-        prompt_mask=state.prompt_mask.at[slot].set(prompt_mask),
-        bias=state.bias.at[slot].set(bias),
-    )
-
-
-def apply_penalties(
-    x: Float[Array, "num_rows vocab_size"], state: TokenState, pen: PenaltyArrays
-) -> Float[Array, "num_rows vocab_size"]:
-    """x with the rows' bias and penalties applied (module docstring); rows with slot -1 unchanged."""
-    has_slot = (pen.slot >= 0)[:, None]
-    slot = jnp.maximum(pen.slot, 0)
-    counts = jnp.where(has_slot, state.counts[slot], 0)
-    seen = jnp.where(has_slot, state.prompt_mask[slot], False) | (counts > 0)
-    x = x + jnp.where(has_slot, state.bias[slot], 0.0)
-    repetition = pen.repetition[:, None]
-    x = jnp.where(seen, jnp.where(x > 0, x / repetition, x * repetition), x)
-    return x - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
-
-
-def add_tokens(state: TokenState, slot: Int[Array, "num_rows"], tokens: Int[Array, "num_rows"]) -> TokenState:
-    """counts[slot[r], tokens[r]] += 1 for rows with a slot (slot -1 points past the slots: dropped)."""
-    rows = jnp.where(slot >= 0, slot, state.counts.shape[0])
-    return dataclasses.replace(state, counts=state.counts.at[rows, tokens].add(1, mode="drop"))
+__all__ = [
+    "HostOrDevice",
+    "PenaltyArrays",
+    "TokenState",
+    "add_tokens",
+    "apply_penalties",
+    "host_slot_rows",
+    "init_slot",
+    "make_penalty_arrays",
+    "zeros_token_state",
+]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpaged.engine.logprobs import HostLogprobs, PromptChunk, TokenDecoder
 from jaxpaged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.planner.request import SamplingParams, stop_prefix_len, stop_string_match
 from jaxpaged.planner.sequence import Sequence, SequenceStatus
+from jaxpaged.sample.logprobs import HostLogprobs, PromptChunk, TokenDecoder
 
 FINISHED = SequenceStatus.FINISHED
 

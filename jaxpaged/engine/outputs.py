@@ -11,16 +11,8 @@ What a snapshot shows never changes afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
-
-class Logprob(NamedTuple):
-    """vLLM's Logprob: one token's log-probability, its 1-based rank in the distribution (1 = most
-    likely), and its text alone (`tokenizer.decode([token_id])`)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+from jaxpaged.sample.logprobs import Logprob  # its home is sample/logprobs.py; users import it from here too
 
 
 # One position's log-probabilities: {token_id: Logprob}, the chosen (or prompt) token first, then the top k.

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner, StepInput
-from jaxpaged.device.sampler import GREEDY_TEMPERATURE, RowSpec, make_sampling_arrays, sampling_logits
+from jaxpaged.sample.sampler import GREEDY_TEMPERATURE, RowSpec, make_sampling_arrays, sampling_logits
 from jaxpaged.spec_decode.verifier import uniforms
 
 _PROPOSE = 3  # the `purpose` of a draft draw's uniform (verifier.py uses 1 and 2)

@@ -31,13 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.device.sampler import GREEDY_TEMPERATURE, RowSpec
-from jaxpaged.device.sampling import warmup_sampler
 from jaxpaged.device.step_input import default_buckets
 from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
+from jaxpaged.sample.rows import warmup_sampler
+from jaxpaged.sample.sampler import GREEDY_TEMPERATURE, RowSpec
 from jaxpaged.spec_decode.draft_model import DraftModelProposer, DraftRow
 from jaxpaged.spec_decode.ngram import propose_ngram
 from jaxpaged.spec_decode.verifier import make_verify_arrays, verify

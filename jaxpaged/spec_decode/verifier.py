@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt
 
-from jaxpaged.device.sampler import GREEDY_TEMPERATURE, PRNG_IMPL, SamplingArrays, sampling_logits
+from jaxpaged.sample.sampler import GREEDY_TEMPERATURE, PRNG_IMPL, SamplingArrays, sampling_logits
 
 # Legend: S = verification rows (padded to max_num_seqs), K = num_speculative_tokens, V = vocab
 _ACCEPT, _DRAW = 1, 2  # the `purpose` folded into a uniform's key
