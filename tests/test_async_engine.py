@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from jaxpaged.ops.attention import reference_paged_attention
-from jaxpaged.device.step_runner import StepResult
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.config import EngineConfig
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
 from jaxpaged.planner.request import SamplingParams
+from step_events import record_events
 
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -125,30 +125,6 @@ def test_async_stepping_gives_the_synchronous_outputs(tiny_params, engine_args):
             deltas = [c for o in parts for c in o.outputs if c.index == j]
             assert sum((d.delta_token_ids for d in deltas), []) == completion.token_ids
             assert "".join(d.delta_text for d in deltas) == completion.text
-
-
-def record_events(engine, monkeypatch) -> list[tuple[str, int]]:
-    """("dispatch", n) when step n is dispatched, ("readback", n) when its sampled tokens are read back,
-    observed by wrapping the step runner and StepResult.read_tokens (the step has no test hook)."""
-    events = []
-    dispatch = engine.step_runner.run
-
-    def recording_run(*args):
-        step = dispatch(*args)
-        if step is not None:
-            events.append(("dispatch", step.idx))
-        return step
-
-    read = StepResult.read_tokens
-
-    def recording_read(step):
-        if step.tokens is not None:
-            events.append(("readback", step.idx))
-        return read(step)
-
-    monkeypatch.setattr(engine.step_runner, "run", recording_run)
-    monkeypatch.setattr(StepResult, "read_tokens", recording_read)
-    return events
 
 
 def test_step_n_plus_1_is_dispatched_before_step_n_is_read_back(tiny_params, monkeypatch):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from compile_watch import backend_compiles
+from step_events import record_events
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchParams
 from jaxpaged.planner.request import SamplingParams
@@ -352,16 +353,15 @@ def test_engine_sampled_distribution_small_vocab(monkeypatch, always_accept):
         assert max(tvs) < 0.05, tvs
 
 
-def test_disable_by_batch_size(params):
+def test_disable_by_batch_size(params, monkeypatch):
     """More requests than disable_by_batch_size: no proposals, and steps overlap (step k+1 is dispatched
     before step k's tokens are read back); one request alone is speculated again, with the same tokens."""
     engine = make_engine(params, warmup=False, max_num_batched_tokens=32,
                          speculative_config={**NGRAM, "disable_by_batch_size": 1})
-    engine.events = []
+    events = record_events(engine, monkeypatch)
     prompts = _prompts()[:2]
     both = _run(engine, prompts, [_greedy(max_tokens=12)] * 2)
     assert engine.stats()["num_spec_draft_tokens"] == 0
-    events = engine.events
     assert events.index(("dispatch", 3)) < events.index(("readback", 2))
     alone = _run(engine, prompts[:1], [_greedy(max_tokens=12)])
     assert engine.stats()["num_spec_draft_tokens"] > 0

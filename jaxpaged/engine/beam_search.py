@@ -276,9 +276,9 @@ class BeamSearches(StepFeature):
 
     name = "beams"
 
-    def __init__(self, scheduler: Scheduler | None = None, decode=None) -> None:
+    def __init__(self, scheduler: Scheduler | None = None, tokenizer=None) -> None:
         self.scheduler = scheduler
-        self.decode = decode  # token ids -> text (the tokenizer's), for the outputs
+        self.tokenizer = tokenizer  # its decode(token ids) -> text, for the outputs
         self.searches: dict[str, BeamSearch] = {}  # request_id -> search
         self.owner: dict[int, BeamSearch] = {}  # seq_id of a live beam -> its search
 
@@ -296,7 +296,7 @@ class BeamSearches(StepFeature):
         if not step.beam_seqs:
             return []
         logprobs, token_ids = (np.asarray(a) for a in step.beam_candidates)
-        return [search.output(self.decode) for search in self.commit(self.scheduler, step.beam_seqs, logprobs, token_ids)]
+        return [search.output(self.tokenizer.decode) for search in self.commit(self.scheduler, step.beam_seqs, logprobs, token_ids)]
 
     def add(self, search: BeamSearch) -> None:
         self.searches[search.request_id] = search

@@ -122,7 +122,7 @@ class LLMEngine:
         self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh, num_host_pages,
                                       scheduler=self.scheduler, owner=self.processor.owner)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor)
-        self.beams = BeamSearches(self.scheduler, tokenizer.decode)
+        self.beams = BeamSearches(self.scheduler, tokenizer)
         self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
         sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.host_kv = HostKVStore(self.runner, num_host_pages)
