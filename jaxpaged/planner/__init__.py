@@ -1,6 +1,7 @@
 """The planner: what runs where, on the host. Standard library and numpy only, never jax.
 
     request.py        SamplingParams, seeds, every stop rule (the request lifecycle)
+    structured_params.py  StructuredOutputsParams: what a request's output must match (shape checks)
     sequence.py       one sequence's tokens, progress and pages
     prefix_cache.py   hash chains over full pages, the LRU of cached pages
     host_pool.py      host pages (swap space and the prefix cache's host tier)
