@@ -9,7 +9,7 @@ The host side (sequence, block manager, scheduler, sampling params) never import
 from jaxpaged.engine.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
 from jaxpaged.planner.request import SamplingParams
-from jaxpaged.structured import StructuredOutputsParams
+from jaxpaged.planner.structured_params import StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput",

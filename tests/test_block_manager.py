@@ -192,6 +192,20 @@ def test_fork_shares_pages_and_copies_the_partial_page_on_write():
     assert bm.ref_counts == [0] * NUM_PAGES and sorted(free_list(bm)) == list(range(1, NUM_PAGES))
 
 
+def test_release_page_gives_back_a_page_with_no_known_token():
+    # A speculative step grew the table for draft tokens; all were rejected, so the last page holds
+    # nothing known and the speculator gives it back (spec_decode/speculator.py).
+    bm = BlockManager(NUM_PAGES, PAGE_SIZE)
+    seq = admit(bm, PREFIX + [100])  # 9 tokens -> pages [1, 2, 3]; free [4 .. 10]
+    compute(bm, seq, 8)  # pages 1 and 2 registered; page 3 caches nothing
+    bm.release_page(seq.block_table[-1])
+    seq.block_table = seq.block_table[:2]
+    assert bm.ref_counts[1:4] == [1, 1, 0]
+    assert free_list(bm) == [3, 4, 5, 6, 7, 8, 9, 10]  # caches nothing: back at the front
+    bm.free(seq)  # last page first, registered: to the back
+    assert free_list(bm) == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
+
+
 def test_fork_on_a_page_boundary_needs_no_copy():
     bm = BlockManager(NUM_PAGES, PAGE_SIZE)
     parent = admit(bm, PREFIX)  # exactly 2 pages

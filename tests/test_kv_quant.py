@@ -19,7 +19,7 @@ from jaxpaged.ops.attention import chunked_paged_attention, chunked_paged_attent
 from jaxpaged.config import EngineConfig
 from jaxpaged.ops.kv_quant import QuantizedKV, dequantize, hadamard, quantize, rotate
 from jaxpaged.device.kv_cache import kv_cache_bytes_per_page, num_pages_for_budget
-from jaxpaged.device.kv_cache import apply_page_copies
+from jaxpaged.device.runner import apply_page_copies
 from pallas_kernels import decode_attention, decode_attention_from_buffer, ragged_paged_attention
 from pallas_kernels.testing import make_case
 

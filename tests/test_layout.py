@@ -7,21 +7,28 @@
     floor 3  models/          model code, weights, tokenizer
     floor 4  sample/          the sampler, its rows, penalties, logprobs, the per-step StepSampler
     floor 5  device/          step inputs, runner, KV pool, sharding
-    floor 5  spec_decode/     speculative decoding: proposers, verifier
+    floor 6  spec_decode/     speculative decoding: proposers, verifier, the Speculator feature
     floor 6  engine/          the step loop, outputs, beam search, data parallelism
     floor 7  entrypoints/     LLM, the CLI, the server
 
 A module may import from its own floor or below, never above. `pallas_kernels` is a separate
-library and imports nothing of jaxpaged.
+library and imports nothing of jaxpaged. Within jaxpaged and pallas_kernels no two modules import
+each other and no module imports another's private (underscored) names; planner/ never imports
+structured/ (structured outputs build on the planner, not the other way); tests never import
+benchmarks/.
 """
 
 import ast
+import collections
+import functools
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "sample": 4, "device": 5, "spec_decode": 5,
+FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "sample": 4, "device": 5, "spec_decode": 6,
           "engine": 6, "entrypoints": 7}
 # The package's own __init__ and the two entry names (python -m jaxpaged.generate / .serve) sit on top.
 TOP = {"__init__", "generate", "serve"}
@@ -121,3 +128,107 @@ def test_the_old_sampling_modules_only_re_export_public_names():
                 assert not [a.name for a in node.names if a.name.startswith("_")], f"{path}: re-exports a private name"
             else:  # nothing but the imports and __all__: no logic
                 assert isinstance(node, ast.Assign) and node.targets[0].id == "__all__", f"{path}: line {node.lineno}"
+
+
+# ------------------------------------------------------------------ the import graph, module by module
+
+PACKAGES = ("jaxpaged", "pallas_kernels")
+
+
+def _module_name(rel: str) -> str:
+    """`jaxpaged/device/runner.py` -> `jaxpaged.device.runner`; a package's __init__ is the package."""
+    return rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
+
+
+@functools.cache
+def _import_graph() -> tuple[dict[str, str], dict[str, set[str]], list[tuple[str, str]]]:
+    """(module -> its file, module -> the modules of PACKAGES it imports, [(file, private name
+    it imports from another module)]), function-level imports included.
+
+    `from a.b import c` points at module a.b.c when there is one, else at a.b; `import a.b.c` at the
+    longest prefix that is a module. A private module (`pallas_kernels/_common.py`) is its package's
+    own: importing public names from it is not importing a private name.
+    """
+    files = {_module_name(rel): rel for package in PACKAGES for rel, _ in _modules(package)}
+
+    def nearest(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {module: set() for module in files}
+    private = []
+    for module, rel in files.items():
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, rel)).read())):
+            if isinstance(node, ast.Import):
+                targets = [nearest(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = []
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    if submodule in files:
+                        targets.append(submodule)
+                        continue
+                    source = nearest(node.module)
+                    targets.append(source)
+                    is_dunder = alias.name.startswith("__") and alias.name.endswith("__")
+                    if source not in (None, module) and alias.name.startswith("_") and not is_dunder:
+                        private.append((rel, f"{node.module}.{alias.name}"))
+            else:
+                continue
+            edges[module] |= {t for t in targets if t is not None and t != module}
+    return files, edges, private
+
+
+def test_no_two_modules_import_each_other():
+    files, edges, _ = _import_graph()
+    circles = sorted({tuple(sorted((files[a], files[b]))) for a in edges for b in edges[a] if a in edges[b]})
+    assert not circles, ("these modules import each other (at module or function level); move what both "
+                         "need where it belongs:\n" + "\n".join(f"{a} <-> {b}" for a, b in circles))
+
+
+def test_no_module_imports_a_private_name_from_another():
+    _, _, private = _import_graph()
+    assert not private, ("private names imported from another module; make them public or move the code "
+                         "that needs them:\n" + "\n".join(f"{rel} imports {name}" for rel, name in private))
+
+
+def test_the_planner_never_imports_structured_outputs():
+    # Directly or through any other module of jaxpaged: structured/ builds on the planner.
+    files, edges, _ = _import_graph()
+    bad = []
+    for start in sorted(m for m in files if m.startswith("jaxpaged.planner")):
+        came_from = {start: None}
+        queue = collections.deque([start])
+        while queue:
+            module = queue.popleft()
+            if module.startswith("jaxpaged.structured"):
+                chain = [module]
+                while came_from[chain[-1]] is not None:
+                    chain.append(came_from[chain[-1]])
+                bad.append(" -> ".join(files[m] for m in reversed(chain)))
+                break
+            for target in sorted(edges[module] - came_from.keys()):
+                came_from[target] = module
+                queue.append(target)
+    assert not bad, "the planner reaches jaxpaged.structured:\n" + "\n".join(bad)
+
+
+@pytest.mark.xfail(strict=False, reason="benchmarks move in a parallel branch")
+def test_tests_never_import_benchmarks():
+    tests_dir = os.path.join(ROOT, "tests")
+    bad = []
+    for folder, _, names in os.walk(tests_dir):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                imported = set()
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.Import):
+                        imported |= {alias.name for alias in node.names}
+                    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                        imported |= {node.module} if node.module != "benchmarks" else {
+                            f"benchmarks.{alias.name}" for alias in node.names}
+                bad += [f"{os.path.relpath(path, ROOT)} imports {n}" for n in sorted(imported)
+                        if n.split(".")[0] == "benchmarks"]
+    assert not bad, "tests must not depend on benchmarks/ (move what they need into jaxpaged/):\n" + "\n".join(bad)

@@ -10,7 +10,7 @@ import torch
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models import ModelConfig, params_from_hf
-from jaxpaged.models.config import LongRope
+from jaxpaged.models.rope_scaling import LongRope
 from jaxpaged.models.llama import CausalLM
 from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
 from jaxpaged.planner.request import SamplingParams

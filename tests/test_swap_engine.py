@@ -33,7 +33,7 @@ def test_swap_preemption_recomputes_nothing_and_matches_an_unconstrained_run(asy
     assert stats["num_preemptions"] == stats["num_swaps_out"]  # no fallback to recompute: pool is large
     assert stats["num_recomputed_tokens"] == 0
     # Every page swapped out comes back: copied from host, or shared again where the device still
-    # caches it (planner/swap_space.py).
+    # caches it (planner/block_manager.py, swap_in_seq).
     assert stats["num_swapped_in_pages"] + stats["num_swap_in_shared_pages"] == stats["num_swapped_out_pages"] > 0
     assert stats["num_swapped_in_pages"] > 0
     assert stats["swap_bytes_out"] > 0 and stats["swap_bytes_in"] > 0

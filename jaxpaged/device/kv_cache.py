@@ -17,12 +17,12 @@ import math
 
 import jax
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.device.runner import ModelRunner  # the GPU pool is sized by compiling the runner's largest step
 from jaxpaged.device.sharding import TensorParallel, kv_head_replicas, replica_meshes
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.ops.kv_quant import QuantizedKV, bytes_per_token_head
+from jaxpaged.ops.kv_quant import bytes_per_token_head
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 # GPU pool sizing leaves this much, besides the step's own scratch memory and the
@@ -94,8 +94,6 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
     if config.kv_memory_bytes is not None:
         return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes, config.kv_cache_dtype)
     if on_gpu():
-        from jaxpaged.device.runner import ModelRunner  # the runner builds on this module's sizes
-
         tp_size = config.tensor_parallel_size
         if tp_size == 1:
             params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
@@ -129,14 +127,3 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
     full_batch = config.max_num_seqs * math.ceil(config.max_model_len / config.page_size) + 1
     page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
     return max(2, min(full_batch, CPU_KV_BUDGET_BYTES // page_bytes))
-
-
-def apply_page_copies(
-    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
-    src: Int[Array, "num_copies"],
-    dst: Int[Array, "num_copies"],
-) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV:
-    """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
-    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped.
-    A quantized cache's scales move with their pages (every leaf has page axis 3)."""
-    return jax.tree.map(lambda leaf: leaf.at[:, :, :, dst].set(leaf[:, :, :, src], mode="drop"), kv_pages)

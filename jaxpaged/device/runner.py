@@ -24,14 +24,13 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.ops.attention import reference_paged_attention
-from jaxpaged.ops.kv_quant import check_kv_cache_dtype, tree_bytes, zeros_kv_cache
+from jaxpaged.ops.kv_quant import QuantizedKV, check_kv_cache_dtype, tree_bytes, zeros_kv_cache
 from jaxpaged.device.step_input import StepInput, default_buckets, default_decode_buckets, pack_step_input, prepare_step_input
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.gguf_blocks import codes_layout_hint, cpu_matmul_kernels
+from jaxpaged.models.gguf_blocks import BLOCK, cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
-from jaxpaged.device.kv_cache import apply_page_copies
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
 from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
@@ -50,6 +49,30 @@ def enable_compilation_cache() -> str:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
     return jax.config.jax_compilation_cache_dir
+
+
+def apply_page_copies(
+    kv_pages: Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV,
+    src: Int[Array, "num_copies"],
+    dst: Int[Array, "num_copies"],
+) -> Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"] | QuantizedKV:
+    """Copies page `src[i]` to page `dst[i]` in every layer, K and V, all pairs at once (reads
+    see the buffer before any write). Padding pairs have dst = num_pages: out of range, dropped.
+    A quantized cache's scales move with their pages (every leaf has page axis 3)."""
+    return jax.tree.map(lambda leaf: leaf.at[:, :, :, dst].set(leaf[:, :, :, src], mode="drop"), kv_pages)
+
+
+def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
+    """What to do when the codes leaf at `path` (a key string) comes as `got` for `want`, the other layout
+    (`ModelRunner.update_params` checks new weights' shapes); "" for any other leaf or difference."""
+    got, want = tuple(got), tuple(want)
+    same_otherwise = len(got) == len(want) >= 2 and got[:-2] + got[-1:] == want[:-2] + want[-1:]
+    if "_codes" not in path or not same_otherwise or {got[-2], want[-2]} != {BLOCK, BLOCK // 2}:
+        return ""
+    if want[-2] == BLOCK // 2:
+        return ("; this engine keeps 4-bit GGUF codes packed two per byte ([..., 16, out]): pack one-byte codes "
+                "with jaxpaged.models.gguf_blocks.pack_nibbles")
+    return "; this engine keeps these GGUF codes one per byte ([..., 32, out]): unpack them with gguf_blocks.unpacked"
 
 
 class ModelRunner:

@@ -127,19 +127,6 @@ def is_packed(codes) -> bool:
     return codes.shape[-2] == BLOCK // 2
 
 
-def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
-    """What to do when the codes leaf at `path` (a key string) comes as `got` for `want`, the other layout
-    (weight updates: `ModelRunner.update_params`); "" for any other leaf or difference."""
-    got, want = tuple(got), tuple(want)
-    same_otherwise = len(got) == len(want) >= 2 and got[:-2] + got[-1:] == want[:-2] + want[-1:]
-    if "_codes" not in path or not same_otherwise or {got[-2], want[-2]} != {BLOCK, BLOCK // 2}:
-        return ""
-    if want[-2] == BLOCK // 2:
-        return ("; this engine keeps 4-bit GGUF codes packed two per byte ([..., 16, out]): pack one-byte codes "
-                "with jaxpaged.models.gguf_blocks.pack_nibbles")
-    return "; this engine keeps these GGUF codes one per byte ([..., 32, out]): unpack them with gguf_blocks.unpacked"
-
-
 def stacked_leaves(name: str, layers: list[BlockCodes]) -> dict[str, np.ndarray]:
     """The three leaves of weight `name` over all layers, from HF-layout (out, in) codes: packed two per
     byte when every code fits in four bits (Q4_0, Q4_1)."""

@@ -19,13 +19,15 @@ from typing import Any
 
 import jax
 
+from jaxpaged.models.rope_scaling import LongRope, RopeScaling
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
 _GEMMA = ("gemma2", "gemma3_text")
 
 
 def config_from_hf(cls, hf_config: Any, dtype: str | None):
-    from jaxpaged.models.config import RopeScaling
-
+    """`cls(**fields)` read from `hf_config` (`ModelConfig.from_hf` passes itself as `cls`, so this module
+    needs only the RoPE scaling classes, not ModelConfig)."""
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     model_type = get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -38,7 +40,7 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
     num_layers = get("num_hidden_layers")
     if dtype is None:
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    rope_theta, rope_scaling, local_theta = _read_rope(get, model_type, RopeScaling)
+    rope_theta, rope_scaling, local_theta = _read_rope(get, model_type)
     fields = dict(
         vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"),
@@ -117,9 +119,7 @@ def _gemma_layer_types(get, model_type: str, num_layers: int) -> tuple[str, ...]
     return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
 
 
-def _read_rope(get, model_type: str, RopeScaling):
-    from jaxpaged.models.config import LongRope
-
+def _read_rope(get, model_type: str):
     """(theta, scaling, local theta) from `rope_parameters` (transformers >= 5) or the older fields.
 
     Gemma 3 keeps one parameter set per layer type; older Gemma 3 configs have `rope_local_base_freq`.

@@ -26,7 +26,8 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops import gguf_panels
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
-from jaxpaged.models.config import LongRope, ModelConfig, RopeScaling
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.rope_scaling import LongRope, RopeScaling
 from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 

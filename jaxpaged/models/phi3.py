@@ -4,7 +4,7 @@
     mlp.gate_up_proj.weight    [2F, D]            rows: gate, then up
 
 `unfuse_phi3` splits them into the Llama names `params_from_hf` reads; everything else (RoPE,
-RMSNorm, SiLU MLP, sliding window) is the Llama path; LongRoPE is `models/config.py` `LongRope`.
+RMSNorm, SiLU MLP, sliding window) is the Llama path; LongRoPE is `models/rope_scaling.py` `LongRope`.
 """
 
 from collections.abc import Mapping

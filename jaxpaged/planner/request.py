@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import no_type_check
 
-from jaxpaged.structured.params import StructuredOutputsParams
+from jaxpaged.planner.structured_params import StructuredOutputsParams
 
 
 # no_type_check: __post_init__ validates every field with a ValueError that says what to do; the

@@ -53,7 +53,7 @@ class SlidingWindowBlockManager(BlockManager):
             page_id = block_table[page_idx]
             if page_id != PADDING_PAGE:
                 block_table[page_idx] = PADDING_PAGE
-                self._release(page_id)
+                self.release_page(page_id)
                 num_freed += 1
         self.num_window_frees += num_freed
         return num_freed
@@ -62,9 +62,9 @@ class SlidingWindowBlockManager(BlockManager):
         self.release_out_of_window(seq)  # before taking new pages: the freed ones can serve
         return super().append_slot(seq)
 
-    def _release(self, page_id: int) -> None:
+    def release_page(self, page_id: int) -> None:
         if page_id != PADDING_PAGE:
-            super()._release(page_id)
+            super().release_page(page_id)
 
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         child = super().fork(parent, child_seq_id)

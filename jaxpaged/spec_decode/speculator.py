@@ -282,7 +282,7 @@ class Speculator(StepFeature):
             num_pages = -(-len(token_ids) // block_manager.page_size)
             if num_pages < len(seq.block_table):
                 for page_id in reversed(seq.block_table[num_pages:]):  # pages left with no known token
-                    block_manager._release(page_id)
+                    block_manager.release_page(page_id)
                 # A new list, not a truncated one: block tables are append-only while a sequence runs,
                 # and the engine's BlockTableRows resyncs a row only for a new list (the same length
                 # regrown with another page would keep the stale page id).

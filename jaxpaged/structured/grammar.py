@@ -19,7 +19,7 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark  # a submodule: `llguidance.gbnf_to_lark` is not the function
 import numpy as np
 
-from jaxpaged.structured.params import StructuredOutputsParams
+from jaxpaged.planner.structured_params import StructuredOutputsParams
 
 # JSON is written as Python's json.dumps writes it (`{"a": 1, "b": [2, 3]}`): no other whitespace,
 # so a model cannot pad an object with newlines until max_tokens (vLLM's disable_any_whitespace).
