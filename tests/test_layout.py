@@ -8,9 +8,12 @@
     floor 4  device/          step inputs, runner, sampler, KV pool, sharding
     floor 5  engine/          the step loop, outputs, beam search, data parallelism
     floor 6  entrypoints/     LLM, the CLI, the server
+    floor 6  static_profile/  the step compiled for an H100 without a GPU, and read
+    floor 6  baseline/        the dense-cache baseline, and how a run of it or of the engine is measured
 
 A module may import from its own floor or below, never above. `pallas_kernels` is a separate
-library and imports nothing of jaxpaged.
+library and imports nothing of jaxpaged. Tests never import benchmarks/ (the instrument, not the
+product): what a test needs lives in jaxpaged/ or tests/.
 """
 
 import ast
@@ -20,7 +23,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "device": 4, "spec_decode": 4, "engine": 5,
-          "entrypoints": 6}
+          "entrypoints": 6, "static_profile": 6, "baseline": 6}
 # The package's own __init__ and the two entry names (python -m jaxpaged.generate / .serve) sit on top.
 TOP = {"__init__", "generate", "serve"}
 MAX_LINES = 400
@@ -85,6 +88,26 @@ def test_pallas_kernels_import_nothing_of_jaxpaged():
     bad = [(rel, n) for rel, path in _modules("pallas_kernels") for n in _imported_modules(path)
            if n.split(".")[0] == "jaxpaged"]
     assert not bad
+
+
+def _loads_benchmarks(node) -> bool:
+    """An import statement of `benchmarks`, or a call that loads a module by a name or path naming it."""
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "benchmarks" for alias in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return node.level == 0 and (node.module or "").split(".")[0] == "benchmarks"
+    if isinstance(node, ast.Call):
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        loaders = {"import_module", "__import__", "spec_from_file_location", "run_path", "SourceFileLoader"}
+        return func in loaders and any(isinstance(n, ast.Constant) and isinstance(n.value, str) and
+                                       "benchmarks" in n.value for arg in node.args for n in ast.walk(arg))
+    return False
+
+
+def test_no_test_imports_benchmarks():
+    bad = [f"{rel}:{node.lineno}" for rel, path in _modules("tests")
+           for node in ast.walk(ast.parse(open(path).read())) if _loads_benchmarks(node)]
+    assert not bad, "tests import benchmarks/; move what they need into jaxpaged/ or tests/:\n" + "\n".join(bad)
 
 
 def test_the_planner_never_imports_jax():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the H100 compile toolchain into an isolated directory (issue 23).
 #
-#   benchmarks/h100/install_toolchain.sh [DIR]      # DIR defaults to <repo>/.h100-toolchain
+#   scripts/install_h100_toolchain.sh [DIR]      # DIR defaults to <repo>/.h100-toolchain
 #
 # What lands in DIR (pip install --target, --no-deps so nothing shadows the system numpy/jax):
 #   jax_plugins/xla_cuda12/   jax-cuda12-pjrt   == installed jaxlib version (the PJRT CUDA plugin, XLA:GPU)
@@ -9,7 +9,7 @@
 #   nvidia/cuda_nvcc/         nvidia-cuda-nvcc-cu12 (bin/ptxas and nvvm/libdevice/libdevice.10.bc)
 #
 # Invariant: the system python never sees DIR. Only a subprocess started with PYTHONPATH=DIR
-# (benchmarks/h100/target.py does this) discovers the plugin, through the `jax_plugins` namespace
+# (jaxpaged/static_profile/target.py does this) discovers the plugin, through the `jax_plugins` namespace
 # package. No cuDNN/cuBLAS wheels: a deviceless compile does not load them.
 #
 # Idempotent: if DIR/.installed-for-jaxlib already names the installed jaxlib version and the
@@ -17,7 +17,7 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${1:-$REPO_ROOT/.h100-toolchain}"
 
 JAXLIB_VERSION="$("$PYTHON" -c 'import jaxlib; print(jaxlib.__version__)')" || {

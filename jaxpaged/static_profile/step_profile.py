@@ -1,6 +1,6 @@
 """One engine step program, compiled for an H100 and read: what `bench_h100_static` and the CI gate report.
 
-Runs inside the H100 child process (benchmarks/h100/target.py). The program is the engine's own:
+Runs inside the H100 child process (jaxpaged/static_profile/target.py). The program is the engine's own:
 a compile-only `ModelRunner` (abstract params on the virtual H100, jaxpaged/device/runner.py) traces
 the same jitted, donated step the engine runs, for a decode bucket or a mixed token bucket.
 
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.h100.hlo_accounting import BufferOverride, account, entry_param_number
-from benchmarks.h100.ptxas_report import report as ptxas_report
-from benchmarks.h100.target import H100, compile_for_h100, h100_sharding
+from jaxpaged.static_profile.hlo_accounting import BufferOverride, account, entry_param_number
+from jaxpaged.static_profile.ptxas_report import report as ptxas_report
+from jaxpaged.static_profile.target import H100, compile_for_h100, h100_sharding
 from jaxpaged.device.backends import attention_fn
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_input import pack_step_input

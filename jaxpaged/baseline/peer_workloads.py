@@ -1,5 +1,6 @@
-"""The requests bench_vs_vllm feeds to jaxpaged and to real vLLM, and the pure-Python checks on what
-they return (no jax, no vllm: unit-tested in tests/test_peer_workloads.py).
+"""The requests benchmarks/bench_vs_vllm.py feeds to jaxpaged and to real vLLM, and the pure-Python
+checks on what they return, token ids offline and texts from the servers of bench_serving.py (no
+jax, no vllm: unit-tested in tests/test_peer_workloads.py).
 
 Every prompt is a list of token ids, so both engines see exactly the same input. A workload's
 `prompts_for(call)` gives the prompts of one generate call: the same for every call, except where
@@ -125,3 +126,19 @@ def prefix_hit_rate(prompts: list[list[int]], num_cached_tokens: list[int]) -> f
     if len(prompts) != len(num_cached_tokens):
         raise ValueError(f"{len(prompts)} prompts but {len(num_cached_tokens)} cached-token counts")
     return sum(num_cached_tokens) / max(1, sum(len(p) for p in prompts))
+
+
+def compare_texts(ours: list[str | None], theirs: list[str | None]) -> dict:
+    """Greedy cross-check of two servers' answers to the same requests, request by request: how many
+    are identical, and where each other one first differs (a character index; None: identical).
+    A request that failed on either side (None) counts as not identical."""
+    first_divergence = []
+    for a, b in zip(ours, theirs, strict=True):
+        if a is None or b is None:
+            first_divergence.append(0)
+        elif a == b:
+            first_divergence.append(None)
+        else:
+            first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    identical = sum(d is None for d in first_divergence)
+    return {"identical": identical, "num_requests": len(ours), "first_divergence_char": first_divergence}

@@ -40,8 +40,8 @@ and launches, not measurements.
 
 import dataclasses
 
-from benchmarks.h100.aliases import alias_set, called, entry_param_number  # noqa: F401 (re-exported)
-from benchmarks.h100.fusions import (
+from jaxpaged.static_profile.aliases import alias_set, called, entry_param_number  # noqa: F401 (re-exported)
+from jaxpaged.static_profile.fusions import (
     dot_flops,
     dynamic_slice_memcpy_bytes,
     in_place_updates,
@@ -49,7 +49,7 @@ from benchmarks.h100.fusions import (
     param_read_bytes,
     through_views,
 )
-from benchmarks.h100.hlo_text import Computation, Instr, Module, parse_module
+from jaxpaged.static_profile.hlo_text import Computation, Instr, Module, parse_module
 
 # Opcodes that never become work on the stream: views, tuple plumbing, scheduling markers.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",

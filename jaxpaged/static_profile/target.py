@@ -1,19 +1,19 @@
 """The H100 as a compile target on this CPU-only machine (issue 23): numbers, environment, compile.
 
 Two processes, on purpose. The CUDA PJRT plugin lives only in the toolchain dir
-(`benchmarks/h100/install_toolchain.sh`), never in the normal environment, so a CPU user of the
+(`scripts/install_h100_toolchain.sh`), never in the normal environment, so a CPU user of the
 system python sees no change. Compiling happens in a child process started with `h100_env()`:
 
-    python benchmarks/h100/target.py my_script.py args...     # run a script in that environment
+    python -m jaxpaged.static_profile.target my_script.py args...     # run a script in that environment
     run_in_h100_python(["my_script.py", ...])                  # the same from Python
 
 and inside it:
 
-    from benchmarks.h100.target import H100, compile_for_h100, spec
+    from jaxpaged.static_profile.target import H100, compile_for_h100, spec
     out = compile_for_h100(step, (spec((256, 1024), jnp.bfloat16), ...), donate_argnums=(1,), dump_dir=True)
     out.hlo_text, out.dump_dir, out.compiled.memory_analysis()
 
-`python benchmarks/h100/target.py` alone prints the target's numbers and the environment.
+`python -m jaxpaged.static_profile.target` alone prints the target's numbers and the environment.
 Every time and byte figure derived from these numbers is an estimate; nothing here runs on a GPU.
 """
 
@@ -85,7 +85,7 @@ def h100_env(toolchain: Path | None = None, environ: dict | None = None) -> dict
     """Environment of a child process that compiles for the H100 with the pinned toolchain.
 
     PYTHONPATH: toolchain first (jax finds the plugin through the `jax_plugins` namespace package),
-      then the repo (so `benchmarks.h100` and `jaxpaged` import).
+      then the repo (so `jaxpaged.static_profile` and `jaxpaged` import).
     XLA_FLAGS: --xla_gpu_cuda_data_dir=<toolchain>/nvidia/cuda_nvcc, else XLA silently takes
       /usr/local/cuda's libdevice and the first `ptxas` on PATH (CUDA 13.0 on this machine).
     PATH: the pinned ptxas first, for Mosaic GPU and ptxas_report.py.
@@ -94,7 +94,7 @@ def h100_env(toolchain: Path | None = None, environ: dict | None = None) -> dict
     """
     toolchain = Path(toolchain or toolchain_dir()).resolve()
     if not (toolchain / "jax_plugins" / "xla_cuda12").is_dir():
-        raise FileNotFoundError(f"no H100 toolchain in {toolchain}; run benchmarks/h100/install_toolchain.sh "
+        raise FileNotFoundError(f"no H100 toolchain in {toolchain}; run scripts/install_h100_toolchain.sh "
                                 f"(or point {TOOLCHAIN_ENV} at one)")
     env = dict(os.environ if environ is None else environ)
     nvcc = toolchain / "nvidia" / "cuda_nvcc"
@@ -124,8 +124,8 @@ def _plugin_importable() -> bool:
 def _require_h100_process() -> None:
     if not _plugin_importable():
         raise RuntimeError("the CUDA PJRT plugin is not importable in this process: run the script with "
-                           "`python benchmarks/h100/target.py SCRIPT` or run_in_h100_python([...]) "
-                           "(install it with benchmarks/h100/install_toolchain.sh)")
+                           "`python -m jaxpaged.static_profile.target SCRIPT` or run_in_h100_python([...]) "
+                           "(install it with scripts/install_h100_toolchain.sh)")
     if "--xla_gpu_cuda_data_dir=" not in os.environ.get("XLA_FLAGS", ""):
         raise RuntimeError("XLA_FLAGS has no --xla_gpu_cuda_data_dir: XLA would compile with whatever CUDA "
                            "/usr/local/cuda holds; start this process with h100_env()")

@@ -6,8 +6,8 @@ in-place update fusion (fusions.in_place_updates) and a custom call's output_to_
 A `copy` makes a new buffer: it is not followed (it is counted as a full copy instead).
 """
 
-from benchmarks.h100.fusions import in_place_updates
-from benchmarks.h100.hlo_text import Computation, Instr, Module, parse_module
+from jaxpaged.static_profile.fusions import in_place_updates
+from jaxpaged.static_profile.hlo_text import Computation, Instr, Module, parse_module
 
 
 def called(instr: Instr, key: str) -> str:

@@ -1,17 +1,13 @@
 """The CI gate's measurement: the engine's decode step for a 2-layer model with Qwen3-0.6B's widths,
 batch 64, context 1024, bf16, compiled for an H100 with both Pallas backends. Prints one JSON line.
 
-Run in the H100 environment: `python benchmarks/h100/target.py benchmarks/h100/gate.py`
+Run in the H100 environment: `python -m jaxpaged.static_profile.target -m jaxpaged.static_profile.gate`
 (tests/test_h100_static_gate.py does, and holds the budgets).
 """
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.h100.step_profile import StepCase, profile  # noqa: E402
+from jaxpaged.static_profile.step_profile import StepCase, profile
 
 GATE_CASES = [StepCase("qwen3-0.6b", backend, "auto", num_seqs=64, context=1024, num_layers=2)
               for backend in ("pallas", "mosaic")]

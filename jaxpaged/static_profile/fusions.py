@@ -5,7 +5,7 @@ do, never from names: a fusion that only slices a parameter reads the slices; a 
 dynamic-update-slice / scatter whose target is a parameter updates that parameter in place.
 """
 
-from benchmarks.h100.hlo_text import Computation, Instr, Leaf, Module
+from jaxpaged.static_profile.hlo_text import Computation, Instr, Leaf, Module
 
 _VIEW = {"bitcast", "reshape"}  # inside a fusion: same elements, no traffic of their own
 

@@ -34,8 +34,8 @@ import glob
 import os
 import re
 
-from benchmarks.h100.hlo_accounting import Accounting
-from benchmarks.h100.hlo_text import parse_module
+from jaxpaged.static_profile.hlo_accounting import Accounting
+from jaxpaged.static_profile.hlo_text import parse_module
 
 _LINE = re.compile(r"^(\s*)(\d+):\s+(k\w+)\s*\[[^\]]*\]\s*(.*)$")
 _LAUNCH = re.compile(r"(\S+)\s+grid:\s*\[([\d,\s]+)\]\s*threads:\s*\[([\d,\s]+)\]\s*shared_memory:\s*(\d+)")

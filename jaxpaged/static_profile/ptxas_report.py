@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and occupancy of the Pallas (Triton) kernels of a compiled
 program, from the PTX in its XLA dump, assembled for sm_90a with the pinned ptxas.
 
-    python benchmarks/h100/ptxas_report.py DUMP_DIR [--all]    # --all: every kernel, not just Pallas
+    python -m jaxpaged.static_profile.ptxas_report DUMP_DIR [--all]    # --all: every kernel, not just Pallas
 
 Runs in the normal environment (it needs ptxas from the toolchain dir, not the jax plugin).
 Sources, per kernel:
@@ -19,15 +19,12 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.h100.hlo_accounting import account
-from benchmarks.h100.target import H100, H100Target, toolchain_dir
-from benchmarks.h100.thunks import count_thunks, find_dump_files, parse_thunk_metadata, parse_thunk_sequence, read_text
+from jaxpaged.static_profile.hlo_accounting import account
+from jaxpaged.static_profile.target import H100, H100Target, toolchain_dir
+from jaxpaged.static_profile.thunks import (count_thunks, find_dump_files, parse_thunk_metadata, parse_thunk_sequence,
+                                            read_text)
 
 _FEATURES = {"wgmma": r"\bwgmma\.mma_async", "tma": r"\bcp\.async\.bulk\.tensor", "mma_sync": r"\bmma\.sync",
              "cp_async": r"\bcp\.async\.(?:ca|cg)\b"}
@@ -53,7 +50,7 @@ class KernelReport:
 def ptxas_path() -> str:
     path = toolchain_dir() / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
     if not path.exists():
-        raise FileNotFoundError(f"no pinned ptxas at {path}; run benchmarks/h100/install_toolchain.sh")
+        raise FileNotFoundError(f"no pinned ptxas at {path}; run scripts/install_h100_toolchain.sh")
     return str(path)
 
 
