@@ -73,10 +73,11 @@ def test_dense_attention_equals_paged_reference(kind):
     num_rows = len(rows)
     q = rng.normal(size=(num_rows * q_len, num_kv_heads * group, head_dim)).astype(np.float32)
 
-    got = dense_attention(
-        q, _pages_of(rows_k, pages_per_row, page_size), _pages_of(rows_v, pages_per_row, page_size),
-        np.array([[r * pages_per_row] for r in rows], np.int32), seq_lens,
-        np.arange(num_rows + 1, dtype=np.int32) * q_len, scale=0.25, pages_per_row=pages_per_row,
+    args = (q, _pages_of(rows_k, pages_per_row, page_size), _pages_of(rows_v, pages_per_row, page_size),
+            np.array([[r * pages_per_row] for r in rows], np.int32), seq_lens,
+            np.arange(num_rows + 1, dtype=np.int32) * q_len)
+    got = dense_attention(  # annotated: jax arrays (jaxtyping checks jaxpaged's annotations under test)
+        *map(jnp.asarray, args), scale=0.25, pages_per_row=pages_per_row,
         kv_len=max_len if kind == "decode" else q_len, gather_rows=kind == "prefill",
     )
 
