@@ -376,7 +376,7 @@ class DenseBaseline:
         while not done.all():
             t1 = time.perf_counter()
             write = ~done
-            running = np.flatnonzero(write)
+            running = np.flatnonzero(write).tolist()  # Python ints: the rows as _row_spec takes them
             kv_len, arrays = self._decode_inputs(last, np.where(write, lens, 0).astype(np.int32), write)
             specs = [self._row_spec(r, idx[r], params[idx[r]], len(outputs[idx[r]].token_ids)) for r in running]
             sampling = make_sampling_arrays(specs, self.batch_size)

@@ -51,7 +51,7 @@ class Run:
     extra: dict = dataclasses.field(default_factory=dict)  # preemptions, hit rate, outputs equal, ...
 
 
-def percentile(values, q: float) -> float | None:
+def percentile(values, q: int | float) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.percentile(values, q)) if values else None
 
