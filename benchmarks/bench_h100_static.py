@@ -4,12 +4,12 @@
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024 only
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
 
-Needs the toolchain once: `benchmarks/h100/install_toolchain.sh` (the CUDA PJRT plugin and ptxas in
+Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
-(benchmarks/h100/target.py). For each case (model shapes with abstract bf16 weights, attention
+(jaxpaged/static_profile/target.py). For each case (model shapes with abstract bf16 weights, attention
 backend, KV dtype, batch, context) it reports launches, copies, HBM bytes against the ideal, the
 bytes floor, FLOPs, temp memory and each Pallas kernel's registers / spills / occupancy
-(benchmarks/h100/step_profile.py). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
+(jaxpaged/static_profile/step_profile.py). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
 step for the same batch and context (offline tables; `pip install --target .aic aiconfigurator-core`).
 
 EVERY FIGURE IS AN ESTIMATE read from the compiled program or a prediction; nothing ran on a GPU.
@@ -31,7 +31,7 @@ from benchmarks.common import environment
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 AIC_DIR = os.path.join(os.path.dirname(RESULTS_DIR), os.pardir, ".aic")
-H100_BYTES = 84_942_979_072  # device_memory_size of benchmarks/h100/h100_sxm.txtpb
+H100_BYTES = 84_942_979_072  # device_memory_size of jaxpaged/static_profile/h100_sxm.txtpb
 AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Llama-3-8B"}
 
 
@@ -95,7 +95,7 @@ def spec_decode_table(rows: list[dict], k: int, lengths=(1.5, 2.0, 2.5, 3.0)) ->
 
 
 def child(args) -> None:
-    from benchmarks.h100.step_profile import StepCase, profile
+    from jaxpaged.static_profile.step_profile import StepCase, profile
 
     rows = []
     for spec in spec_decode_cases(args.k) if args.spec_decode else cases(args.quick, args.families):
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     if args.child_out:
         child(args)
         return 0
-    from benchmarks.h100.target import run_in_h100_python
+    from jaxpaged.static_profile.target import run_in_h100_python
 
     os.makedirs(args.out, exist_ok=True)
     if args.spec_decode:

@@ -16,11 +16,11 @@ Two modes, as the two real callers step the engine, each measured in its own run
   streaming  the server and `LLM.generate_stream`: engine.step(). Every step detokenizes each new
              token and builds a RequestOutput (text, token ids, deltas) for every request.
 
-Every mode also builds the step's sampler rows (RowSpecs -> SamplingArrays, as engine/step_sampler.py)
+Every mode also builds the step's sampler rows (RowSpecs -> SamplingArrays, as sample/step_sampler.py)
 ("rows" column). A mode suffixed `_lp20_pen` runs every request with logprobs=20 and penalties
 (presence, frequency, repetition): its rows add the PenaltyArrays, and its output phase turns the
 sampler's logprobs arrays (256 x 20, from numpy as they come back) into {id: Logprob} dicts.
-Not covered: the device transfers. Prints one table and writes benchmarks/results/bench_host_cpu.json.
+Not covered: the device transfers. Prints one table and writes benchmarks/results/host_step_cpu.json.
 
     python -m benchmarks.bench_host [--steps 200] [--repeats 3] [--modes offline,streaming,streaming_lp20_pen]
 """
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
     parser.add_argument("--repeats", type=int, default=3, help="independent runs; the best median is quoted")
     parser.add_argument("--modes", default="offline,streaming", help="comma-separated: offline, streaming")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_host_cpu.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "host_step_cpu.json"))
     args = parser.parse_args()
 
     tokenizer = Tokenizer.from_gguf(default_model_path())

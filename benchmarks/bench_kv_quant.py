@@ -30,11 +30,11 @@ from benchmarks.bench_throughput import (
     load_cpu_model,
     load_h100_model,
     make_engine,
-    run_jaxpaged,
-    warmup_requests,
     workload_w1,
 )
-from benchmarks.common import environment, format_table, summarize
+from benchmarks.common import environment, format_table
+from jaxpaged.baseline.drivers import run_jaxpaged, warmup_requests
+from jaxpaged.baseline.measure import summarize
 
 COLUMNS = [
     ("kv dtype", "kv_cache_dtype"), ("pages", "num_pages"), ("bytes/page", "bytes_per_page"),

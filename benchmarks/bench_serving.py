@@ -43,8 +43,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 if __package__ in (None, ""):  # run as a script: make `benchmarks` (benchmarks.peers) importable too
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import environment, format_table, percentile  # noqa: E402
+from common import environment, format_table  # noqa: E402
 from servers import busy_fraction, free_port, hf_directory, start_server, stop_server, wait_ready  # noqa: E402
+
+from jaxpaged.baseline.measure import percentile  # noqa: E402
+from jaxpaged.baseline.peer_workloads import compare_texts  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 TOPICS = ["the history of bridges", "how volcanoes form", "the life of honeybees", "why the sky is blue",
@@ -124,22 +127,6 @@ async def replay(url: str, model: str | None, requests: list[dict], rate: float,
             tasks.append(asyncio.create_task(one_request(client, url, {**body, **({"model": model} if model else {})},
                                                          start, timeout_s)))
         return await asyncio.gather(*tasks)
-
-
-def compare_texts(ours: list[str | None], theirs: list[str | None]) -> dict:
-    """Greedy cross-check of two servers' answers to the same requests, request by request: how many
-    are identical, and where each other one first differs (a character index; None: identical).
-    A request that failed on either side (None) counts as not identical."""
-    first_divergence = []
-    for a, b in zip(ours, theirs, strict=True):
-        if a is None or b is None:
-            first_divergence.append(0)
-        elif a == b:
-            first_divergence.append(None)
-        else:
-            first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    identical = sum(d is None for d in first_divergence)
-    return {"identical": identical, "num_requests": len(ours), "first_divergence_char": first_divergence}
 
 
 def summarize(results: list[dict], rate: float) -> dict:

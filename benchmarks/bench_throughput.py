@@ -34,13 +34,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from tqdm.auto import tqdm
 
-from benchmarks.common import Run, environment, format_table, plot_runs, summarize
-from benchmarks.dense_baseline import DenseBaseline, batch_size_for_budget
-from benchmarks.runners import run_dense, run_hf, run_jaxpaged
+from benchmarks.common import environment, format_table, plot_runs
+from benchmarks.runners import run_hf
 from benchmarks.workloads import (
-    PRESETS, QWEN3_0_6B_SHAPES, Preset, SilentTokenizer, warmup_requests, workload_w1, workload_w2,
-    workload_w2_host, workload_w3,
+    PRESETS, QWEN3_0_6B_SHAPES, Preset, SilentTokenizer, workload_w1, workload_w2, workload_w2_host, workload_w3,
 )
+from jaxpaged.baseline.dense_kv import DenseBaseline, batch_size_for_budget
+from jaxpaged.baseline.drivers import run_dense, run_jaxpaged, warmup_requests
+from jaxpaged.baseline.measure import Run, summarize
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

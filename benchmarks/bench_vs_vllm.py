@@ -3,7 +3,7 @@
     bash benchmarks/peers/setup_vllm.sh        # once, on request: vLLM's own venv + the converted model
     python -m benchmarks.bench_vs_vllm         # the whole peer comparison: offline workloads, then S1
 
-Offline workloads (benchmarks/peers/peer_workloads.py; prompts are token ids, so both engines see
+Offline workloads (jaxpaged/baseline/peer_workloads.py; prompts are token ids, so both engines see
 exactly the same input), in three phases whose engines are built alike and closed afterwards:
   prefix caching off (jaxpaged, vLLM in both thread setups of VLLM_CONFIGS):
     chat-greedy   16 chat prompts through the chat template, 48 greedy tokens, stopping at EOS.
@@ -39,8 +39,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from benchmarks.common import CompileCounter, environment, format_table
-from benchmarks.peers.peer_workloads import (
+from benchmarks.common import environment, format_table
+from jaxpaged.baseline.measure import CompileCounter
+from jaxpaged.baseline.peer_workloads import (
     Workload,
     chat_workload,
     compare_greedy,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible servers the serving benchmarks drive (bench_serving.py S1, bench_burst.py):
+"""The OpenAI-compatible servers that bench_serving.py (S1) drives:
 started as subprocesses on 127.0.0.1, waited for, stopped, and what they take from the CPU while idle.
 
 jaxpaged (`python -m jaxpaged.serve` on the bundled GGUF, `jaxpaged-gguf` with its block codes kept),

@@ -108,11 +108,6 @@ def workload_w2_host(num_prefixes, num_seqs, prefix_len, suffix_len, output_len)
     ]
 
 
-def warmup_requests(requests: list[Request]) -> list[Request]:
-    """The untimed warm-up call: the first two requests, a few tokens each."""
-    return [(p, dataclasses.replace(s, max_tokens=min(s.max_tokens, 4))) for p, s in requests[:2]]
-
-
 # ----------------------------------------------------------------------------- systems
 
 
@@ -129,13 +124,3 @@ class SilentTokenizer:
         return self._Detokenizer()
 
     incremental_detokenizer = detokenizer
-
-
-def live_tokens(running, page_size: int) -> int:
-    """Tokens with K/V in the pages of the running sequences, each shared page counted once."""
-    held: dict[int, int] = {}  # page id -> tokens it holds
-    for seq in running:
-        computed = seq.num_computed_tokens
-        for i, page_id in enumerate(seq.block_table[: -(-computed // page_size)]):
-            held[page_id] = max(held.get(page_id, 0), min(page_size, computed - i * page_size))
-    return sum(held.values())

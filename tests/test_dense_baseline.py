@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.dense_baseline import DenseBaseline, batch_size_for_budget, dense_attention, pow2_buckets
+from jaxpaged.baseline.dense_kv import DenseBaseline, batch_size_for_budget, dense_attention, pow2_buckets
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.config import EngineConfig
@@ -73,10 +73,11 @@ def test_dense_attention_equals_paged_reference(kind):
     num_rows = len(rows)
     q = rng.normal(size=(num_rows * q_len, num_kv_heads * group, head_dim)).astype(np.float32)
 
-    got = dense_attention(
-        q, _pages_of(rows_k, pages_per_row, page_size), _pages_of(rows_v, pages_per_row, page_size),
-        np.array([[r * pages_per_row] for r in rows], np.int32), seq_lens,
-        np.arange(num_rows + 1, dtype=np.int32) * q_len, scale=0.25, pages_per_row=pages_per_row,
+    args = (q, _pages_of(rows_k, pages_per_row, page_size), _pages_of(rows_v, pages_per_row, page_size),
+            np.array([[r * pages_per_row] for r in rows], np.int32), seq_lens,
+            np.arange(num_rows + 1, dtype=np.int32) * q_len)
+    got = dense_attention(  # annotated: jax arrays (jaxtyping checks jaxpaged's annotations under test)
+        *map(jnp.asarray, args), scale=0.25, pages_per_row=pages_per_row,
         kv_len=max_len if kind == "decode" else q_len, gather_rows=kind == "prefill",
     )
 
@@ -201,8 +202,7 @@ def test_greedy_tokens_equal_jaxpaged_on_smollm2():
 def test_summary_figures_and_shared_pages_counted_once():
     import types
 
-    from benchmarks.workloads import live_tokens
-    from benchmarks.common import RequestTimes, Run, StepSample, summarize
+    from jaxpaged.baseline.measure import RequestTimes, Run, StepSample, live_tokens, summarize
 
     # Two sequences share page 7 (a full prefix page of 4 tokens); one has 2 more tokens in page 3,
     # the other 1 more in page 5: 4 + 2 + 1 = 7 live tokens, not 11.
@@ -227,8 +227,7 @@ def test_summary_figures_and_shared_pages_counted_once():
 
 def test_harness_under_memory_pressure_compiles_nothing_and_keeps_tokens(tiny_params, dense):
     """W3 in miniature through the benchmark's own drivers: a 6-page pool forces preemptions."""
-    from benchmarks.runners import run_dense, run_jaxpaged
-    from benchmarks.workloads import warmup_requests
+    from jaxpaged.baseline.drivers import run_dense, run_jaxpaged, warmup_requests
 
     prompts, sampling = _requests(seed=3, num=5)
     requests = list(zip(prompts, sampling))

@@ -117,7 +117,7 @@ def qwen3_params():
 
 
 def _engine(model_config, params, backend: str, **overrides):
-    from benchmarks.workloads import SilentTokenizer as _SilentTokenizer
+    from tp_fixtures import SilentTokenizer as _SilentTokenizer
     from jaxpaged.engine.engine import LLMEngine
     from jaxpaged.config import EngineConfig
     from jaxpaged.device.backends import attention_fn as _attention_fn
@@ -162,7 +162,7 @@ def test_engine_on_pallas_gives_the_reference_greedy_tokens():
 
 
 def test_donation_scratch_memory_and_no_compilation_after_warmup(qwen3_params, record_property):
-    from benchmarks.common import CompileCounter
+    from jaxpaged.baseline.measure import CompileCounter
 
     engine = _engine(QWEN3_0_6B, qwen3_params, "pallas", num_pages=4096, warmup=True)
     runner = engine.runner

@@ -1,5 +1,5 @@
 """The H100 static gate: the engine's decode step compiled for an H100 on this CPU must stay within
-budgets (benchmarks/h100/gate.py measures; the H100 toolchain is installed by .ci/run).
+budgets (jaxpaged/static_profile/gate.py measures; the H100 toolchain is installed by .ci/run).
 
 Budgets are per program of the gate's 2-layer model (Qwen3-0.6B widths, batch 64, context 1024):
 "today" describes the step as it compiles now, with a little headroom, so a regression fails CI;
@@ -31,12 +31,12 @@ def _toolchain_dir() -> str:
 @pytest.fixture(scope="module")
 def gate_rows():
     if not os.path.isdir(os.path.join(_toolchain_dir(), "jax_plugins")):
-        message = "no H100 toolchain: run benchmarks/h100/install_toolchain.sh (.ci/run does)"
+        message = "no H100 toolchain: run scripts/install_h100_toolchain.sh (.ci/run does)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    proc = subprocess.run([sys.executable, "benchmarks/h100/target.py", "benchmarks/h100/gate.py"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.static_profile.target", "-m", "jaxpaged.static_profile.gate"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {row["backend"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])}
 

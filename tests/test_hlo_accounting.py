@@ -1,9 +1,9 @@
-"""The H100 static profile's instrument (benchmarks/h100/): launch, copy and byte accounting of
+"""The H100 static profile's instrument (jaxpaged/static_profile/): launch, copy and byte accounting of
 optimized HLO text, the thunk-sequence cross-check and the occupancy arithmetic.
 
 The first tests read hand-written HLO whose every launch and byte is known, so they run in
 milliseconds with nothing but the standard library. The last compiles a real program for an H100
-in a child process and is skipped when the toolchain (install_toolchain.sh) is absent.
+in a child process and is skipped when the toolchain (scripts/install_h100_toolchain.sh) is absent.
 """
 
 import json
@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from benchmarks.h100.hlo_accounting import BufferOverride, account
-from benchmarks.h100.ptxas_report import occupancy
-from benchmarks.h100.target import H100, h100_env, toolchain_dir
-from benchmarks.h100.thunks import count_thunks, parse_thunk_metadata, parse_thunk_sequence
+from jaxpaged.static_profile.hlo_accounting import BufferOverride, account
+from jaxpaged.static_profile.ptxas_report import occupancy
+from jaxpaged.static_profile.target import H100, h100_env, toolchain_dir
+from jaxpaged.static_profile.thunks import count_thunks, parse_thunk_metadata, parse_thunk_sequence
 
 F32 = 4
 X = 128 * 256 * F32  # bytes of one f32[128,256]
@@ -373,17 +373,17 @@ def test_occupancy_arithmetic():
 
 def test_this_process_cannot_compile_for_h100():
     """The plugin stays out of the normal environment; compile_for_h100 says how to get it."""
-    from benchmarks.h100.target import compile_for_h100
+    from jaxpaged.static_profile.target import compile_for_h100
 
-    with pytest.raises(RuntimeError, match="run the script with `python benchmarks/h100/target.py SCRIPT`"):
+    with pytest.raises(RuntimeError, match="run the script with `python -m jaxpaged.static_profile.target SCRIPT`"):
         compile_for_h100(lambda x: x, ())
 
 
 _PROBE = """
 import json, sys, jax, jax.numpy as jnp
-from benchmarks.h100.target import compile_for_h100, spec
-from benchmarks.h100.hlo_accounting import account
-from benchmarks.h100.thunks import cross_check
+from jaxpaged.static_profile.target import compile_for_h100, spec
+from jaxpaged.static_profile.hlo_accounting import account
+from jaxpaged.static_profile.thunks import cross_check
 def f(x, w):  # 3 trips of x <- tanh(x @ w)
     return jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ w), x)
 def g(emb, ids, xs, flag, w):  # a gather, a scan stacking its outputs, a cond with a sort, fills, a transpose
@@ -405,7 +405,7 @@ print(json.dumps(dict(flops=acc.flops, launches=acc.num_launches, kernels=acc.nu
 
 
 @pytest.mark.skipif(not (toolchain_dir() / "jax_plugins").is_dir(),
-                    reason="no H100 toolchain: run benchmarks/h100/install_toolchain.sh")
+                    reason="no H100 toolchain: run scripts/install_h100_toolchain.sh")
 def test_compile_for_h100_in_a_child_process(tmp_path):
     run = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "dump")], env=h100_env(), capture_output=True,
                          text=True, timeout=300, check=False)

@@ -21,9 +21,9 @@ import sys
 
 import numpy as np
 import pytest
+from kv_accuracy import agreement, cache_dtype, chat_prompts, logit_errors, mean_kl
 from test_engine import QUESTIONS, SMALL
 
-from benchmarks.kv_quant_accuracy import agreement, cache_dtype, chat_prompts, logit_errors, mean_kl
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.entrypoints.cli import build_parser, engine_args
 from jaxpaged.ops.kv_quant import QuantizedKV

@@ -138,7 +138,7 @@ def test_sampling_params_reject_non_int_counts(kwargs):
 def test_n_fan_out_over_fewer_logits_rows_compiles_nothing_after_warm_up():
     """A cached prompt with n=2 or 3 samples 2-4 rows from one logits row: warm-up covers that shape
     (the logits are padded to the sample rows), so nothing compiles (it compiled `sample_padded`)."""
-    from benchmarks.common import CompileCounter
+    from jaxpaged.baseline.measure import CompileCounter
 
     llm = tiny_llm(warmup=True, enable_prefix_caching=True)
     prompt = list(range(100, 117))

@@ -3,9 +3,9 @@ are fed, the pool sizing, the greedy cross-checks and the hit-rate arithmetic.""
 
 import pytest
 
-from benchmarks.bench_serving import compare_texts
-from benchmarks.peers.peer_workloads import (
+from jaxpaged.baseline.peer_workloads import (
     compare_greedy,
+    compare_texts,
     prefix_hit_rate,
     same_pool,
     w1_workloads,

@@ -10,7 +10,7 @@ Interpret mode follows the target. `platform=None`: the Triton kernels choose at
 (compiled when the step is lowered for a GPU, interpreted otherwise: pallas_kernels._common.by_target),
 the Mosaic kernels by the host's backend (their interpreter cannot be lowered conditionally). An
 explicit `platform` ("cuda", "cpu", ...) fixes both, e.g. to compile the engine's step for an H100
-from a CPU machine (benchmarks/h100/step_profile.py).
+from a CPU machine (jaxpaged/static_profile/step_profile.py).
 """
 
 from __future__ import annotations

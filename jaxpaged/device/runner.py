@@ -87,7 +87,7 @@ class ModelRunner:
 
     Abstract params (every leaf a `jax.ShapeDtypeStruct` carrying a sharding) make a compile-only
     runner: nothing is allocated, the KV buffer is abstract too, `trace_step` traces the engine's
-    real step for that sharding's devices (e.g. an H100 from a CPU host: benchmarks/h100/), and
+    real step for that sharding's devices (e.g. an H100 from a CPU host: jaxpaged/static_profile/), and
     `execute` refuses.
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight

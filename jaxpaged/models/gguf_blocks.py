@@ -367,6 +367,6 @@ def linear_weight(module, name: str, shape: tuple[int, ...], dtype, init):
         codes = unpacked(module.get_variable("params", name + "_codes"))  # [in/32, 32, out]
         scales = module.get_variable("params", name + "_scales")[:, None, :]
         mins = module.get_variable("params", name + "_mins")[:, None, :]
-        with jax.named_scope("gguf_dequantize"):  # names the fusion in profiles (benchmarks/peers/xla_cpu_trace.py)
+        with jax.named_scope("gguf_dequantize"):  # names the fusion in profiles
             return (scales * codes.astype(jnp.float32) + mins).reshape(shape).astype(dtype)
     return module.param(name, init, shape, dtype)

@@ -330,7 +330,7 @@ class CausalLM(nn.Module):
         # gathering first is exact and saves the vocab projection for every other token.
         x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
         lm_head = None if c.tie_word_embeddings else self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
-        with jax.named_scope("lm_head"):  # names the head's ops in profiles (benchmarks/peers/xla_cpu_trace.py)
+        with jax.named_scope("lm_head"):  # names the head's ops in profiles
             if panels:
                 logits = panels_head(x, panels, self.matmul_kernels)
             elif lm_head is None:

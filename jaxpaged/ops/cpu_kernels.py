@@ -5,8 +5,7 @@ use with the host's C++ compiler (`-O3 -march=native`: AVX-512 where the CPU has
 `~/.cache/jaxpaged/kernels` (JAXPAGED_CACHE_DIR), keyed by the sources, jaxlib and the compiler, loads
 it and registers the handler for the "cpu" platform. No compiler or a failed build: False, with the
 reason logged once; the callers then keep XLA's own path. `JAXPAGED_CPU_KERNELS` (`enabled`) turns them
-off, all or some; it is read at each engine build, so one process can compare both paths
-(benchmarks/peers/cpu_step_ab.py).
+off, all or some; it is read at each engine build, so one process can compare both paths.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ positions: position j predicts the token after d_{j-1} (position 0: after the la
                              else draw from p_j without d_j, renormalized.
 
 p_j is the distribution the non-speculative sampler draws from (temperature, top-k, top-p, min-p:
-`jaxpaged.device.sampler.sampling_logits`), so each output token is distributed exactly as without
+`jaxpaged.sample.sampler.sampling_logits`), so each output token is distributed exactly as without
 speculation. Randomness: uniform u(seed, step + j, purpose) for the accept test at j and for the
 final draw, a function of the request's seed and the token's output index only: a seeded request
 draws the same tokens alone or in any batch.

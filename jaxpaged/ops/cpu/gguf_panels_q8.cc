@@ -165,7 +165,7 @@ void rows_of(const Problem& p, int64_t r0, int64_t rows, int64_t panel, std::int
 // Panels [first, last) against every row of x, in passes of up to 16 rows: each pass over all the
 // thread's panels, its rows' activations staying in L1 while the panels stream from L2 (the other order,
 // each panel against every pass, measured 3-5% slower on SmolLM2's 210 projections at 32 and 64 rows,
-// the same at 128: panels_projection_harness --q8-1, the two builds in alternating processes).
+// the same at 128: the two builds in alternating processes).
 template <bool Packed>
 void panel_range(const Problem& p, int64_t first, int64_t last) {
   for (int64_t r0 = 0; r0 < p.m; r0 += kMaxRows)

@@ -1,0 +1,17 @@
+"""The CI gate's measurement: the engine's decode step for a 2-layer model with Qwen3-0.6B's widths,
+batch 64, context 1024, bf16, compiled for an H100 with both Pallas backends. Prints one JSON line.
+
+Run in the H100 environment: `python -m jaxpaged.static_profile.target -m jaxpaged.static_profile.gate`
+(tests/test_h100_static_gate.py does, and holds the budgets).
+"""
+
+import json
+
+from jaxpaged.static_profile.step_profile import StepCase, profile
+
+GATE_CASES = [StepCase("qwen3-0.6b", backend, "auto", num_seqs=64, context=1024, num_layers=2)
+              for backend in ("pallas", "mosaic")]
+
+if __name__ == "__main__":
+    rows = [profile(case) for case in GATE_CASES]
+    print(json.dumps(rows))

@@ -1,0 +1,164 @@
+"""One engine step program, compiled for an H100 and read: what `bench_h100_static` and the CI gate report.
+
+Runs inside the H100 child process (jaxpaged/static_profile/target.py). The program is the engine's own:
+a compile-only `ModelRunner` (abstract params on the virtual H100, jaxpaged/device/runner.py) traces
+the same jitted, donated step the engine runs, for a decode bucket or a mixed token bucket.
+
+    bytes per step  = HLO accounting of every launch, the KV buffer counted by the pages the step
+                      really reads (the live context), not by its size
+    ideal bytes     = weights once + live KV once + the step's own inputs and outputs (the packed
+                      int32 input, the new tokens' K/V written, float32 logits)
+    floor (ms)      = bytes / 3.35 TB/s;   compute floor = useful FLOPs / 989 TFLOP/s (bf16 dense)
+
+Every figure is an estimate read from the compiled program; nothing here runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.static_profile.hlo_accounting import BufferOverride, account, entry_param_number
+from jaxpaged.static_profile.ptxas_report import report as ptxas_report
+from jaxpaged.static_profile.target import H100, compile_for_h100, h100_sharding
+from jaxpaged.device.backends import attention_fn
+from jaxpaged.device.runner import ModelRunner
+from jaxpaged.device.step_input import pack_step_input
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import param_shapes
+from jaxpaged.ops.kv_quant import bytes_per_token_head
+
+PAGE_SIZE = 16
+MODELS = {  # shapes only: weights are abstract
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128),
+    # Mixtral-8x7B (top-2 of 8 experts). Its 32 layers are 93 GB in bf16, over one H100's 80 GB: the
+    # cases run it with num_layers=16 (47 GB), and per-layer figures are what carries over.
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=14336),
+    # Gemma-2-9B: local (window 4096) and global layers alternating, soft caps, sandwich norms, gelu.
+    "gemma2-9b": dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16,
+                      num_kv_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                      layer_types=("sliding_attention", "full_attention") * 21, attn_soft_cap=50.0,
+                      final_soft_cap=30.0, norm_plus_one=True, sandwich_norms=True, scale_embedding=True,
+                      hidden_act="gelu_tanh", tie_word_embeddings=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    model: str  # a MODELS key
+    backend: str  # "pallas" | "mosaic"
+    kv_cache_dtype: str  # "auto" | "int8" | "float8_e4m3fn"
+    num_seqs: int  # sequences in the step
+    context: int  # tokens of K/V each sequence reads (its prompt + outputs so far)
+    num_tokens: int = 0  # mixed steps: tokens computed (0: a decode step, one per sequence)
+    num_layers: int | None = None  # override (the CI gate's 2-layer model with real widths)
+    num_logits: int = 0  # logits rows (a speculative verification step: num_seqs * (1 + k)); 0: one per sequence
+
+    @property
+    def decode(self) -> bool:
+        return self.num_tokens == 0
+
+
+def model_config(case: StepCase) -> ModelConfig:
+    shape = dict(MODELS[case.model], dtype="bfloat16", max_position_embeddings=1 << 20)
+    if case.num_layers is not None:
+        shape["num_layers"] = case.num_layers
+    return ModelConfig(**shape)
+
+
+def profile(case: StepCase, *, kernels: bool = True) -> dict:
+    """Compile `case`'s step for the H100 and return its figures (a JSON-ready dict)."""
+    config = model_config(case)
+    sharding = h100_sharding()
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
+    pages_per_seq = math.ceil(case.context / PAGE_SIZE)
+    num_tokens = case.num_seqs if case.decode else case.num_tokens
+    runner = ModelRunner(  # decode: the runner's own GPU decode buckets (the smallest is 2 sequences)
+        config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
+        max_num_seqs=max(case.num_seqs, 2), max_num_batched_tokens=max(num_tokens, case.num_seqs, 2),
+        max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
+        buckets=(max(num_tokens, case.num_seqs, 2),), decode_buckets=None if case.decode else (),
+        kv_cache_dtype=case.kv_cache_dtype,
+    )
+    bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
+    step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
+    if case.num_logits:  # a verification step: logits at every proposal position
+        step_input = dataclasses.replace(step_input, logits_indices=np.zeros(case.num_logits, np.int32))
+    packed, layout = pack_step_input(step_input)
+    out = compile_for_h100(
+        runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
+                      runner.kv_centres),
+        kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True if kernels else None)
+    try:
+        figures = _figures(case, config, runner, out, num_tokens)
+        if kernels:
+            figures["kernels"] = [dataclasses.asdict(k) for k in ptxas_report(out.dump_dir)]
+    finally:
+        if out.dump_dir:
+            shutil.rmtree(out.dump_dir, ignore_errors=True)
+    return figures
+
+
+def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) -> dict:
+    token_head = bytes_per_token_head(case.kv_cache_dtype, config.dtype, config.head_dim)  # scales included
+    # Live K/V per layer; a sliding-window layer reads at most its window. The accounting's override is
+    # per launch, so windowed models use the mean over layers (exact when context <= window).
+    read = [min(case.context, w) if w is not None else case.context for w in config.layer_windows]
+    live_kv_per_layer = case.num_seqs * (sum(read) // len(read)) * config.num_kv_heads * 2 * token_head  # K and V
+    # The pool is one entry parameter, or two for a quantized one (values, scales): one buffer to the
+    # accounting, read per launch as the live context's values and scales (token_head counts both).
+    kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
+                tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
+    acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
+    # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
+    # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
+    expert_bytes = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
+                       if "expert_" in jax.tree_util.keystr(path))
+    active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
+    touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
+    new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
+    num_logits = case.num_logits or case.num_seqs
+    io = new_kv + num_logits * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
+    ideal = weight_bytes - expert_bytes + touched * expert_bytes + live_kv_per_layer * config.num_layers + io
+    # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
+    embed = config.vocab_size * config.hidden_size
+    matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
+        1 if config.tie_word_embeddings else 2)
+    useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
+    useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    memory = out.compiled.memory_analysis()
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
+    copies = [launch for launch in acc.launches if launch.kind == "copy"]
+    return {
+        **dataclasses.asdict(case), "num_layers": config.num_layers, "expert_bytes": expert_bytes,
+        "launches": acc.num_launches, "kernels_launched": acc.num_kernels, "copies": acc.num_copies,
+        "copy_bytes": acc.copy_bytes, "launches_per_layer": round(acc.num_launches / config.num_layers, 2),
+        "hbm_bytes": acc.hbm_bytes, "ideal_bytes": int(ideal), "bytes_to_ideal": round(acc.hbm_bytes / ideal, 4),
+        "floor_ms": round(acc.hbm_bytes / H100.hbm_bandwidth * 1e3, 4),
+        "ideal_floor_ms": round(ideal / H100.hbm_bandwidth * 1e3, 4),
+        "executed_flops": acc.flops, "useful_flops": useful,
+        # XLA's dots against the useful matmul FLOPs (attention's run inside the kernels, which the HLO
+        # does not size): > 1 would mean padded rows or logits computed for tokens that sample nothing.
+        "useful_matmul_flops": useful_matmul, "matmul_flops_to_useful": round(acc.flops / useful_matmul, 4),
+        "compute_floor_ms": round(useful / H100.bf16_dense_flops * 1e3, 4),
+        "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes,
+        "kv_aliased": int(memory.alias_size_in_bytes) >= pool_bytes,
+        "by_kind": acc.by_kind(), "largest_copies": sorted(
+            ({"name": c.name, "count": c.count, "bytes": c.hbm_bytes, "detail": c.detail} for c in copies),
+            key=lambda c: -c["bytes"])[:6],
+        "pallas": [{"name": p.name, "count": p.count, "bytes": p.hbm_bytes, "detail": p.detail}
+                   for p in acc.pallas_kernels()],
+        "lower_s": round(out.lower_seconds, 2), "compile_s": round(out.compile_seconds, 2),
+        "warnings": acc.warnings[:5],
+    }
