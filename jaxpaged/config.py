@@ -39,13 +39,19 @@ class EngineConfig:
     max_num_seqs: int | None = None  # sequences per step; None: 256 on GPU, 16 on CPU
     max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on GPU, 256 on CPU
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's, 4096 GPU / 1024 CPU)
+    # Share the K/V of full pages between requests with the same prefix (a hash chain over pages, LRU
+    # eviction; cache_salt keeps tenants apart).
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on GPU, float32 on CPU
     # K/V page storage: "auto" = the model dtype; "int8" / "float8_e4m3fn" = quantized values plus a
     # float32 scale per (token, KV head), about half (bf16) or a quarter (f32) of the bytes per token.
-    # vLLM's "fp8" / "fp8_e4m3" are accepted and stored as "float8_e4m3fn".
+    # vLLM's "fp8" / "fp8_e4m3" are accepted and stored as "float8_e4m3fn". Not with attention_backend="mosaic".
     kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # "auto": Pallas (Triton) on GPU, chunked jnp on CPU; "mosaic": Hopper kernels
+    # "auto": "pallas" (the Triton kernels) on a GPU, "chunked" on a CPU (jnp reading only the pages the
+    # batch needs, with C++ kernels where a compiler is found; JAXPAGED_CPU_KERNELS=0 turns them off);
+    # "reference": the plain oracle; "mosaic": the Hopper kernels (bfloat16 only); "pallas" on a CPU
+    # runs the kernels in Pallas's interpreter, slowly.
+    attention_backend: str = "auto"
     seed: int = 0  # draws the seeds of requests that give none
     warmup: bool = True  # precompile every bucket at start-up
     # Plan and prepare step n+1 while the device runs step n (tokens reach the host one step late).
@@ -65,11 +71,11 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"method": "draft_model", "model": path or
-    # hub id, "num_speculative_tokens": k} (jaxpaged/spec_decode/). None: off.
+    # hub id, "num_speculative_tokens": k} (jaxpaged/spec_decode/); "disable_by_batch_size" too. None: off.
     speculative_config: dict | None = None
     # One weight buffer per layer, layers unrolled: the step copies no weight (jaxpaged/device/layer_params.py).
-    # None: on a GPU when tensor_parallel_size is 1. On a CPU True measured no faster (batch 16, noisy
-    # shared cores) and each step program compiles ~5x longer (30 layers: 15-17 s instead of 3-5 s).
+    # None: on a GPU when tensor_parallel_size is 1. Not on a CPU by default: there it is at most 5%
+    # faster and each step program compiles ~5x longer.
     per_layer_weights: bool | None = None
     # MoE (vLLM's engine argument): CompletionOutput.routed_experts gets every fed token's top-k expert
     # ids per layer, [len(prompt) + len(output) - 1, num_layers, top_k] (engine/routed_experts.py).
@@ -92,7 +98,7 @@ class EngineConfig:
     # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
     # blocks of 32 and sums integer products (AVX512-VNNI), GGUF's own arithmetic, as vLLM's GGUF
     # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
-    # float32's tokens (README.md).
+    # float32's tokens.
     gguf_activations: str = "float32"
 
     def __post_init__(self):
