@@ -63,6 +63,35 @@ def test_design_floor_picture_is_test_layouts_floors():
         "DESIGN.md's floor picture (lines `floor N  name/  ...`) must list exactly tests/test_layout.py's FLOORS")
 
 
+def floor_picture_modules(design_text: str) -> dict[str, str]:
+    """Each package's text in DESIGN.md's floor picture: its `floor N  name/` line and the
+    indented lines that continue it."""
+    entries, current = {}, None
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", design_text, flags=re.M | re.S):
+        for line in block.splitlines():
+            match = re.match(r"^floor \d+\s+([a-z_]+)/\s+(.*)", line)
+            if match:
+                current = match.group(1)
+                entries[current] = match.group(2)
+            elif current is not None and line.startswith(" "):
+                entries[current] += " " + line.strip()
+            else:
+                current = None
+    return entries
+
+
+def test_design_floor_picture_names_every_module():
+    """Every module of every jaxpaged package is named on its package's lines of the picture: a
+    module added or moved without the picture following shows here."""
+    entries = floor_picture_modules(_read("DESIGN.md"))
+    missing = []
+    for package, text in entries.items():
+        folder = os.path.join(ROOT, "jaxpaged", package)
+        modules = {name[:-3] for name in os.listdir(folder) if name.endswith(".py") and name != "__init__.py"}
+        missing += [f"jaxpaged/{package}/{m}.py" for m in sorted(modules - set(re.findall(r"[a-z][a-z0-9_]*", text)))]
+    assert not missing, "DESIGN.md's floor picture does not name these modules:\n" + "\n".join(missing)
+
+
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", flags=re.I)
 STOP_N = re.compile(r"\bstop\s+\d+", flags=re.I)
 

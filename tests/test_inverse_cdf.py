@@ -1,4 +1,4 @@
-"""The blocked inverse-CDF draw (jaxpaged/device/inverse_cdf.py) against a float64 inverse CDF."""
+"""The blocked inverse-CDF draw (jaxpaged/sample/inverse_cdf.py) against a float64 inverse CDF."""
 
 import jax
 import jax.numpy as jnp

@@ -302,3 +302,39 @@ def test_only_known_prompt_tokens_are_registered_at_schedule_time():
     sched.update(out, [53])
     assert a.token_ids[8:12] == [208, 209, 51, 52]
     assert len(bm.hash_to_page) == 3 and bm.hash_to_page[a.page_hashes[2]] == a.block_table[2]
+
+
+def test_a_request_waiting_for_its_grammar_is_held_aside_until_grammar_ready():
+    bm, sched = make()
+    held = request([1, 2, 3], max_tokens=2)
+    held.status = SequenceStatus.WAITING_FOR_GRAMMAR
+    sched.add(held)  # its grammar compiles elsewhere: planned for nothing, but unfinished
+    later = request([7, 8], max_tokens=1)
+    sched.add(later)
+    assert sched.num_unfinished == 2 and sched.num_schedulable == 1
+    assert sched.stats()["num_waiting"] == 2 and sched.stats()["num_waiting_for_grammar"] == 1
+
+    # Step 1: only `later` runs (the held request does not block the queue behind it) and finishes.
+    out, batch = plan(sched)
+    assert batch == [(later.seq_id, 2)] and held.block_table == []
+    sched.update(out, [70])
+    assert later.is_finished and sched.num_unfinished == 1 and sched.num_schedulable == 0
+
+    # Its grammar compiled: it arrives now, behind everything already queued, and runs.
+    sched.grammar_ready(held)
+    assert held.status is SequenceStatus.WAITING and sched.stats()["num_waiting_for_grammar"] == 0
+    out, batch = plan(sched)
+    assert batch == [(held.seq_id, 3)] and held.block_table == [1]
+    with pytest.raises(ValueError, match="not waiting for its grammar"):
+        sched.grammar_ready(held)
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind():
+    bm, sched = make()
+    held = request([1, 2, 3])
+    held.status = SequenceStatus.WAITING_FOR_GRAMMAR
+    sched.add(held)
+    assert sched.abort(held.seq_id) is held
+    assert held.finish_reason == "abort" and sched.num_unfinished == 0 and not sched.waiting_for_grammar
+    out, batch = plan(sched)
+    assert batch == [] and bm.num_free_pages == NUM_PAGES - 1

@@ -1,4 +1,4 @@
-"""Structured outputs' sample first (structured/matchers.py, engine/step_sampler.py), in its parts.
+"""Structured outputs' sample first (structured/matchers.py, sample/step_sampler.py), in its parts.
 
 1. The host's check replaces llguidance's mask: on SmolLM2's tokenizer (49152 tokens), walking
    several grammars token by token, the set the check allows (the forced token alone, else every

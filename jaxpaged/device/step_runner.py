@@ -5,7 +5,7 @@
                         kept on the host between steps)
                     ──► copy-on-write page copies ──► ModelRunner.execute (runner.py): logits
                     ──► StepSampler.sample (sample/step_sampler.py): tokens, logprobs, kept on the
-                        device; beams' top candidates; prompt logprobs
+                        device; prompt logprobs
                     ──► StepResult: dispatched, not awaited
 
 Nothing here waits for the device: the engine reads a StepResult's tokens back when it commits the
@@ -29,8 +29,6 @@ from jaxpaged.device.step_input import BlockTableRows
 from jaxpaged.planner.scheduler_output import SchedulerOutput
 from jaxpaged.planner.sequence import Sequence
 from jaxpaged.sample.logprobs import PromptChunk, prompt_targets
-from jaxpaged.sample.rows import beam_candidate_width
-from jaxpaged.sample.sampler import beam_candidates
 from jaxpaged.sample.step_sampler import StepSampler
 
 logger = logging.getLogger("jaxpaged")
@@ -50,10 +48,8 @@ class StepResult:
     fan_out_slots: list[list[int]] = dataclasses.field(default_factory=list)  # token-state slots per fan-out
     fits_next_input: bool = True  # its tokens fit the next step's prev_tokens input (else commit at once)
     constrained: bool = False  # some row has a structured-output grammar
-    # Beam search: (logits row, beam) of every beam that sampled, and their top candidates on the
-    # device ((logprobs, token ids) [rows, C]). A step with beams is committed at once.
+    # Beam search: (logits row, beam) of every beam the sampler left to its search (engine/beam_search.py).
     beam_seqs: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
-    beam_candidates: tuple[jax.Array, jax.Array] | None = None
     # Prompt logprobs: every token's token_logprobs arrays, and which requests' prompt positions they fill.
     prompt_logprobs: dict | None = None
     prompt_chunks: list[PromptChunk] = dataclasses.field(default_factory=list)
@@ -72,7 +68,6 @@ class StepRunner:
         self.model, self.host_kv, self.sampler = model, host_kv, sampler
         self.features = features  # engine/features.py, called in order
         self.timings = timings  # seconds per phase, shared with the engine ("prepare", "postprocess")
-        self.beam_width = beam_candidate_width(max_num_seqs, model.config.vocab_size)  # one width, warmed up
         self.block_table_rows = BlockTableRows(2 * max_num_seqs, model.pages_per_seq)
         self.num_steps = 0
 
@@ -119,10 +114,6 @@ class StepRunner:
         step.tokens, step.logprobs, step.entries = sampled.tokens, sampled.logprobs, sampled.entries
         step.fan_out_slots, step.constrained = sampled.fan_out_slots, sampled.constrained
         step.fits_next_input = sampled.num_rows <= self.model.num_prev_token_rows
-        if step.beam_seqs:
-            step.beam_candidates = beam_candidates(logits, num_candidates=self.beam_width)
-            for array in step.beam_candidates:
-                array.copy_to_host_async()
         for feature in self.features:
             feature.after_sample(step, logits)
         self.timings["postprocess"] += time.perf_counter() - t1

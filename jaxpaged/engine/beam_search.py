@@ -271,14 +271,17 @@ class BeamSearch:
 
 class BeamSearches(StepFeature):
     """The engine's live searches, and which search each beam sequence belongs to; a feature of the
-    step (engine/features.py): beams are left out of the sampler, which gives their top candidates
-    instead (device/step_runner.py), and a step with beams is committed at once."""
+    step (engine/features.py): the sampler leaves beams out, their top candidates are taken from the
+    step's logits instead, and a step with beams is committed at once."""
 
     name = "beams"
 
-    def __init__(self, scheduler: Scheduler | None = None, tokenizer=None) -> None:
+    def __init__(self, scheduler: Scheduler | None = None, tokenizer=None, candidates=None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer  # its decode(token ids) -> text, for the outputs
+        # logits -> (logprobs, token ids) [rows, C] on the device, best first (sample/sampler.py's
+        # beam_candidates at one warmed-up width)
+        self.candidates = candidates
         self.searches: dict[str, BeamSearch] = {}  # request_id -> search
         self.owner: dict[int, BeamSearch] = {}  # seq_id of a live beam -> its search
 
@@ -289,13 +292,20 @@ class BeamSearches(StepFeature):
     def sample_args(self, out) -> dict:
         return {"beam_owner": self.owner} if self.owner else {}
 
+    def after_sample(self, step, logits) -> None:
+        """The top candidates of every beam that sampled, dispatched (read at commit)."""
+        if step.beam_seqs:
+            step.pending[self.name] = candidates = self.candidates(logits)
+            for array in candidates:
+                array.copy_to_host_async()
+
     def commits_at_once(self, step) -> bool:
         return bool(step.beam_seqs)  # the search decides the beams' next tokens on the host
 
     def after_commit(self, step) -> list:
         if not step.beam_seqs:
             return []
-        logprobs, token_ids = (np.asarray(a) for a in step.beam_candidates)
+        logprobs, token_ids = (np.asarray(a) for a in step.pending[self.name])
         return [search.output(self.tokenizer.decode) for search in self.commit(self.scheduler, step.beam_seqs, logprobs, token_ids)]
 
     def add(self, search: BeamSearch) -> None:

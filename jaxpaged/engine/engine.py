@@ -26,6 +26,7 @@ scheduler owns the sequences' states and pages. Everything runs on the caller's 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -53,7 +54,8 @@ from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_tok
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.sample.rows import warmup_sampler
+from jaxpaged.sample.rows import beam_candidate_width, warmup_sampler
+from jaxpaged.sample.sampler import beam_candidates
 from jaxpaged.sample.step_sampler import StepSampler
 from jaxpaged.spec_decode.speculator import Speculator, verification_buckets
 
@@ -122,7 +124,8 @@ class LLMEngine:
         self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh, num_host_pages,
                                       scheduler=self.scheduler, owner=self.processor.owner)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor)
-        self.beams = BeamSearches(self.scheduler, tokenizer)
+        self.beams = BeamSearches(self.scheduler, tokenizer, functools.partial(  # one width, warmed up
+            beam_candidates, num_candidates=beam_candidate_width(config.max_num_seqs, model_config.vocab_size)))
         self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
         sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.host_kv = HostKVStore(self.runner, num_host_pages)

@@ -8,7 +8,7 @@ parameter: it lives in planner/structured_params.py and is re-exported here. Thi
 the planner, never the other way.
 
 Floor 1 (with planner/): stdlib, numpy and llguidance only, never jax. The device side (the bitmask
-applied inside the jitted sampler) is device/sampler.py's `token_bitmask` argument.
+applied inside the jitted sampler) is sample/sampler.py's `token_bitmask` argument.
 """
 
 from jaxpaged.planner.structured_params import StructuredOutputsParams

@@ -54,7 +54,7 @@ from jaxpaged.planner.sequence import SequenceStatus
 # Fewer running constrained sequences than this: their masks are computed at dispatch. The hand-off
 # to the worker and back costs ~0.05 ms (bench_structured_host: 1 row, 0.02 ms at dispatch).
 MIN_PREFETCH_ROWS = 4
-GREEDY_TEMPERATURE = 1e-5  # device/sampler.py's: below it a row draws its argmax
+GREEDY_TEMPERATURE = 1e-5  # sample/sampler.py's: below it a row draws its argmax
 
 
 def samples_first(params) -> bool:
@@ -201,7 +201,7 @@ class StructuredState:
         self.candidates = True
         # Engine-thread seconds: in step_mask() (of which waiting for the worker), in prefetch(), in
         # check() of the tokens drawn unmasked, in the redraw (check and the resample's dispatch,
-        # engine/step_sampler.py) and waiting there for the device's first draw; of check, the masks
+        # sample/step_sampler.py) and waiting there for the device's first draw; of check, the masks
         # of rejected rows computed there; the worker's wall seconds in prefetch's work (its thread)
         self.seconds = {"bitmask": 0.0, "wait": 0.0, "prefetch": 0.0, "check": 0.0, "redraw": 0.0, "device": 0.0,
                         "reject_masks": 0.0, "worker": 0.0}
