@@ -39,6 +39,23 @@ def bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "a
 kv_cache_bytes_per_page = bytes_per_page  # the name benchmarks and tests have used
 
 
+def host_page_counts(config: EngineConfig, page_bytes: int) -> tuple[int, int]:
+    """(swap pages, host-tier pages) the host memory budgets hold; ValueError for a budget that holds
+    no page, or host pages in a model spread over several processes."""
+    num_swap_pages = (config.swap_space_bytes or 0) // page_bytes
+    num_host_cache_pages = (config.host_cache_bytes or 0) // page_bytes
+    for name, value, count in (("swap_space_bytes", config.swap_space_bytes, num_swap_pages),
+                               ("host_cache_bytes", config.host_cache_bytes, num_host_cache_pages)):
+        if value is not None and count == 0:
+            raise ValueError(f"{name}={value} holds no page of {page_bytes} bytes; raise it")
+    if (num_swap_pages or num_host_cache_pages) and jax.process_count() > 1:
+        raise ValueError(
+            "swap_space_bytes / host_cache_bytes keep pages in this process's memory, which a model spread "
+            f"over {jax.process_count()} processes cannot gather; leave them unset (preemption_mode="
+            "'recompute') when running under jax.distributed")
+    return num_swap_pages, num_host_cache_pages
+
+
 def device_bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto",
                           tensor_parallel_size: int = 1) -> int:
     """Bytes of one page on each device of a tensor-parallel mesh: its KV heads (repeated

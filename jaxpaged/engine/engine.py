@@ -26,16 +26,14 @@ scheduler owns the sequences' states and pages. Everything runs on the caller's 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
 
-import jax
 import numpy as np
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.device.kv_cache import bytes_per_page
+from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_runner import StepResult, StepRunner
@@ -48,14 +46,10 @@ from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine.weights import WeightLifecycle, reset_prefix_cache
 from jaxpaged.models.gguf_blocks import has_kept_weights
-from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
-from jaxpaged.planner.scheduler import Scheduler
-from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
+from jaxpaged.planner.scheduler import make_scheduler
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.sample.rows import beam_candidate_width, warmup_sampler
-from jaxpaged.sample.sampler import beam_candidates
 from jaxpaged.sample.step_sampler import StepSampler
 from jaxpaged.spec_decode.speculator import Speculator, verification_buckets
 
@@ -78,29 +72,10 @@ class LLMEngine:
         self.generation_defaults: dict = {}
         self.generation_eos_ids: tuple[int, ...] = ()
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
-        num_swap_pages = (config.swap_space_bytes or 0) // page_bytes
-        num_host_cache_pages = (config.host_cache_bytes or 0) // page_bytes
-        for name, value, count in (("swap_space_bytes", config.swap_space_bytes, num_swap_pages),
-                                   ("host_cache_bytes", config.host_cache_bytes, num_host_cache_pages)):
-            if value is not None and count == 0:
-                raise ValueError(f"{name}={value} holds no page of {page_bytes} bytes; raise it")
-        if (num_swap_pages or num_host_cache_pages) and jax.process_count() > 1:
-            raise ValueError(
-                "swap_space_bytes / host_cache_bytes keep pages in this process's memory, which a model spread "
-                f"over {jax.process_count()} processes cannot gather; leave them unset (preemption_mode="
-                "'recompute') when running under jax.distributed")
-        # Every layer local (Mistral): pages behind the window are freed (planner/sliding_window.py).
-        window = {"sliding_window": model_config.sliding_window} if model_config.all_layers_local else {}
-        self.scheduler = Scheduler(
-            (SlidingWindowBlockManager if window else BlockManager)(
-                num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages, **window,
-            ),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            preemption_mode=config.preemption_mode,
-        )
+        num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
+        self.scheduler = make_scheduler(  # every layer local (Mistral): pages behind the window are freed
+            config, num_pages=num_pages, num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
+            sliding_window=model_config.sliding_window if model_config.all_layers_local else None)
         self.runner = ModelRunner(
             model_config,
             params,
@@ -124,10 +99,9 @@ class LLMEngine:
         self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh, num_host_pages,
                                       scheduler=self.scheduler, owner=self.processor.owner)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor)
-        self.beams = BeamSearches(self.scheduler, tokenizer, functools.partial(  # one width, warmed up
-            beam_candidates, num_candidates=beam_candidate_width(config.max_num_seqs, model_config.vocab_size)))
-        self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
         sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
+        self.beams = BeamSearches(self.scheduler, tokenizer, sampler.beam_candidates)
+        self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
         self.host_kv = HostKVStore(self.runner, num_host_pages)
         self.step_runner = StepRunner(self.runner, self.host_kv, sampler, max_num_seqs=config.max_num_seqs,
                                       features=self.features, timings=self.timings)
@@ -143,7 +117,7 @@ class LLMEngine:
             self.warmup()
 
     @property
-    def block_manager(self) -> BlockManager:
+    def block_manager(self):
         return self.scheduler.block_manager
 
     @property
@@ -283,7 +257,6 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compiles every step bucket and the sampler for each, so serving never compiles."""
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
-        warmup_sampler(self.runner, self.config.max_num_seqs)
         self.step_runner.sampler.warmup(self.config.max_num_seqs)
         for feature in self.features:
             feature.warmup(self.runner, self.step_runner.sampler)  # speculation: the verification steps' programs

@@ -28,11 +28,26 @@ from jaxpaged.planner.block_manager import BlockManager
 from jaxpaged.planner.request import check_fits_pool, check_prompt_fits, placeholder_token_id, token_stop_reason
 from jaxpaged.planner.scheduler_output import SchedulerOutput, UpdateOutput
 from jaxpaged.planner.sequence import Sequence, SequenceStatus, new_seq_id, num_live_slots
+from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
 SWAPPED = SequenceStatus.SWAPPED
 WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
+
+
+def make_scheduler(config, *, num_pages: int, num_swap_pages: int = 0, num_host_cache_pages: int = 0,
+                   sliding_window: int | None = None) -> Scheduler:
+    """The engine's scheduler over its page pool (`config`: a resolved EngineConfig). `sliding_window`:
+    every layer of the model attends that far back (Mistral), so pages behind it are freed
+    (sliding_window.py)."""
+    pool = dict(num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages)
+    block_manager = (BlockManager(**pool) if sliding_window is None
+                     else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
+    return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                     preemption_mode=config.preemption_mode)
 
 
 class Scheduler:

@@ -18,8 +18,9 @@ import numpy as np
 from jaxpaged.planner.sequence import Sequence
 from jaxpaged.sample.penalties import TokenSlots, host_slot_rows, init_slot, make_penalty_arrays
 from jaxpaged.sample.rows import (
-    num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded, sampler_row_counts)
-from jaxpaged.sample.sampler import LOGPROBS_MODES, RowSpec, make_sampling_arrays, sample_ext
+    beam_candidate_width, num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded,
+    sampler_row_counts, warmup_sampler)
+from jaxpaged.sample.sampler import LOGPROBS_MODES, RowSpec, beam_candidates, make_sampling_arrays, sample_ext
 
 _NO_PENALTY = (-1, 0.0, 0.0, 1.0)
 
@@ -38,7 +39,7 @@ class StepSampler:
     def __init__(self, runner, max_num_seqs: int, vocab_size: int, logprobs_mode: str):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
-        self.runner, self.logprobs_mode = runner, logprobs_mode
+        self.runner, self.logprobs_mode, self.max_num_seqs = runner, logprobs_mode, max_num_seqs
         # One slot per running sequence is enough; twice that leaves room for the fan-out rows of a
         # step whose children are not yet running.
         place = lambda tree: jax.device_put(tree, runner.placement)  # committed as the logits are: jit keys on it
@@ -155,9 +156,16 @@ class StepSampler:
                     if slots:
                         self.slots.assign(child, slots[j])
 
+    def beam_candidates(self, logits):
+        """The top candidates (logprobs, token ids) [rows, C] of every logits row, best first, at the
+        one width warm-up compiled (rows.beam_candidate_width)."""
+        return beam_candidates(logits, num_candidates=beam_candidate_width(self.max_num_seqs, logits.shape[-1]))
+
     def warmup(self, max_num_seqs: int, extra: tuple[int, ...] = ()) -> None:
-        """Compiles sample_ext for every row count `warmup_sampler` compiles `sample` for, with and
-        without penalties, and the slot write."""
+        """Compiles every program a step's sampling can run: the plain sampler's variants and the beam
+        top-k (rows.warmup_sampler), and sample_ext with and without penalties, for every row count
+        (`extra`: more logits widths, a speculative verification's), and the slot write."""
+        warmup_sampler(self.runner, max_num_seqs, extra)
         vocab_size = self.slots.vocab_size
         self.slots.state = init_slot(self.slots.state, np.int32(0), *host_slot_rows(vocab_size, [0], [], None, None))
         for num_rows in sampler_row_counts(self.runner, max_num_seqs, extra):

@@ -36,7 +36,6 @@ from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.request import seed_for, token_stop_reason
 from jaxpaged.planner.scheduler import Scheduler
 from jaxpaged.planner.sequence import SequenceStatus
-from jaxpaged.sample.rows import warmup_sampler
 from jaxpaged.sample.sampler import GREEDY_TEMPERATURE, RowSpec
 from jaxpaged.spec_decode.draft_model import DraftModelProposer, DraftRow
 from jaxpaged.spec_decode.ngram import propose_ngram
@@ -313,8 +312,7 @@ class Speculator(StepFeature):
         (`step_sampler`: the engine's) and the verifier at those widths, and the draft model's
         programs: a step with proposals never compiles."""
         widths = tuple(sorted({min(bucket, self.max_num_logits) for bucket in runner.buckets}))
-        warmup_sampler(runner, self.max_num_seqs, widths)  # sequences without proposals sample there
-        step_sampler.warmup(self.max_num_seqs, widths)
+        step_sampler.warmup(self.max_num_seqs, widths)  # sequences without proposals sample there
         for bucket in runner.buckets:
             width = min(bucket, self.max_num_logits)  # logits rows of a verification step
             dummy = runner.dummy_step_input(bucket)
