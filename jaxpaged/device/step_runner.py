@@ -17,7 +17,6 @@ through `StepFeature` (engine/features.py); this module names none of them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import jax
@@ -30,8 +29,6 @@ from jaxpaged.planner.scheduler_output import SchedulerOutput
 from jaxpaged.planner.sequence import Sequence
 from jaxpaged.sample.logprobs import PromptChunk, prompt_targets
 from jaxpaged.sample.step_sampler import StepSampler
-
-logger = logging.getLogger("jaxpaged")
 
 
 @dataclasses.dataclass
