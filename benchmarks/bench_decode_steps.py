@@ -3,8 +3,9 @@
 For each model (Qwen3-0.6B shapes, then Llama-3-8B shapes; random bf16 weights) the engine's own
 configuration is resolved for this machine (EngineConfig defaults: max_num_seqs, max_model_len,
 page size, attention backend) and one `ModelRunner` is built, as the engine builds it. Each decode
-bucket it compiles (`runner.decode_buckets`; Llama-3-8B only the buckets holding batch 1 and 64) is
-run full, every sequence at context 256, 1024 and 4096:
+bucket it compiles (`runner.decode_buckets`) is run full, every sequence at context 256, 1024 and
+4096; Llama-3-8B runs batch 1 and 64 in the buckets the engine picks for them (on a GPU the smallest
+decode bucket is 2: batch 1 is one sequence and one padding row):
 
     measured_ms    median of `--repeats` calls of `runner.execute` (host packing, transfer, the
                    jitted donated step) each waited for with block_until_ready, after warm-up
@@ -15,7 +16,8 @@ run full, every sequence at context 256, 1024 and 4096:
                    context it reads) at 4.8 TB/s, the H200's HBM bandwidth
     ratio          measured_ms / floor_ms
 
-The block table's width is ceil(max_model_len / page_size) whatever the context, so a bucket is one
+The buckets' programs are compiled concurrently (threads: XLA compiles outside the GIL), each row
+records how many were. The block table's width is ceil(max_model_len / page_size) whatever the context, so a bucket is one
 program for every context: each row records the runner's compile count, which must not move.
 Pages: each sequence gets its own pages while the pool holds them; past that, page ids wrap around
 the pool, which is then far larger than the L2 cache (the stride is recorded), so a re-read page
@@ -82,29 +84,33 @@ GPU_CASES = (
 DRY_CASES = (
     ModelCase("tiny-qwen3-like", dict(TINY_SHAPES, qk_norm=True, tie_word_embeddings=True), None, (16, 32, 64),
               dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)),
-    ModelCase("tiny-llama-like", TINY_SHAPES, (1, 4), (16, 64), dict(max_num_seqs=4, max_model_len=64,
+    ModelCase("tiny-llama-like", TINY_SHAPES, (1, 3), (16, 64), dict(max_num_seqs=4, max_model_len=64,
                                                                       max_num_batched_tokens=16)),
 )
 
 
-def decode_step_input(runner: ModelRunner, bucket: int, context: int, rng: np.random.Generator):
-    """A full decode bucket: `bucket` sequences, each with `context` tokens after this step.
+def decode_step_input(runner: ModelRunner, bucket: int, num_seqs: int, context: int, rng: np.random.Generator):
+    """Decode bucket `bucket` with `num_seqs` live sequences of `context` tokens each (after this step),
+    the remaining rows padding, as prepare_step_input pads them.
 
     Sequence s owns logical pages 0..n-1 (n = ceil(context / page_size)) at physical pages
     1 + (s * n + j) mod (num_pages - 1): distinct while the pool holds them all."""
     page_size, pages_per_seq = runner.page_size, runner.pages_per_seq
     n = math.ceil(context / page_size)
-    step = runner.dummy_step_input(bucket, decode_only=True)
-    page_ids = 1 + (np.arange(bucket)[:, None] * n + np.arange(n)[None, :]) % (runner.num_pages - 1)
+    page_ids = 1 + (np.arange(num_seqs)[:, None] * n + np.arange(n)[None, :]) % (runner.num_pages - 1)
     block_tables = np.zeros((bucket, pages_per_seq), np.int32)
-    block_tables[:, :n] = page_ids
+    block_tables[:num_seqs, :n] = page_ids
     position = context - 1  # the new token's position; its K/V lands in the last page
-    slots = page_ids[:, position // page_size] * page_size + position % page_size
+    live = np.arange(bucket) < num_seqs
+    slots = np.full(bucket, runner.num_pages * page_size, np.int32)  # padding rows write nothing
+    slots[:num_seqs] = page_ids[:, position // page_size] * page_size + position % page_size
+    token_ids = np.where(live, rng.integers(0, runner.config.vocab_size, bucket), 0).astype(np.int32)
     return dataclasses.replace(
-        step, token_ids=rng.integers(0, runner.config.vocab_size, bucket, dtype=np.int32),
-        positions=np.full(bucket, position, np.int32), slot_mapping=slots.astype(np.int32),
-        block_tables=block_tables, seq_lens=np.full(bucket, context, np.int32),
-        query_start_loc=np.arange(bucket + 1, dtype=np.int32), logits_indices=np.arange(bucket, dtype=np.int32))
+        runner.dummy_step_input(bucket, decode_only=True), token_ids=token_ids,
+        positions=np.where(live, position, 0).astype(np.int32), slot_mapping=slots, block_tables=block_tables,
+        seq_lens=np.where(live, context, 0).astype(np.int32),
+        query_start_loc=np.minimum(np.arange(bucket + 1), num_seqs).astype(np.int32),  # padding repeats the total
+        logits_indices=np.where(live, np.arange(bucket), 0).astype(np.int32))
 
 
 def live_kv_bytes_per_layer(config: ModelConfig, num_seqs: int, context: int) -> int:
@@ -155,11 +161,14 @@ def run_case(case: ModelCase, args, report: dict, save) -> None:
     probe = ModelRunner(config, params, num_pages=2, page_size=engine.page_size, max_num_seqs=engine.max_num_seqs,
                         max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=engine.max_model_len,
                         attention_fn=attention_fn(engine.attention_backend))
-    buckets = probe.decode_buckets if case.batches is None else tuple(
-        sorted({min(b for b in probe.decode_buckets if b >= n) for n in case.batches}))
+    # (bucket, live sequences): every bucket full, or the bucket the engine picks for each batch.
+    shapes = [(b, b) for b in probe.decode_buckets] if case.batches is None else [
+        (min(b for b in probe.decode_buckets if b >= n), n) for n in case.batches]
+    buckets = tuple(b for b, _ in shapes)
+    num_seqs = dict(shapes)
     del probe
     contexts = [c for c in case.contexts if c <= engine.max_model_len]
-    wanted = 1 + max(buckets) * math.ceil(max(contexts) / engine.page_size)
+    wanted = 1 + max(num_seqs.values()) * math.ceil(max(contexts) / engine.page_size)
     num_pages = pool_pages(config, engine.page_size, wanted, args.dry_run)
     runner = ModelRunner(config, params, num_pages=num_pages, page_size=engine.page_size,
                          max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -172,7 +181,7 @@ def run_case(case: ModelCase, args, report: dict, save) -> None:
         pages_per_seq=runner.pages_per_seq, per_layer_weights=runner.per_layer_weights)
     save()
     rng = np.random.default_rng(0)
-    inputs = {b: {c: decode_step_input(runner, b, c, rng) for c in contexts} for b in buckets}
+    inputs = {b: {c: decode_step_input(runner, b, num_seqs[b], c, rng) for c in contexts} for b in buckets}
     for b in buckets:  # one program per bucket: the context changes the data, never a shape
         layouts = {pack_step_input(s)[1] for s in inputs[b].values()}
         assert len(layouts) == 1, f"bucket {b}: contexts give different step shapes {layouts}"
@@ -197,8 +206,9 @@ def run_case(case: ModelCase, args, report: dict, save) -> None:
             text = compiled[b].as_text()
             for c in contexts:
                 report["rows"].append(dict(
-                    model=case.name, bucket=b, context=c, num_seqs=b, measured_ms=None, pipelined_ms=None,
-                    **floor_of(text, runner.config, b, c, bandwidth), ratio=None, floor_label=label,
+                    model=case.name, bucket=b, context=c, num_seqs=num_seqs[b], measured_ms=None,
+                    pipelined_ms=None, **floor_of(text, runner.config, num_seqs[b], c, bandwidth), ratio=None,
+                    floor_label=label, compiled_concurrently=len(buckets),
                     lower_s=round(lowered[b][1], 2), compile_s=round(compile_s, 2)))
             save()
     del lowered, compiled
@@ -209,7 +219,7 @@ def run_case(case: ModelCase, args, report: dict, save) -> None:
         for c in contexts:
             row = next(r for r in report["rows"] if (r["model"], r["bucket"], r["context"]) == (case.name, b, c))
             n = math.ceil(c / runner.page_size)
-            row["page_stride_bytes"] = None if b * n < num_pages else (num_pages - 1) * kv_page_bytes
+            row["page_stride_bytes"] = None if num_seqs[b] * n < num_pages else (num_pages - 1) * kv_page_bytes
             with CompileCounter() as compiles:
                 if args.dry_run:  # CPU times mean nothing: run the steps once, report nothing
                     jax.block_until_ready(runner.execute(inputs[b][c]))
@@ -230,9 +240,9 @@ def run_case(case: ModelCase, args, report: dict, save) -> None:
 
 def print_rows(rows: list[dict]) -> None:
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    print(f"{'model':<16} {'bucket':>6} {'context':>7} {'measured ms':>11} {'pipelined':>9} {'floor ms':>9} {'ratio':>6}")
+    print(f"{'model':<16} {'bucket':>6} {'seqs':>4} {'context':>7} {'measured ms':>11} {'pipelined':>9} {'floor ms':>9} {'ratio':>6}")
     for r in rows:
-        print(f"{r['model']:<16} {r['bucket']:>6} {r['context']:>7} {fmt(r['measured_ms'], '11.3f')} "
+        print(f"{r['model']:<16} {r['bucket']:>6} {r['num_seqs']:>4} {r['context']:>7} {fmt(r['measured_ms'], '11.3f')} "
               f"{fmt(r['pipelined_ms'], '9.3f')} {r['floor_ms']:9.4f} {fmt(r['ratio'], '6.2f')}")
 
 

@@ -252,9 +252,11 @@ def summarize(out: str, stages: dict[str, dict], dry_run: bool) -> tuple[list[tu
             same = [p for p in k1 if (p["batch"], p["context"], p["num_heads"], p["page_size"])
                     == (r["batch"], r["context"], r["num_heads"], r["page_size"])]
             fractions = {p["impl"]: None if dry_run else p["fraction_of_copy_bw"] for p in same}
+            failed = [p["impl"] for p in same if p.get("error")]
             figures["k1"].append(dict(batch=r["batch"], context=r["context"], heads=f"{r['num_heads']}/{r['num_kv_heads']}",
                                       page_size=r["page_size"], fraction_of_copy_bw=fractions))
-            text = ", ".join(f"{impl} {'null' if f is None else format(f, '.0%')}" for impl, f in fractions.items())
+            text = ", ".join(f"{impl} {'FAILED' if impl in failed else 'null' if f is None else format(f, '.0%')}"
+                             for impl, f in fractions.items())
             rows.append((f"K1 B={r['batch']} ctx={r['context']} {r['num_heads']}/{r['num_kv_heads']} of copy bw", text))
 
     w1 = _load(out, "w1")

@@ -73,10 +73,11 @@ def test_dry_run_rows_cover_every_decode_bucket_and_context(dry_run):
     assert steps["status"] == "done" and steps["dry_run"]
     qwen, llama = steps["models"]["tiny-qwen3-like"], steps["models"]["tiny-llama-like"]
     assert qwen["decode_buckets"] == qwen["measured_buckets"] == [1, 2, 4]  # every bucket the engine compiles
-    assert llama["measured_buckets"] == [1, 4]  # the buckets that hold batch 1 and 4 (64 on the GPU)
+    assert llama["measured_buckets"] == [1, 4]  # the buckets the engine picks for batch 1 and 3 (1, 64 on the GPU)
     rows = {(r["model"], r["bucket"], r["context"]): r for r in steps["rows"]}
     assert set(rows) == {("tiny-qwen3-like", b, c) for b in (1, 2, 4) for c in (16, 32, 64)} | {
         ("tiny-llama-like", b, c) for b in (1, 4) for c in (16, 64)}
+    assert [rows[("tiny-llama-like", b, 64)]["num_seqs"] for b in (1, 4)] == [1, 3]  # live rows; the rest padding
     for row in rows.values():
         assert row["measured_ms"] is None and row["ratio"] is None  # no GPU here
         assert row["floor_ms"] > 0 and row["hbm_bytes"] > 0 and "dry run" in row["floor_label"]
@@ -131,7 +132,8 @@ def test_summary_quotes_measured_over_floor_k1_fractions_and_w1_ratios(tmp_path,
     k1 = dict(workload="K1", batch=64, context=4096, num_heads=16, num_kv_heads=8, page_size=16)
     write("kernels", dict(limits=dict(copy_bytes_per_s=4.3e12), rows=[
         dict(k1, impl="ours decode_attention", fraction_of_copy_bw=0.7),
-        dict(k1, impl="jax ops.gpu.paged_attention", fraction_of_copy_bw=0.35)]))
+        dict(k1, impl="jax ops.gpu.paged_attention", fraction_of_copy_bw=0.35),
+        dict(k1, impl="mosaic decode_attention", fraction_of_copy_bw=None, error="ValueError: no lowering")]))
     write("w1", dict(jaxpaged=dict(output_tok_s=12000.0), dense=dict(output_tok_s=4000.0),
                      hf_continuous_batching=dict(output_tok_s=6000.0)))
     stages = {n: dict(status="ok", seconds=1.0, limit_s=gpu_check.STAGE_LIMITS_S[n]) for n in gpu_check.STAGES}
@@ -142,7 +144,8 @@ def test_summary_quotes_measured_over_floor_k1_fractions_and_w1_ratios(tmp_path,
     assert table["  failed"] == "tests/test_gpu.py::test_parity"
     assert table["compiled largest step scratch vs KV pool"] == "100.0 MiB vs 4.00 GiB (2.4%)"
     assert table["qwen3-0.6b bucket 4 ctx 1024"] == "measured 1.5 ms, floor 0.5 ms, measured/floor 3.00x"
-    assert table["K1 B=64 ctx=4096 16/8 of copy bw"] == "ours decode_attention 70%, jax ops.gpu.paged_attention 35%"
+    assert table["K1 B=64 ctx=4096 16/8 of copy bw"] == (
+        "ours decode_attention 70%, jax ops.gpu.paged_attention 35%, mosaic decode_attention FAILED")
     assert table["measured copy bandwidth (read + write)"] == "4300 GB/s"
     assert table["W1 output tok/s, jaxpaged"] == "12000"
     assert table["W1 output tok/s, dense baseline"] == "4000 (jaxpaged 3.00x)"
