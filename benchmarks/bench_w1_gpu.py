@@ -229,6 +229,7 @@ def run_hf(args) -> None:
             generation_config=generation, warmup=not args.dry_run, **sizes) as manager:
         serve(manager, [(q, dataclasses.replace(s, max_tokens=min(s.max_tokens, 4))) for q, s in w1[:2]])
         warm_s = time.perf_counter() - start
+        attn_implementation = model.config._attn_implementation  # the paged one the manager switched to
         tokens, wall = serve(manager, w1)
     wanted = sum(s.max_tokens for _, s in w1)
     if tokens != wanted:
@@ -236,7 +237,7 @@ def run_hf(args) -> None:
     update_json(args.out, hf_continuous_batching=dict(
         system="hf-transformers continuous batching", transformers_version=transformers.__version__,
         torch_version=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        attn_implementation=model.config._attn_implementation, output_tokens=tokens, wall_s=round(wall, 3),
+        attn_implementation=attn_implementation, output_tokens=tokens, wall_s=round(wall, 3),
         output_tok_s=tokens / wall, warmup_s=round(warm_s, 1)))
     print(f"W1 transformers continuous batching: {tokens / wall:.0f} output tok/s ({wall:.1f} s)", flush=True)
 

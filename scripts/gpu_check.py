@@ -14,7 +14,8 @@ GPU's memory to itself), in this order, with these wall-clock limits (STAGE_LIMI
     w1       W1 end to end: jaxpaged, the dense baseline and transformers' continuous batching on
              the same random weights (benchmarks/bench_w1_gpu.py)                    -> w1.json
 
-Every stage's JSON is rewritten as it goes, so a stage cut by its limit keeps what it measured.
+Every stage's JSON is rewritten as it goes, so a stage cut by its limit keeps what it measured. A
+stage that ends early leaves its unused seconds to the next one (the total stays 540 s).
 Then one summary table is printed last and written, with each stage's status and time, to
 gpu_check.json; all output also goes to gpu_check.log. That is 8 files at most under --out.
 
@@ -157,8 +158,9 @@ def stage_commands(name: str, out: str, dry_run: bool) -> list[list[str]]:
     raise ValueError(name)
 
 
-def run_stage(name: str, out: str, dry_run: bool, log: Log, env: dict) -> dict:
-    limit = STAGE_LIMITS_S[name]
+def run_stage(name: str, out: str, dry_run: bool, log: Log, env: dict, spare_s: float = 0.0) -> dict:
+    """Runs stage `name` under its limit plus `spare_s` (what earlier stages left unused)."""
+    limit = STAGE_LIMITS_S[name] + spare_s
     start = time.perf_counter()
     path = os.path.join(out, FILES[name])
     if os.path.exists(path):
@@ -178,7 +180,7 @@ def run_stage(name: str, out: str, dry_run: bool, log: Log, env: dict) -> dict:
     if status == "ok" and not os.path.exists(path):
         status = "failed"  # exited 0 without its JSON
     return dict(stage=name, status=status, returncodes=codes, seconds=round(time.perf_counter() - start, 1),
-                limit_s=limit, json=FILES[name] if os.path.exists(path) else None)
+                limit_s=round(limit, 1), json=FILES[name] if os.path.exists(path) else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,11 +327,14 @@ def main(argv=None) -> int:
         sys.stderr.write(f"gpu_check needs a CUDA GPU, but JAX's backend here is {probed.get('backend')!r}: run it on "
                          "a GPU machine with jax[cuda], or pass --dry-run to check the script itself.\n")
         return 2
+    # A stage that ends early leaves its unused seconds to the next: the total stays the bound.
+    spare = max(0.0, stages["env"]["limit_s"] - stages["env"]["seconds"])
     for name in STAGES[1:]:
         if name in args.skip:
             stages[name] = dict(stage=name, status="skipped", seconds=0.0, limit_s=STAGE_LIMITS_S[name], json=None)
             continue
-        stages[name] = run_stage(name, args.out, args.dry_run, log, env)
+        stages[name] = run_stage(name, args.out, args.dry_run, log, env, spare)
+        spare = max(0.0, stages[name]["limit_s"] - stages[name]["seconds"])
 
     rows, figures = summarize(args.out, stages, args.dry_run)
     total_s = round(time.perf_counter() - started, 1)

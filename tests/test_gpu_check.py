@@ -61,7 +61,11 @@ def test_dry_run_passes_every_stage_and_prints_the_summary_last(dry_run):
     assert {name: s["status"] for name, s in summary["stages"].items()} == dict.fromkeys(
         ("env", "pytest", "steps", "kernels", "w1"), "ok")
     assert sum(summary["stage_limits_s"].values()) <= 540  # 9 minutes on the device machine
-    assert all(s["seconds"] <= s["limit_s"] for s in summary["stages"].values())
+    stages = [summary["stages"][name] for name in ("env", "pytest", "steps", "kernels", "w1")]
+    assert all(s["seconds"] <= s["limit_s"] for s in stages)
+    for before, after in zip(stages, stages[1:]):  # what a stage leaves unused goes to the next
+        spare = before["limit_s"] - before["seconds"]
+        assert after["limit_s"] == pytest.approx(summary["stage_limits_s"][after["stage"]] + spare, abs=0.2)
     tests = json.loads((out / "pytest.json").read_text())  # the gpu tests, all skipped on a CPU
     assert tests["finished"] and tests["counts"]["skipped"] >= 5
     assert tests["counts"]["passed"] == tests["counts"]["failed"] == tests["counts"]["error"] == 0
