@@ -84,11 +84,12 @@ def probe_environment(path: str) -> None:
 
 
 def git_commit() -> str:
+    """HEAD, or $JAXPAGED_COMMIT where the tree travelled without .git or git (the device machine)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("JAXPAGED_COMMIT") or "unknown"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@
 #
 # On the lent H200 (the device tool; /work/.library/device/README.md), prepared here first:
 #   bash scripts/fetch_gpu_wheels.sh          # .whl/: the wheels of scripts/gpu_wheels.txt (1.6 MB)
-# then one call of the tool:
-#   run(command="bash scripts/gpu_check.sh --out $OUT", carry=[".whl"], timeout_s=600)
+# then one call of the tool, the commit written in (the tree travels without .git):
+#   run(command="JAXPAGED_COMMIT=<git rev-parse HEAD> bash scripts/gpu_check.sh --out $OUT", carry=[".whl"], timeout_s=600)
 # and copy what comes back (files_at) into benchmarks/results/gpu/ before committing it.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

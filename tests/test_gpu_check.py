@@ -121,6 +121,13 @@ def test_a_stage_cut_by_its_limit_keeps_what_it_wrote(tmp_path, monkeypatch):
     assert "killed at its limit of 4 s" in (tmp_path / "log").read_text()
 
 
+def test_the_commit_comes_from_the_environment_where_git_cannot_tell(monkeypatch):
+    gpu_check = _load("gpu_check", "scripts/gpu_check.py")
+    monkeypatch.setenv("JAXPAGED_COMMIT", "f" * 40)
+    monkeypatch.setattr(gpu_check, "REPO", "/")  # no repository there: the tree travelled without .git
+    assert gpu_check.git_commit() == "f" * 40
+
+
 def test_summary_quotes_measured_over_floor_k1_fractions_and_w1_ratios(tmp_path, monkeypatch):
     gpu_check = _load("gpu_check", "scripts/gpu_check.py")
     write = lambda name, record: (tmp_path / gpu_check.FILES[name]).write_text(json.dumps(record))  # noqa: E731
@@ -182,4 +189,5 @@ def test_the_wheel_list_is_what_the_fetch_script_reads():
     assert lines and all("==" in line for line in lines)  # exact versions: the machine has no registry
     assert "beartype" in {line.split("==")[0] for line in lines}  # pyproject's pytest addopts need it
     header = open(SCRIPT).read()
-    assert 'run(command="bash scripts/gpu_check.sh --out $OUT", carry=[".whl"], timeout_s=600)' in header
+    assert ('run(command="JAXPAGED_COMMIT=<git rev-parse HEAD> bash scripts/gpu_check.sh --out $OUT", '
+            'carry=[".whl"], timeout_s=600)') in header
