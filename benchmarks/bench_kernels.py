@@ -18,7 +18,8 @@ a GPU (interpreting them takes seconds per CUDA block): a dry run lowers them fo
 
     python benchmarks/bench_kernels.py                    # GPU: K1 and K2, JSON to benchmarks/results/
     python benchmarks/bench_kernels.py --workloads K1 --repeats 50
-    python benchmarks/bench_kernels.py --quick            # the representative subset gpu_check.sh runs
+    python benchmarks/bench_kernels.py --quick            # a representative subset (about a minute)
+    python benchmarks/bench_kernels.py --check --workloads K1 --json OUT.json   # what gpu_check.sh runs
     python benchmarks/bench_kernels.py --dry-run          # CPU smoke run, JSON to a temp dir
 """
 
@@ -38,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel_cases import (
-    DRY, FULL, QUICK, Scale, build_paged, decode_splits, measure_copy_bandwidth, measure_matmul_rate, time_call,
+    CHECK, DRY, FULL, QUICK, Scale, build_paged, decode_splits, measure_copy_bandwidth, measure_matmul_rate, time_call,
 )
 from jaxpaged.ops.kv_quant import QuantizedKV, quantize
 from pallas_kernels import decode_attention, paged_attention
@@ -67,9 +68,9 @@ def mosaic_peers(peers: dict, dry_run: bool) -> dict:
 # K1: decode
 
 
-def run_k1(scale: Scale, args, limits: dict) -> list[dict]:
+def run_k1(scale: Scale, args, limits: dict, rows: list[dict], save) -> list[dict]:
+    """Appends K1's rows to `rows`, calling `save()` after each configuration (a run cut short keeps them)."""
     interpret = args.dry_run
-    rows = []
     for page_size in scale.page_sizes:
         for num_heads, num_kv_heads in scale.k1_heads:
             for context in scale.k1_contexts:
@@ -77,6 +78,7 @@ def run_k1(scale: Scale, args, limits: dict) -> list[dict]:
                     if num_seqs * context > scale.max_k1_tokens:
                         continue
                     rows += k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, num_seqs, interpret)
+                    save()
     return rows
 
 
@@ -144,28 +146,21 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
     )
     for name, (fn, fn_args) in results.items():
         fn = jax.jit(fn)
-        seconds = time_call(fn, *fn_args, repeats=args.repeats)
-        error = float(jnp.abs(fn(*fn_args).astype(jnp.float32) - dense_out.astype(jnp.float32)).max())
         num_bytes, kv_dtype = moved.get(name, (must_move, "auto"))  # Mosaic peers: bf16 pages
+        row = dict(workload="K1", impl=name, batch=num_seqs, context=context, num_heads=num_heads,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, kv_cache_dtype=kv_dtype,
+                   bytes=num_bytes)
+        try:  # a peer that fails to compile or run is reported as such; the others still run
+            seconds = time_call(fn, *fn_args, repeats=args.repeats)
+            error = float(jnp.abs(fn(*fn_args).astype(jnp.float32) - dense_out.astype(jnp.float32)).max())
+        except Exception as e:  # noqa: BLE001
+            print(f"K1 {name} B={num_seqs} ctx={context}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append(dict(row, ms=None, gb_per_s=None, fraction_of_copy_bw=None, max_abs_diff_vs_dense=None,
+                             error=f"{type(e).__name__}: {str(e)[:500]}"))
+            continue
         bandwidth = num_bytes / seconds
-        rows.append(
-            dict(
-                workload="K1",
-                impl=name,
-                batch=num_seqs,
-                context=context,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                page_size=page_size,
-                kv_cache_dtype=kv_dtype,
-                ms=seconds * 1e3,
-                bytes=num_bytes,
-                gb_per_s=bandwidth / 1e9,
-                fraction_of_copy_bw=bandwidth / limits["copy_bytes_per_s"],
-                max_abs_diff_vs_dense=error,
-            )
-        )
+        rows.append(dict(row, ms=seconds * 1e3, gb_per_s=bandwidth / 1e9,
+                         fraction_of_copy_bw=bandwidth / limits["copy_bytes_per_s"], max_abs_diff_vs_dense=error))
     return rows
 
 
@@ -173,13 +168,13 @@ def k1_config(scale, args, limits, page_size, num_heads, num_kv_heads, context, 
 # K2: ragged prefill
 
 
-def run_k2(scale: Scale, args, limits: dict) -> list[dict]:
-    rows = []
+def run_k2(scale: Scale, args, limits: dict, rows: list[dict], save) -> list[dict]:
     num_heads, num_kv_heads = scale.k2_heads
     head_dim = scale.head_dim
     for page_size in scale.page_sizes:
         for name, batch in scale.k2_batches:
             rows += k2_config(args, limits, name, batch, page_size, num_heads, num_kv_heads, head_dim, scale.dense_logits_budget_bytes)
+            save()
     return rows
 
 
@@ -261,6 +256,9 @@ def k2_config(args, limits, name, batch, page_size, num_heads, num_kv_heads, hea
 
 def print_table(rows: list[dict]) -> None:
     for row in rows:
+        if row.get("error"):
+            print(f"{row['workload']}  {row['impl']}: {row['error'][:120]}")
+            continue
         if row["workload"] == "K1":
             shape = f"B={row['batch']:<4} ctx={row['context']:<6} {row['num_heads']}/{row['num_kv_heads']} ps={row['page_size']}"
             figure = f"{row['gb_per_s']:9.1f} GB/s  {row['fraction_of_copy_bw']:6.1%} of copy bw"
@@ -288,8 +286,10 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median is reported)")
     parser.add_argument("--block-q", type=int, default=16, help="query tokens per program of the ragged kernel in K2")
     parser.add_argument("--quick", action="store_true", help="a representative subset of K1 and K2 (about a minute)")
+    parser.add_argument("--check", action="store_true", help="the subset scripts/gpu_check.sh runs (kernel_cases.CHECK)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, any device: checks the script runs")
     parser.add_argument("--out", default=None, help="JSON output directory (default benchmarks/results/, a temp dir for --dry-run)")
+    parser.add_argument("--json", default=None, help="the JSON file itself (instead of a dated name under --out)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be >= 1")
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    scale = DRY if args.dry_run else QUICK if args.quick else FULL
+    scale = DRY if args.dry_run else CHECK if args.check else QUICK if args.quick else FULL
     if args.dry_run:
         args.repeats = 1
         args.block_q = 8
@@ -318,14 +318,8 @@ def main(argv=None) -> int:
         f"device {jax.devices()[0].device_kind}: copy bandwidth {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s (read+write), "
         f"bf16 matmul {limits['matmul_flop_per_s'] / 1e12:.2f} TFLOP/s"
     )
-    rows = []
-    if "K1" in args.workloads:
-        rows += run_k1(scale, args, limits)
-    if "K2" in args.workloads:
-        rows += run_k2(scale, args, limits)
-    print_table(rows)
-
     now = datetime.datetime.now(datetime.timezone.utc)
+    rows = []
     report = dict(
         device=jax.devices()[0].device_kind,
         backend=backend,
@@ -337,12 +331,28 @@ def main(argv=None) -> int:
         repeats=args.repeats,
         limits=limits,
         rows=rows,
+        status="running",
     )
-    out_dir = args.out or (tempfile.mkdtemp(prefix="bench_kernels_") if args.dry_run else RESULTS_DIR)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"kernels-{now:%Y%m%dT%H%M%S}{'-dry-run' if args.dry_run else ''}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    if args.json:
+        path = args.json
+    else:
+        out_dir = args.out or (tempfile.mkdtemp(prefix="bench_kernels_") if args.dry_run else RESULTS_DIR)
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"kernels-{now:%Y%m%dT%H%M%S}{'-dry-run' if args.dry_run else ''}.json")
+
+    def save():  # rewritten after every configuration
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    save()
+    if "K1" in args.workloads:
+        run_k1(scale, args, limits, rows, save)
+    if "K2" in args.workloads:
+        run_k2(scale, args, limits, rows, save)
+    report["status"] = "done"
+    save()
+    print_table(rows)
     print(f"wrote {path}")
     return 0
 

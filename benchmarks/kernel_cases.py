@@ -64,6 +64,10 @@ QUICK = dataclasses.replace(
         "prefill 1x2048", "chunked 4x512 after 1536 cached", "1x2048 prefill + 64 decode rows at 1024")),
 )
 
+# scripts/gpu_check.sh's K1: the decode kernel at Qwen3-0.6B's heads (16/8, what its decode-bucket
+# stage runs), batch 1, 64 and 256, contexts 1024 and 4096, page size 16.
+CHECK = dataclasses.replace(QUICK, k1_batches=(1, 64, 256), k1_contexts=(1024, 4096), k1_heads=((16, 8),))
+
 DRY = Scale(
     k1_batches=(2,),
     k1_contexts=(64,),

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# One command for a machine with a CUDA GPU: checks and measures jaxpaged's whole device path.
+# One command for a machine with a CUDA GPU: checks and measures jaxpaged's whole device path in at
+# most 9 minutes of wall time, nothing fetched (scripts/gpu_check.py says what each stage does).
 #
-#   scripts/gpu_check.sh [--out DIR] [--dry-run]
+#   scripts/gpu_check.sh [--out DIR] [--dry-run] [--skip STAGE,...]
 #
-# Runs from a plain checkout (PYTHONPATH=., nothing installed beyond jax[cuda], flax, transformers,
-# orbax-checkpoint, jaxtyping, tokenizers, safetensors, numpy, pytest, hypothesis), in under 9
-# minutes on an H100:
-#   1. prints the device, JAX, jaxlib and CUDA versions (stops at once, exit 2, without a GPU);
-#   2. pytest -m gpu: kernels compiled at real sizes, a pool > 2^31 elements, Pallas-vs-reference
-#      greedy parity, donation and step scratch memory, zero compilations after warm-up;
-#   3. benchmarks/bench_kernels.py --quick: K1 (decode) and K2 (ragged) against their peers, with the
-#      measured copy bandwidth and bf16 matmul rate;
-#   4. benchmarks/bench_throughput.py --preset h100 --workloads w1: jaxpaged against the dense
-#      baseline on BENCHMARKS.md's W1 (random Qwen3-0.6B-shaped weights, no download);
-# writes each stage's JSON and a summary (device, JAX version, commit) under DIR (default
-# benchmarks/results/) and prints one summary table. --dry-run runs the same driver on any machine
-# (CPU: gpu tests skipped, kernels in interpret mode at tiny sizes, throughput skipped) to check
-# the script itself; its figures mean nothing.
+# Stages (limits in scripts/gpu_check.py): env 40 s, pytest -m gpu 110 s, every decode bucket vs its
+# floor 170 s, K1 70 s, W1 (jaxpaged, dense baseline, transformers' continuous batching) 150 s. Each
+# writes its JSON under DIR as it goes (7 files: env, pytest, decode_steps, kernels, w1, the summary
+# gpu_check.json and gpu_check.log; default benchmarks/results/gpu/); one summary table is printed
+# last. --dry-run runs every stage on any machine at tiny sizes (GPU figures null).
+#
+# On the lent H200 (the device tool; /work/.library/device/README.md), prepared here first:
+#   bash scripts/fetch_gpu_wheels.sh          # .whl/: the wheels of scripts/gpu_wheels.txt (1.6 MB)
+# then one call of the tool, the commit written in (the tree travels without .git):
+#   run(command="JAXPAGED_COMMIT=<git rev-parse HEAD> bash scripts/gpu_check.sh --out $OUT", carry=[".whl"], timeout_s=600)
+# and copy what comes back (files_at) into benchmarks/results/gpu/ before committing it.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+python="${PYTHON:-$(command -v python3 || command -v python)}"
+if compgen -G ".whl/*.whl" > /dev/null; then  # the wheels the machine's image lacks, never from a registry
+  site="${TMPDIR:-/tmp}/jaxpaged_gpu_site"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" scripts/gpu_check.py "$@"
+exec "$python" scripts/gpu_check.py "$@"
