@@ -153,12 +153,13 @@ class ModelRunner:
         self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
-                                  matmul_kernels=self.matmul_kernels)
+                                  matmul_kernels=self.matmul_kernels,
+                                  min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
         self.model, self.decode_model = model(), model(decode_only=True)
         self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
-        # Decode-only steps: 1 (2 on a GPU: XLA makes one-row GEMMs multiply + reduce with weight-sized
-        # products), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
+        # Decode-only steps: 1 (2 on a GPU, where a one-row step pads its projections' dots to 2 rows
+        # anyway: CausalLM.min_dot_rows), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
         self.decode_buckets = tuple(sorted(default_decode_buckets(max_num_seqs, smallest=1 if platform == "cpu" else 2)
                                            if decode_buckets is None else decode_buckets))
         if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):

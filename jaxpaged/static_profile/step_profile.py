@@ -63,6 +63,7 @@ class StepCase:
     num_tokens: int = 0  # mixed steps: tokens computed (0: a decode step, one per sequence)
     num_layers: int | None = None  # override (the CI gate's 2-layer model with real widths)
     num_logits: int = 0  # logits rows (a speculative verification step: num_seqs * (1 + k)); 0: one per sequence
+    max_num_seqs: int | None = None  # the runner's max_num_seqs (its decode buckets); None: max(num_seqs, 2)
 
     @property
     def decode(self) -> bool:
@@ -83,11 +84,12 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
     pages_per_seq = math.ceil(case.context / PAGE_SIZE)
     num_tokens = case.num_seqs if case.decode else case.num_tokens
-    runner = ModelRunner(  # decode: the runner's own GPU decode buckets (the smallest is 2 sequences)
+    max_num_seqs = case.max_num_seqs or max(case.num_seqs, 2)
+    runner = ModelRunner(  # decode: the runner's own decode buckets for max_num_seqs
         config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
-        max_num_seqs=max(case.num_seqs, 2), max_num_batched_tokens=max(num_tokens, case.num_seqs, 2),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(num_tokens, max_num_seqs),
         max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
-        buckets=(max(num_tokens, case.num_seqs, 2),), decode_buckets=None if case.decode else (),
+        buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
         kv_cache_dtype=case.kv_cache_dtype,
     )
     bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
