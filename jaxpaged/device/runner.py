@@ -88,7 +88,8 @@ class ModelRunner:
     Abstract params (every leaf a `jax.ShapeDtypeStruct` carrying a sharding) make a compile-only
     runner: nothing is allocated, the KV buffer is abstract too, `trace_step` traces the engine's
     real step for that sharding's devices (e.g. an H100 from a CPU host: jaxpaged/static_profile/), and
-    `execute` refuses.
+    `execute` refuses. With a `mesh` (of such devices) the abstract params are laid out as tensor
+    parallelism places real ones (`TensorParallel.abstract_params`).
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
     copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster).
@@ -169,14 +170,17 @@ class ModelRunner:
         # Every device input committed (jit keys its cache on it): warm-up's programs are then serving's.
         self.placement = self.tp.replicated if self.tp is not None else jax.devices()[0]
         self.zeros_on_device = functools.partial(jnp.zeros, device=self.placement)
-        if self.abstract:  # compile-only: shapes and the params' sharding, no memory
-            if self.tp is not None:
-                raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
-            self._abstract_sharding = leaves[0].sharding
-            self._serve(params)
-            self.kv_pages = jax.tree.map(
-                self._abstract, jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)))
+        if self.abstract:  # compile-only: shapes and the params' sharding (under a mesh: tp's layout), no memory
+            self._abstract_sharding = leaves[0].sharding if self.tp is None else self.tp.replicated
+            self._serve(params if self.tp is None else self.tp.abstract_params(params))
+            kv = jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype))
+            self.kv_pages = jax.tree.map(self._abstract, kv) if self.tp is None else jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape)), kv)
             step_shardings = copy_shardings = {}
+            if self.tp is not None:  # as the real branch below
+                kv_sharding = jax.tree.map(lambda leaf: leaf.sharding, self.kv_pages)
+                step_shardings, copy_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding)), dict(
+                    out_shardings=kv_sharding)
         elif self.tp is None:
             self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.zeros_on_device)
@@ -188,7 +192,9 @@ class ModelRunner:
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
-        place = self._abstract if self.abstract else self.tp and (lambda x: jax.device_put(x, self.tp.kv_pages_sharding(x.shape)))
+        place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
+            self.tp and (lambda x: jax.device_put(x, self.tp.kv_pages_sharding(x.shape)))
         self.kv_centres = place(centres) if place and centres is not None else centres
         # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
         self._params_tree = jax.tree.structure(params)
