@@ -74,17 +74,18 @@ def test_one_row_bucket_compiles_to_gemms(gate_rows):
 
 def test_tensor_parallel_step_compiles_sharded(gate_rows):
     """TP=2 over two virtual H100s (2 layers of Llama-3-8B, batch 64, context 2048; figures per device).
-    Every layer weight is split (each device holds half the model, norms aside), the KV buffer stays
-    donated, the only cross-device traffic is activations (an all-reduce after o_proj and down_proj,
-    the logits' all-gather), and the step holds today's figures: the layer scan of the stacked weights
-    (per_layer_weights is refused under a mesh) still copies each layer's weight shard, 22 copies, 0.87
-    GB (the target is 0), 1.73x the per-device ideal bytes, 66 launches. Estimates, no GPU."""
+    Each layer reads its own split weight buffers (per_layer_weights under a mesh): no weight is copied
+    (the layer scan over stacked weights copied every layer's shard: 22 copies, 0.87 GB, 1.73x); each
+    device holds half the model (norms aside); the KV buffer stays donated; the only cross-device
+    traffic is activations (an all-reduce after o_proj and down_proj, the logits' all-gather).
+    Estimated: 40 launches, 1.16x the per-device ideal bytes (the rest: the gathered float32 logits
+    written, read and transposed). Estimates, no GPU."""
     row = gate_rows["tp2"]
     assert row["tp"] == 2 and row["kv_aliased"], row
     assert row["weight_bytes"] <= 0.51 * row["model_weight_bytes"], (row["weight_bytes"], row["model_weight_bytes"])
     assert row["collectives"] >= 2 * row["num_layers"], row["by_kind"]
     assert row["collective_payload_bytes"] <= 40 << 20, row["collective_payload_bytes"]  # activations, no weights
     assert row["floors"]["h100"]["nvlink_floor_ms"] > 0, row["floors"]
-    assert row["copies"] <= 22 and row["copy_bytes"] <= 0.9e9, (row["copies"], row["largest_copies"])
-    assert row["bytes_to_ideal"] <= 1.76, row["bytes_to_ideal"]
-    assert row["launches"] <= 70, row["launches"]
+    assert row["copies"] <= row["num_layers"] and row["copy_bytes"] <= 128 << 10, row["largest_copies"]  # no weight
+    assert row["bytes_to_ideal"] <= 1.18, row["bytes_to_ideal"]
+    assert row["launches"] <= 44, row["launches"]

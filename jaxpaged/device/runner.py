@@ -92,7 +92,7 @@ class ModelRunner:
     parallelism places real ones (`TensorParallel.abstract_params`).
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
-    copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster).
+    copies in the step); None: on a GPU, under a mesh too (on the CPU it compiled ~5x longer, ran no faster).
     """
 
     def __init__(
@@ -145,8 +145,6 @@ class ModelRunner:
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         leaves = jax.tree.leaves(params)
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-        if per_layer_weights and self.tp is not None:
-            raise ValueError("per_layer_weights=True under tensor parallelism is not supported yet; leave it None")
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
@@ -157,7 +155,7 @@ class ModelRunner:
                                   matmul_kernels=self.matmul_kernels,
                                   min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
         self.model, self.decode_model = model(), model(decode_only=True)
-        self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
+        self.per_layer_weights = (platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
         # Decode-only steps: 1 (2 on a GPU, where a one-row step pads its projections' dots to 2 rows
         # anyway: CausalLM.min_dot_rows), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
