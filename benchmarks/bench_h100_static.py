@@ -1,7 +1,7 @@
 """The H100 static profile: the engine's step programs compiled for an H100 on this CPU, and read.
 
-    python -m benchmarks.bench_h100_static            # the matrix below, ~5-10 min on 2 cores
-    python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024 only
+    python -m benchmarks.bench_h100_static            # the matrix below, ~20-30 min on 2 cores
+    python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
@@ -9,7 +9,10 @@ their own folder; the system python is unchanged). The compiling runs in a child
 (jaxpaged/static_profile/target.py). For each case (model shapes with abstract bf16 weights, attention
 backend, KV dtype, batch, context) it reports launches, copies, HBM bytes against the ideal, the
 bytes floor, FLOPs, temp memory and each Pallas kernel's registers / spills / occupancy
-(jaxpaged/static_profile/step_profile.py). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
+(jaxpaged/static_profile/step_profile.py), and per chip (H100, H200) the bytes floor, the launch-aware
+floor and the NVLink floor (jaxpaged/static_profile/floors.py). The matrix adds the smallest bucket
+(max_num_seqs=1, every KV dtype, a one-sequence verification step), H200-compiled rows, and tensor
+parallel steps (TP 2/4/8 over 1x1xN virtual H100s, Llama-3-8B and -70B, figures per device). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
 step for the same batch and context (offline tables; `pip install --target .aic aiconfigurator-core`).
 
 EVERY FIGURE IS AN ESTIMATE read from the compiled program or a prediction; nothing ran on a GPU.
