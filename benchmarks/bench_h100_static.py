@@ -35,6 +35,7 @@ from benchmarks.common import environment
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 AIC_DIR = os.path.join(os.path.dirname(RESULTS_DIR), os.pardir, ".aic")
 H100_BYTES = 84_942_979_072  # device_memory_size of jaxpaged/static_profile/h100_sxm.txtpb
+H200_BYTES = 141_000_000_000  # device_memory_size of jaxpaged/static_profile/h200_sxm.txtpb
 AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Llama-3-8B"}
 
 
@@ -237,6 +238,7 @@ def main(argv=None) -> int:
         # A case whose live KV alone exceeds the H100's 80 GB cannot run there (e.g. Qwen3-0.6B, 256 x 4096:
         # 120 GB); XLA then rematerialises and copies, so its figures describe nothing real.
         r["fits_h100"] = "error" in r or r["ideal_bytes"] < H100_BYTES  # weights + live KV + the step's I/O (per device)
+        r["fits_h200"] = "error" in r or r["ideal_bytes"] < H200_BYTES
     from jaxpaged.static_profile.floors import PER_LAUNCH_S
 
     result = {"environment": environment(), "label": "ESTIMATES from the compiled program (H100, or H200 where "
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:
-        print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else "(KV > 80 GB: not real)")
+        print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else
+              "(over an H100's 80 GB: not real there)" if r["fits_h200"] else "(over 80 and 141 GB: not real)")
     return 0
 
 
