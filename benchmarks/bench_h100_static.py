@@ -1,7 +1,7 @@
 """The H100 static profile: the engine's step programs compiled for an H100 on this CPU, and read.
 
-    python -m benchmarks.bench_h100_static            # the matrix below, ~5-10 min on 2 cores
-    python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024 only
+    python -m benchmarks.bench_h100_static            # the matrix below, ~20-30 min on 2 cores
+    python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
@@ -9,7 +9,10 @@ their own folder; the system python is unchanged). The compiling runs in a child
 (jaxpaged/static_profile/target.py). For each case (model shapes with abstract bf16 weights, attention
 backend, KV dtype, batch, context) it reports launches, copies, HBM bytes against the ideal, the
 bytes floor, FLOPs, temp memory and each Pallas kernel's registers / spills / occupancy
-(jaxpaged/static_profile/step_profile.py). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
+(jaxpaged/static_profile/step_profile.py), and per chip (H100, H200) the bytes floor, the launch-aware
+floor and the NVLink floor (jaxpaged/static_profile/floors.py). The matrix adds the smallest bucket
+(max_num_seqs=1, every KV dtype, a one-sequence verification step), H200-compiled rows, and tensor
+parallel steps (TP 2/4/8 over 1x1xN virtual H100s, Llama-3-8B and -70B, figures per device). Beside it, NVIDIA aiconfigurator's prediction of vLLM's decode
 step for the same batch and context (offline tables; `pip install --target .aic aiconfigurator-core`).
 
 EVERY FIGURE IS AN ESTIMATE read from the compiled program or a prediction; nothing ran on a GPU.
@@ -32,6 +35,7 @@ from benchmarks.common import environment
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 AIC_DIR = os.path.join(os.path.dirname(RESULTS_DIR), os.pardir, ".aic")
 H100_BYTES = 84_942_979_072  # device_memory_size of jaxpaged/static_profile/h100_sxm.txtpb
+H200_BYTES = 141_000_000_000  # device_memory_size of jaxpaged/static_profile/h200_sxm.txtpb
 AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Llama-3-8B"}
 
 
@@ -44,15 +48,41 @@ def family_cases() -> list[dict]:
             dict(model="gemma2-9b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048)]
 
 
+def smallest_bucket_cases() -> list[dict]:
+    """max_num_seqs=1 (the one-row bucket) for each KV dtype and backend, and a verification step of one
+    sequence (k=3: 4 rows), Qwen3-0.6B, context 1024."""
+    one = dict(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=1, context=1024, max_num_seqs=1)
+    return ([one, dict(one, backend="mosaic")] + [dict(one, kv_cache_dtype=kv) for kv in ("int8", "float8_e4m3fn")]
+            + [dict(one, num_tokens=4, num_logits=4, max_num_seqs=4)])
+
+
+def tp_cases() -> list[dict]:
+    """Tensor parallel decode steps over 2/4/8 virtual H100s, Llama-3-8B (32 layers) and Llama-3-70B (80
+    layers: the layer loop is a scan under a mesh, so the whole model compiles in seconds), batch 64,
+    context 2048; figures per device."""
+    return [dict(model=m, backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048, tp=tp)
+            for m in ("llama3-8b", "llama3-70b") for tp in (2, 4, 8)]
+
+
+def h200_cases() -> list[dict]:
+    """The quick rows and the one-row bucket compiled for the H200 (h200_sxm.txtpb)."""
+    return [dict(c, chip="h200") for c in quick_cases() + smallest_bucket_cases()[:1]]
+
+
+def quick_cases() -> list[dict]:
+    return [dict(model="qwen3-0.6b", backend=b, kv_cache_dtype="auto", num_seqs=256, context=1024)
+            for b in ("pallas", "mosaic")]
+
+
 def cases(quick: bool, families: bool = False) -> list[dict]:
     if families:
         return family_cases()
-    c = []
+    c = quick_cases()
     decode = lambda model, backend, kv, b, ctx: dict(model=model, backend=backend, kv_cache_dtype=kv, num_seqs=b,
                                                      context=ctx)
-    c += [decode("qwen3-0.6b", "pallas", "auto", 256, 1024), decode("qwen3-0.6b", "mosaic", "auto", 256, 1024)]
     if quick:
-        return c
+        return c + smallest_bucket_cases()[:1] + h200_cases()[:1]
+    c += smallest_bucket_cases() + h200_cases() + tp_cases()
     c += [decode("qwen3-0.6b", "pallas", "auto", b, ctx) for b in (1, 16, 64, 256) for ctx in (256, 1024, 4096)
           if (b, ctx) != (256, 1024)]
     c += [decode("qwen3-0.6b", "mosaic", "auto", 64, 1024)]
@@ -115,11 +145,16 @@ def _row_line(r: dict) -> str:
         return f"{r['model']:<12} {r['backend']:<6} {r['kv_cache_dtype']:<6} b={r['num_seqs']:<4} ctx={r['context']:<5} ERROR {r['error']}"
     kind = "decode" if not r["num_tokens"] else f"mixed {r['num_tokens']}"
     spill = max((k["spill_store_bytes"] for k in r.get("kernels", [])), default=0)
-    return (f"{r['model']:<12} {r['backend']:<6} {r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} "
-            f"ctx={r['context']:<5} launches={r['launches']:<5} copies={r['copies']:<4} "
-            f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} floor_ms={r['floor_ms']:7.3f} "
-            f"ideal_ms={r['ideal_floor_ms']:7.3f} matmul_flops_x={r.get('matmul_flops_to_useful')} spills={spill} "
-            f"compile_s={r['compile_s']}")
+    f = r["floors"]
+    return (f"{r['model']:<12} {r['chip']}{'' if r['tp'] == 1 else ' tp' + str(r['tp'])} {r['backend']:<6} "
+            f"{r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} max_seqs={r['max_num_seqs'] or '-':<4} "
+            f"ctx={r['context']:<5} L={r['num_layers']:<3} launches={r['launches']:<5} copies={r['copies']:<4} "
+            f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} "
+            f"h100 bytes/launch-aware/ideal ms={f['h100']['bytes_floor_ms']:.3f}/{f['h100']['launch_floor_ms']:.3f}/"
+            f"{f['h100']['ideal_floor_ms']:.3f} h200={f['h200']['bytes_floor_ms']:.3f}/{f['h200']['launch_floor_ms']:.3f}/"
+            f"{f['h200']['ideal_floor_ms']:.3f} nvlink_ms={f['h100']['nvlink_floor_ms']:.3f} "
+            f"graphs={r['command_buffers']['graphs']}/{r['command_buffers']['ops_in_graphs']} "
+            f"matmul_flops_x={r.get('matmul_flops_to_useful')} spills={spill} compile_s={r['compile_s']}")
 
 
 def vllm_predictions(rows: list[dict]) -> dict[str, float]:
@@ -154,6 +189,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     ok = [r for r in rows if "error" not in r and r["fits_h100"] and r["model"] == "qwen3-0.6b" and r["backend"] == "pallas"
+          and r["chip"] == "h100" and r["tp"] == 1 and not r.get("max_num_seqs")
           and r["kv_cache_dtype"] == "auto" and not r["num_tokens"]]
     for b in sorted({r["num_seqs"] for r in ok}):
         pts = sorted((r["context"], r["bytes_to_ideal"], r["launches"]) for r in ok if r["num_seqs"] == b)
@@ -196,20 +232,28 @@ def main(argv=None) -> int:
     os.remove(child_out)
     predictions = vllm_predictions(rows)
     for r in rows:
-        decode = not r.get("num_tokens")  # the prediction is of a decode step
+        # The prediction is of one H100's decode step (aiconfigurator's h100_sxm tables).
+        decode = not r.get("num_tokens") and r.get("chip", "h100") == "h100" and r.get("tp", 1) == 1
         r["vllm_predicted_ms"] = predictions.get(f"{r['model']}|{r['num_seqs']}|{r['context']}") if decode else None
         # A case whose live KV alone exceeds the H100's 80 GB cannot run there (e.g. Qwen3-0.6B, 256 x 4096:
         # 120 GB); XLA then rematerialises and copies, so its figures describe nothing real.
-        r["fits_h100"] = "error" in r or r["ideal_bytes"] < H100_BYTES  # weights + live KV + the step's I/O
-    result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 program; vLLM column: "
-              "aiconfigurator-core prediction. Nothing here ran on a GPU.", "rows": rows}
+        r["fits_h100"] = "error" in r or r["ideal_bytes"] < H100_BYTES  # weights + live KV + the step's I/O (per device)
+        r["fits_h200"] = "error" in r or r["ideal_bytes"] < H200_BYTES
+    from jaxpaged.static_profile.floors import PER_LAUNCH_S
+
+    result = {"environment": environment(), "label": "ESTIMATES from the compiled program (H100, or H200 where "
+              "chip says so; tp > 1: per device); floors for both chips from each program: bytes / HBM bandwidth, "
+              f"launch-aware = + launches x {PER_LAUNCH_S * 1e6:.1f} us (PER_LAUNCH_S, an uncalibrated estimate), "
+              "NVLink 450 GB/s one way; vLLM column: aiconfigurator-core prediction. Nothing here ran on a GPU.",
+              "per_launch_s": PER_LAUNCH_S, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     if not (args.quick or args.families):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:
-        print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else "(KV > 80 GB: not real)")
+        print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else
+              "(over an H100's 80 GB: not real there)" if r["fits_h200"] else "(over 80 and 141 GB: not real)")
     return 0
 
 

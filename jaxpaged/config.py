@@ -74,8 +74,8 @@ class EngineConfig:
     # hub id, "num_speculative_tokens": k} (jaxpaged/spec_decode/); "disable_by_batch_size" too. None: off.
     speculative_config: dict | None = None
     # One weight buffer per layer, layers unrolled: the step copies no weight (jaxpaged/device/layer_params.py).
-    # None: on a GPU when tensor_parallel_size is 1. Not on a CPU by default: there it is at most 5%
-    # faster and each step program compiles ~5x longer.
+    # None: on a GPU (under tensor parallelism too: each layer's buffer split like its stacked leaf). Not on
+    # a CPU by default: there it is at most 5% faster and each step program compiles ~5x longer.
     per_layer_weights: bool | None = None
     # MoE (vLLM's engine argument): CompletionOutput.routed_experts gets every fed token's top-k expert
     # ids per layer, [len(prompt) + len(output) - 1, num_layers, top_k] (engine/routed_experts.py).
@@ -121,9 +121,6 @@ class EngineConfig:
                              "leave quantization None to shard float weights")
         if self.per_layer_weights and self.enable_return_routed_experts:
             raise ValueError("enable_return_routed_experts reads the layer scan's routed ids: leave per_layer_weights None")
-        if self.per_layer_weights and self.tensor_parallel_size > 1:
-            raise ValueError("per_layer_weights=True needs tensor_parallel_size=1 (sharded per-layer weights are "
-                             "not supported yet); leave it None")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", check_speculative_config(self.speculative_config))
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

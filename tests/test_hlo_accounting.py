@@ -303,6 +303,7 @@ def test_thunk_sequence_counts_match_the_hlo_accounting():
     assert (counted.kernels, counted.copies, counted.memsets) == (acc.num_kernels, acc.num_copies, 0)
     assert counted.per_instruction == {l.name: l.count for l in acc.launches}
     assert counted.host_launches == 1 + 5 * 3  # the fill; per trip one graph, the copy, inc
+    assert (counted.command_buffers, counted.ops_in_command_buffers) == (5, 5 * 2)  # per trip: one graph of mul, sum
     assert counted.kernel_launch_dims["sum"] == ("sum", (128, 1, 1), (256, 1, 1), 0)
 
 
@@ -420,3 +421,62 @@ def test_compile_for_h100_in_a_child_process(tmp_path):
     # Per trip at least: x and w read, x written.
     assert got["hbm"] >= 3 * (2 * 256 * 512 * 4 + 512 * 512 * 4)
     assert "H100" in got["device"] or "cuda" in got["device"].lower()
+
+
+# Two devices' program: a partial product all-reduced (async start/done), then all-gathered.
+COLLECTIVE_HLO = """HloModule tp, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_mul (p0: f32[16,512], p1: f32[16,512]) -> f32[16,512] {
+  %p0 = f32[16,512]{1,0} parameter(0)
+  %p1 = f32[16,512]{1,0} parameter(1)
+  ROOT %m = f32[16,512]{1,0} multiply(%p0, %p1)
+}
+
+ENTRY %main (x.1: f32[16,512], y.1: f32[16,512]) -> f32[32,512] {
+  %x.1 = f32[16,512]{1,0} parameter(0), metadata={op_name="x"}
+  %y.1 = f32[16,512]{1,0} parameter(1), metadata={op_name="y"}
+  %mul = f32[16,512]{1,0} fusion(%x.1, %y.1), kind=kLoop, calls=%fused_mul
+  %ar-start = f32[16,512]{1,0} all-reduce-start(%mul), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %ar-done = f32[16,512]{1,0} all-reduce-done(%ar-start)
+  %ag-start = (f32[16,512]{1,0}, f32[32,512]{1,0}) all-gather-start(%ar-done), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  ROOT %ag-done = f32[32,512]{1,0} all-gather-done(%ag-start)
+}
+"""
+
+
+def test_collectives_count_their_payload_and_bus_bytes():
+    from jaxpaged.static_profile.floors import bus_bytes
+
+    acc = account(COLLECTIVE_HLO)
+    runs = {l.name: (l.kind, l.bytes_read, l.bytes_written, l.detail) for l in acc.launches}
+    payload = 16 * 512 * F32
+    assert runs["ar-start"] == ("collective", payload, payload, "all-reduce-start")
+    assert runs["ag-start"] == ("collective", payload, 2 * payload, "all-gather-start")  # the gathered result only
+    assert acc.num_kernels == 3 and acc.num_launches == 3  # the done ops are free
+    # NCCL's bus bytes: an all-reduce moves 2 (N-1)/N of its payload, an all-gather (N-1)/N.
+    assert bus_bytes("all-reduce-start", 1000, 2) == 1000 and bus_bytes("all-reduce", 1000, 8) == 1750
+    assert bus_bytes("all-gather-start", 800, 4) == 600 and bus_bytes("all-reduce", 1000, 1) == 0
+    with pytest.raises(ValueError, match="bus-bytes rule"):
+        bus_bytes("send", 1, 2)
+
+
+def test_floors_per_chip_add_the_launch_term():
+    from jaxpaged.static_profile.floors import PER_LAUNCH_S, floors
+    from jaxpaged.static_profile.target import H200
+
+    assert H200.hbm_bandwidth == 4.8e12 and H200.hbm_bytes == 141_000_000_000 and H200.num_sms == H100.num_sms
+    assert H100.hbm_bandwidth == 3_352_320_000_000 and H100.nvlink_bandwidth == H200.nvlink_bandwidth == 450e9
+    for target in (H100, H200):
+        f = floors(hbm_bytes=6_000_000_000, ideal_bytes=4_800_000_000, launches=500, target=target, nvlink_bytes=9e8)
+        bytes_ms = 6e9 / target.hbm_bandwidth * 1e3
+        assert f["bytes_floor_ms"] == round(bytes_ms, 4)
+        assert f["launch_floor_ms"] == round(bytes_ms + 500 * PER_LAUNCH_S * 1e3, 4)
+        assert f["ideal_floor_ms"] == round(4.8e9 / target.hbm_bandwidth * 1e3, 4)
+        assert f["nvlink_floor_ms"] == 2.0  # 0.9 GB at 450 GB/s
+    assert floors(4_800_000_000, 0, 0, H200)["bytes_floor_ms"] == 1.0

@@ -7,6 +7,7 @@ was not written this request poisons the logits.
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,3 +226,40 @@ def test_cpu_runner_takes_the_vocab_major_head():
     runner = ModelRunner(config, init_params(config, jax.random.key(0)), num_pages=4, page_size=4,
                          max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)
     assert runner.model.vocab_major_head and runner.decode_model.vocab_major_head
+
+
+class _Projection(nn.Module):
+    """One layer projection through the model's own `linear`, alone."""
+
+    min_rows: int
+
+    @nn.compact
+    def __call__(self, x):
+        from jaxpaged.models.gguf_blocks import linear
+
+        return linear(self, "w", x, (32, 4, 8), "TD,DNH->TNH", jnp.float32, nn.initializers.normal(1.0),
+                      min_rows=self.min_rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_min_dot_rows_pads_the_dot_and_keeps_the_product(rows):
+    """A GPU runner gives every projection's dot >= 2 rows (CausalLM.min_dot_rows): a one-row dot would
+    be strength-reduced into multiply + reduce (jaxpaged/static_profile). The padded product is the
+    same rows of x @ w (float64 reference), and the dot really takes 2 rows where x has 1."""
+    x = jax.random.normal(jax.random.key(1), (rows, 32), jnp.float32)
+    params = _Projection(1).init(jax.random.key(0), x)
+    w = np.asarray(params["params"]["w"], np.float64)
+    want = np.einsum("td,dnh->tnh", np.asarray(x, np.float64), w)
+    for min_rows in (1, 2):
+        apply = jax.jit(_Projection(min_rows).apply)
+        np.testing.assert_allclose(np.asarray(apply(params, x)), want, rtol=1e-5, atol=1e-5)
+        dots = [line for line in apply.lower(params, x).as_text().splitlines() if "dot_general" in line]
+        assert len(dots) == 1 and f"(tensor<{max(rows, min_rows)}x32xf32>" in dots[0], dots
+
+
+def test_runner_pads_one_row_dots_only_off_the_cpu():
+    config = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8)
+    runner = ModelRunner(config, init_params(config, jax.random.key(0)), num_pages=4, page_size=4,
+                         max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16)
+    assert runner.model.min_dot_rows == runner.decode_model.min_dot_rows == 1  # XLA:CPU's one-row dot is a gemv

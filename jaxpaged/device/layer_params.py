@@ -46,10 +46,16 @@ def has_stacked_layers(params) -> bool:
 
 def _unstack(leaf, num_layers: int, delete: bool) -> list:
     if isinstance(leaf, jax.ShapeDtypeStruct):  # a compile-only runner: shapes, no memory
-        return [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=leaf.sharding)] * num_layers
+        sharding = leaf.sharding  # on a mesh (tensor parallel): the layer's spec, the stacked one's past its layers axis
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        return [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)] * num_layers
     if not isinstance(leaf, jax.Array):
         return list(np.asarray(leaf))  # host arrays: views, no copy
     parts = jnp.unstack(leaf)  # one op; each part is a buffer of its own
+    if isinstance(leaf.sharding, jax.sharding.NamedSharding):  # tensor parallel: each part split as the stack was
+        layer = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*leaf.sharding.spec[1:]))
+        parts = [jax.device_put(part, layer) for part in parts]
     if delete:  # the runner's own copy (device/runner.py `_to_device`): its bytes now live in parts
         leaf.delete()
     return list(parts)

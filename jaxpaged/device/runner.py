@@ -88,10 +88,11 @@ class ModelRunner:
     Abstract params (every leaf a `jax.ShapeDtypeStruct` carrying a sharding) make a compile-only
     runner: nothing is allocated, the KV buffer is abstract too, `trace_step` traces the engine's
     real step for that sharding's devices (e.g. an H100 from a CPU host: jaxpaged/static_profile/), and
-    `execute` refuses.
+    `execute` refuses. With a `mesh` (of such devices) the abstract params are laid out as tensor
+    parallelism places real ones (`TensorParallel.abstract_params`).
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
-    copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster).
+    copies in the step); None: on a GPU, under a mesh too (on the CPU it compiled ~5x longer, ran no faster).
     """
 
     def __init__(
@@ -144,8 +145,6 @@ class ModelRunner:
         kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         leaves = jax.tree.leaves(params)
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-        if per_layer_weights and self.tp is not None:
-            raise ValueError("per_layer_weights=True under tensor parallelism is not supported yet; leave it None")
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
@@ -153,12 +152,13 @@ class ModelRunner:
         self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
-                                  matmul_kernels=self.matmul_kernels)
+                                  matmul_kernels=self.matmul_kernels,
+                                  min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
         self.model, self.decode_model = model(), model(decode_only=True)
-        self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
+        self.per_layer_weights = (platform != "cpu" and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
-        # Decode-only steps: 1 (2 on a GPU: XLA makes one-row GEMMs multiply + reduce with weight-sized
-        # products), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
+        # Decode-only steps: 1 (2 on a GPU, where a one-row step pads its projections' dots to 2 rows
+        # anyway: CausalLM.min_dot_rows), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
         self.decode_buckets = tuple(sorted(default_decode_buckets(max_num_seqs, smallest=1 if platform == "cpu" else 2)
                                            if decode_buckets is None else decode_buckets))
         if any(d < 1 or d > max_num_seqs for d in self.decode_buckets):
@@ -168,14 +168,17 @@ class ModelRunner:
         # Every device input committed (jit keys its cache on it): warm-up's programs are then serving's.
         self.placement = self.tp.replicated if self.tp is not None else jax.devices()[0]
         self.zeros_on_device = functools.partial(jnp.zeros, device=self.placement)
-        if self.abstract:  # compile-only: shapes and the params' sharding, no memory
-            if self.tp is not None:
-                raise ValueError("a compile-only runner (abstract params) takes no mesh; place the params yourself")
-            self._abstract_sharding = leaves[0].sharding
-            self._serve(params)
-            self.kv_pages = jax.tree.map(
-                self._abstract, jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype)))
+        if self.abstract:  # compile-only: shapes and the params' sharding (under a mesh: tp's layout), no memory
+            self._abstract_sharding = leaves[0].sharding if self.tp is None else self.tp.replicated
+            self._serve(params if self.tp is None else self.tp.abstract_params(params))
+            kv = jax.eval_shape(lambda: zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype))
+            self.kv_pages = jax.tree.map(self._abstract, kv) if self.tp is None else jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape)), kv)
             step_shardings = copy_shardings = {}
+            if self.tp is not None:  # as the real branch below
+                kv_sharding = jax.tree.map(lambda leaf: leaf.sharding, self.kv_pages)
+                step_shardings, copy_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding)), dict(
+                    out_shardings=kv_sharding)
         elif self.tp is None:
             self._serve(self._to_device(params))
             self.kv_pages = zeros_kv_cache(kv_shape, c.dtype, kv_cache_dtype, zeros=self.zeros_on_device)
@@ -187,7 +190,9 @@ class ModelRunner:
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
-        place = self._abstract if self.abstract else self.tp and (lambda x: jax.device_put(x, self.tp.kv_pages_sharding(x.shape)))
+        place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
+            self.tp and (lambda x: jax.device_put(x, self.tp.kv_pages_sharding(x.shape)))
         self.kv_centres = place(centres) if place and centres is not None else centres
         # update_params checks new trees against this (self.params is None after sleep(level=2): device/sleep.py).
         self._params_tree = jax.tree.structure(params)

@@ -242,6 +242,19 @@ class TensorParallel:
 
         return jax.tree_util.tree_map_with_path(place, params, self.param_shardings(params))
 
+    def abstract_params(self, params):
+        """Shapes only (a compile-only runner): each leaf as `place_params` would lay it out, KV heads
+        repeated for tp > num_kv_heads, as a ShapeDtypeStruct carrying its NamedSharding on the mesh."""
+        dtype = jnp.dtype(self.config.dtype)
+
+        def lay_out(path, leaf):
+            axes = param_logical_axes(path, len(leaf.shape))
+            shape = [n * (self.kv_head_replicas if a == "kv_heads" else 1) for a, n in zip(axes, leaf.shape)]
+            sharding = NamedSharding(self.mesh, logical_to_spec(axes, shape, self.mesh))
+            return jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(path, dtype), sharding=sharding)
+
+        return jax.tree_util.tree_map_with_path(lay_out, params)
+
     def zeros_kv_pages(self, shape: Sequence[int], dtype) -> jax.Array:
         """The page buffer, created in place shard by shard (never whole on one device)."""
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_pages_sharding(shape))()

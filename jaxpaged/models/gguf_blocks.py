@@ -246,7 +246,7 @@ REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='
 
 
 def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, init, *, matrix: bool = False,
-           kernels: frozenset = frozenset(), stack: dict | None = None, layer=0):
+           kernels: frozenset = frozenset(), stack: dict | None = None, layer=0, min_rows: int = 1):
     """`jnp.einsum(equation, x, w)` for the weight `name` of `shape` (in first; `matrix`: taken as
     [prod(shape[:-1]), shape[-1]]).
 
@@ -261,7 +261,13 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
 
     With Q8_1 in `kernels` (gguf_activations="q8_1"), a weight kept as codes multiplies x as its Q8_1
     blocks hold it: the gguf_panels_q8 kernel quantizes x itself; every other path is handed
-    `dequantized_q8_1(x)` (the same products up to float32 rounding)."""
+    `dequantized_q8_1(x)` (the same products up to float32 rounding).
+
+    `min_rows` (static; CausalLM.min_dot_rows): XLA's dot is given at least this many rows of x [T, ...],
+    zero rows appended and the product sliced back. On a GPU a one-row dot with K * (N + 1) under 10M
+    (every projection of a small model) is strength-reduced into multiply + reduce; where the multiply
+    cannot join the reduce (its vector is silu(gate) * up, or a norm) it writes a weight-sized product
+    and reads it back (3x the weight's bytes); two rows make it a GEMM (jaxpaged/static_profile)."""
     own = stack is None
 
     def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
@@ -297,7 +303,11 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
 
             return dense_matmul(x, w.reshape(w.shape[0], rows, cols), at).reshape(out_shape).astype(dtype)
     w = linear_weight(module, name, shape, dtype, init)
-    return jnp.einsum(equation, x, w.reshape(-1, shape[-1]) if matrix else w)
+    w = w.reshape(-1, shape[-1]) if matrix else w
+    if x.shape[0] < min_rows:
+        padded = jnp.pad(x, [(0, min_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+        return jnp.einsum(equation, padded, w)[: x.shape[0]]
+    return jnp.einsum(equation, x, w)
 
 
 def _as_q8_1(x, features: int):

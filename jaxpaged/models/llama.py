@@ -133,6 +133,7 @@ class Attention(nn.Module):
     # between two calls by lax.cond, so each backend sees a static window.
     windows: tuple[int | None, ...] = (None,)
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
+    min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
@@ -140,7 +141,7 @@ class Attention(nn.Module):
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         # Float weights, or GGUF codes: dequantized by XLA or multiplied by the CPU kernel (models/gguf_blocks.py).
         project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
-                                    stack=weight_stack, layer=layer_idx)
+                                    stack=weight_stack, layer=layer_idx, min_rows=self.min_dot_rows)
         q = project("q_proj", x, (dim, n, h), "TD,DNH->TNH")
         key = project("k_proj", x, (dim, k, h), "TD,DKH->TKH")
         value = project("v_proj", x, (dim, k, h), "TD,DKH->TKH")
@@ -201,12 +202,14 @@ class MLP(nn.Module):
     dtype: jnp.dtype
     act: str = "silu"
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
+    min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
 
     @nn.compact
     def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, weight_stack=None) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
         project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
-                                    stack=weight_stack, layer=layer_idx)  # float or GGUF codes (models/gguf_blocks.py)
+                                    stack=weight_stack, layer=layer_idx,  # float or GGUF codes (models/gguf_blocks.py)
+                                    min_rows=self.min_dot_rows)
         gate = project("gate_proj", x, (dim, f), "TD,DF->TF")
         up = project("up_proj", x, (dim, f), "TD,DF->TF")
         return project("down_proj", ACTIVATIONS[self.act](gate) * up, (f, dim), "TF,FD->TD")
@@ -220,6 +223,7 @@ class DecoderLayer(nn.Module):
     decode_only: bool = False
     expert_fn: ExpertFn = grouped_experts
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
+    min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
@@ -235,7 +239,8 @@ class DecoderLayer(nn.Module):
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
-            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels, name="attn",
+            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels,
+            self.min_dot_rows, name="attn",
         )
         stack = weight_stack or {}
         h, kv_pages = attn(
@@ -248,7 +253,8 @@ class DecoderLayer(nn.Module):
             h = MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.hidden_act,
                     dtype, self.expert_fn, name="moe")(h)
         else:
-            h = MLP(c.intermediate_size, dtype, c.hidden_act, self.matmul_kernels, name="mlp")(h, layer_idx, stack.get("mlp"))
+            h = MLP(c.intermediate_size, dtype, c.hidden_act, self.matmul_kernels, self.min_dot_rows, name="mlp")(
+                h, layer_idx, stack.get("mlp"))
         x = x + (norm("mlp_out_norm")(h) if c.sandwich_norms else h)
         return (x, kv_pages), None
 
@@ -267,6 +273,10 @@ class CausalLM(nn.Module):
     # "gguf_matmul" for GGUF codes (ops/cpu/gguf_matmul.cc), "dense_matmul" for float32 weights
     # (ops/cpu/dense_matmul.cc); the runner sets them on XLA:CPU. Same weights, float32 sums in another order.
     matmul_kernels: frozenset = frozenset()
+    # Static: the fewest rows a layer projection's dot is given (gguf_blocks.linear pads fewer with zero
+    # rows); the runner sets 2 on a GPU, where XLA strength-reduces a one-row dot of a small weight into
+    # multiply + reduce that writes the weight-sized product (docs: jaxpaged/static_profile/__init__.py).
+    min_dot_rows: int = 1
 
     @nn.compact
     def __call__(
@@ -306,7 +316,8 @@ class CausalLM(nn.Module):
             # One parameter tree per layer (the runner's serving layout, device/layer_params.py): the
             # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
             # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
-            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, parent=None)
+            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels,
+                                 self.min_dot_rows, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
@@ -318,7 +329,7 @@ class CausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
-            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, name="layers")
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, self.min_dot_rows, name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
             # The kernels read weights from the whole stack at layer_idx (no per-layer slice copies).
             stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})

@@ -1,15 +1,18 @@
-"""The static profile: a jitted program compiled for one H100 SXM on a machine without a GPU, and read.
+"""The static profile: a jitted program compiled for an H100 / H200 SXM (one, or a tensor-parallel mesh
+of virtual ones) on a machine without a GPU, and read.
 
 Kernel launches, device-to-device copies, HBM bytes per launch, the Pallas kernels' registers and
 occupancy. Every figure is an estimate read from the compiled program; nothing runs on a GPU.
 
-    target.py          the H100's numbers (`H100`, from h100_sxm.txtpb, XLA's target description),
-                       the child process's environment (`h100_env`), `spec`, `compile_for_h100`
+    target.py          the chips' numbers (`H100` from h100_sxm.txtpb, XLA's target description; `H200`
+                       from h200_sxm.txtpb), the child process's environment (`h100_env`), `spec`,
+                       `compile_for_h100`, `chip_sharding` / `chip_mesh` (1x1xN virtual devices)
     hlo_text.py        optimized HLO text -> computations, instructions, shapes, bytes
     fusions.py         what one fused computation reads and writes (slices, in-place updates, memcpys, FLOPs)
     aliases.py         which values are one entry parameter's buffer (the KV pool), through loops and aliases
     hlo_accounting.py  account(hlo_text, override): launches, copies, bytes per launch
-    thunks.py          the dumped thunk sequence, and cross_check(accounting, dump_dir) against it
+    thunks.py          the dumped thunk sequence (CUDA graphs: `command_buffers`), cross_check against it
+    floors.py          bytes, launch-aware (+ launches x PER_LAUNCH_S, an estimate) and NVLink floors per chip
     ptxas_report.py    `ptxas -arch=sm_90a -v` on each Pallas kernel's PTX: registers, spills, smem, occupancy
     step_profile.py    one engine step program compiled and read (benchmarks/bench_h100_static.py's rows)
     gate.py            the CI gate's measurement (tests/test_h100_static_gate.py holds its budgets)

@@ -9,6 +9,9 @@ around it). Kinds:
 
     kernel  a fusion or unfused op compiled to one kernel (a fill of a constant is one too)
     pallas  a Triton custom call (Pallas)                       gemm  a cuBLAS / cuDNN custom call
+    collective  an all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute (its
+            start op; the done op is free): HBM bytes as any kernel, its payload (`bytes_written`)
+            what crosses NVLink (floors.py)
     copy    a device-to-device copy: `copy`, `copy-start`, a "dynamic_slice_fusion" (XLA emits a
             memcpy of the slice out, or of the update in), a loop fusion that only copies a
             parameter in the same layout or takes a contiguous static slice of one
@@ -56,6 +59,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-
          "add-dependency", "domain", "copy-done", "send-done", "recv-done", "async-done", "async-update",
          "all-reduce-done", "all-gather-done", "collective-permute-done"}
 _GEMM_TARGETS = ("__cublas", "__cudnn")
+COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter", "all-to-all",
+               "collective-permute", "collective-permute-start", "ragged-all-to-all"}
 _TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
@@ -100,7 +105,7 @@ class Accounting:
 
     @property
     def num_kernels(self) -> int:
-        return self._total("count", ("kernel", "pallas", "gemm"))
+        return self._total("count", ("kernel", "pallas", "gemm", "collective"))
 
     @property
     def num_copies(self) -> int:
@@ -201,6 +206,10 @@ def _launch(module, comp, instr: Instr, count, override, aliases) -> Launch:
     if op in ("copy", "copy-start"):
         n = operand_bytes[0]
         return mk("copy", n, n, detail=op)
+    if op in COLLECTIVES:  # per device: its operand in, its result out (a start op's tuple: the result part)
+        leaves = list(instr.shape.leaves)
+        written = leaves[-1].nbytes if op.endswith("-start") and instr.shape.is_tuple else instr.shape.nbytes
+        return mk("collective", sum(operand_bytes), written, detail=op)
     if op == "custom-call":
         target = instr.custom_call_target or ""
         results = list(instr.shape.leaves)

@@ -1,14 +1,19 @@
-"""One engine step program, compiled for an H100 and read: what `bench_h100_static` and the CI gate report.
+"""One engine step program, compiled for an H100 or H200 and read: what `bench_h100_static` and the CI gate report.
 
 Runs inside the H100 child process (jaxpaged/static_profile/target.py). The program is the engine's own:
-a compile-only `ModelRunner` (abstract params on the virtual H100, jaxpaged/device/runner.py) traces
-the same jitted, donated step the engine runs, for a decode bucket or a mixed token bucket.
+a compile-only `ModelRunner` (abstract params on the virtual chip, jaxpaged/device/runner.py) traces
+the same jitted, donated step the engine runs, for a decode bucket or a mixed token bucket; with
+`tp` > 1 over a mesh of that many virtual chips, and then every byte figure is one device's (its
+shards, its KV heads), its collectives' payload and NVLink bus bytes beside them.
 
     bytes per step  = HLO accounting of every launch, the KV buffer counted by the pages the step
                       really reads (the live context), not by its size
-    ideal bytes     = weights once + live KV once + the step's own inputs and outputs (the packed
-                      int32 input, the new tokens' K/V written, float32 logits)
-    floor (ms)      = bytes / 3.35 TB/s;   compute floor = useful FLOPs / 989 TFLOP/s (bf16 dense)
+    ideal bytes     = weights once (an untied embedding: the gathered rows) + live KV once + the step's
+                      own inputs and outputs (the packed int32 input, the new tokens' K/V written,
+                      float32 logits)
+    floors (ms)     = floors.py, for both chips from the one program: bytes / HBM bandwidth, + launches
+                      x floors.PER_LAUNCH_S (launch-aware), NVLink; compute floor = useful FLOPs / 989 TFLOP/s
+    command_buffers = from the dumped thunks: CUDA graphs per step, ops in them, host launches
 
 Every figure is an estimate read from the compiled program; nothing here runs on a GPU.
 """
@@ -25,7 +30,9 @@ import numpy as np
 
 from jaxpaged.static_profile.hlo_accounting import BufferOverride, account, entry_param_number
 from jaxpaged.static_profile.ptxas_report import report as ptxas_report
-from jaxpaged.static_profile.target import H100, compile_for_h100, h100_sharding
+from jaxpaged.static_profile.floors import bus_bytes, floors
+from jaxpaged.static_profile.target import TARGETS, chip_mesh, chip_sharding, compile_for_h100
+from jaxpaged.static_profile.thunks import count_dumped_thunks
 from jaxpaged.device.backends import attention_fn
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_input import pack_step_input
@@ -39,6 +46,8 @@ MODELS = {  # shapes only: weights are abstract
                        num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                       num_kv_heads=8, head_dim=128, rope_theta=500000.0),
     # Mixtral-8x7B (top-2 of 8 experts). Its 32 layers are 93 GB in bf16, over one H100's 80 GB: the
     # cases run it with num_layers=16 (47 GB), and per-layer figures are what carries over.
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -63,6 +72,9 @@ class StepCase:
     num_tokens: int = 0  # mixed steps: tokens computed (0: a decode step, one per sequence)
     num_layers: int | None = None  # override (the CI gate's 2-layer model with real widths)
     num_logits: int = 0  # logits rows (a speculative verification step: num_seqs * (1 + k)); 0: one per sequence
+    max_num_seqs: int | None = None  # the runner's max_num_seqs (its decode buckets); None: max(num_seqs, 2)
+    chip: str = "h100"  # the compile target: "h100" | "h200" (target.TARGETS)
+    tp: int = 1  # tensor parallel: a mesh of this many virtual chips; every byte figure is then per device
 
     @property
     def decode(self) -> bool:
@@ -79,16 +91,18 @@ def model_config(case: StepCase) -> ModelConfig:
 def profile(case: StepCase, *, kernels: bool = True) -> dict:
     """Compile `case`'s step for the H100 and return its figures (a JSON-ready dict)."""
     config = model_config(case)
-    sharding = h100_sharding()
+    mesh = chip_mesh(case.chip, case.tp) if case.tp > 1 else None  # the runner lays params out over it
+    sharding = chip_sharding(case.chip) if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
     pages_per_seq = math.ceil(case.context / PAGE_SIZE)
     num_tokens = case.num_seqs if case.decode else case.num_tokens
-    runner = ModelRunner(  # decode: the runner's own GPU decode buckets (the smallest is 2 sequences)
+    max_num_seqs = case.max_num_seqs or max(case.num_seqs, 2)
+    runner = ModelRunner(  # decode: the runner's own decode buckets for max_num_seqs
         config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
-        max_num_seqs=max(case.num_seqs, 2), max_num_batched_tokens=max(num_tokens, case.num_seqs, 2),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(num_tokens, max_num_seqs),
         max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
-        buckets=(max(num_tokens, case.num_seqs, 2),), decode_buckets=None if case.decode else (),
-        kv_cache_dtype=case.kv_cache_dtype,
+        buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
+        kv_cache_dtype=case.kv_cache_dtype, mesh=mesh,
     )
     bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
     step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
@@ -98,9 +112,12 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     out = compile_for_h100(
         runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
                       runner.kv_centres),
-        kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True if kernels else None)
+        kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True)
     try:
         figures = _figures(case, config, runner, out, num_tokens)
+        graphs = count_dumped_thunks(out.dump_dir)  # CUDA graphs: what the host launches of the step
+        figures["command_buffers"] = {"graphs": graphs.command_buffers, "ops_in_graphs": graphs.ops_in_command_buffers,
+                                      "host_launches": graphs.host_launches}
         if kernels:
             figures["kernels"] = [dataclasses.asdict(k) for k in ptxas_report(out.dump_dir)]
     finally:
@@ -109,49 +126,69 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     return figures
 
 
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of abstract leaves (a sharded leaf: its shard; replicated: all of it)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) -> dict:
     token_head = bytes_per_token_head(case.kv_cache_dtype, config.dtype, config.head_dim)  # scales included
+    # Under tensor parallelism every figure is one device's: its KV heads (replicas included), its shards.
+    kv_heads = runner.config.num_kv_heads // case.tp
     # Live K/V per layer; a sliding-window layer reads at most its window. The accounting's override is
     # per launch, so windowed models use the mean over layers (exact when context <= window).
     read = [min(case.context, w) if w is not None else case.context for w in config.layer_windows]
-    live_kv_per_layer = case.num_seqs * (sum(read) // len(read)) * config.num_kv_heads * 2 * token_head  # K and V
+    live_kv_per_layer = case.num_seqs * (sum(read) // len(read)) * kv_heads * 2 * token_head  # K and V
     # The pool is one entry parameter, or two for a quantized one (values, scales): one buffer to the
     # accounting, read per launch as the live context's values and scales (token_head counts both).
     kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
                 tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params))
+    weight_bytes = _device_bytes(runner.served_params)
     # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
     # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
-    expert_bytes = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
-                       if "expert_" in jax.tree_util.keystr(path))
+    expert_bytes = _device_bytes([x for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
+                                  if "expert_" in jax.tree_util.keystr(path)])
     active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
     touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
-    new_kv = num_tokens * config.num_layers * config.num_kv_heads * 2 * token_head
+    new_kv = num_tokens * config.num_layers * kv_heads * 2 * token_head
     num_logits = case.num_logits or case.num_seqs
     io = new_kv + num_logits * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
-    ideal = weight_bytes - expert_bytes + touched * expert_bytes + live_kv_per_layer * config.num_layers + io
+    # An untied embedding is only gathered (the step's tokens' rows); a tied one is the LM head, read whole.
+    embedding_bytes = 0 if config.tie_word_embeddings else _device_bytes(runner.served_params["params"]["embedding"])
+    gathered = 0 if config.tie_word_embeddings else num_tokens * config.hidden_size * jnp.dtype(config.dtype).itemsize
+    ideal = (weight_bytes - embedding_bytes + gathered - expert_bytes + touched * expert_bytes
+             + live_kv_per_layer * config.num_layers + io)
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
-    embed = config.vocab_size * config.hidden_size
+    embed = config.vocab_size * config.hidden_size // case.tp  # split by vocabulary under tensor parallelism
     matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
         1 if config.tie_word_embeddings else 2)
     useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
     useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
     memory = out.compiled.memory_analysis()
-    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pages))
+    pool_bytes = _device_bytes(runner.kv_pages)
     copies = [launch for launch in acc.launches if launch.kind == "copy"]
+    collectives = [launch for launch in acc.launches if launch.kind == "collective"]
+    payload = sum(c.count * c.bytes_written for c in collectives)
+    nvlink = sum(c.count * bus_bytes(c.detail, c.bytes_written, case.tp) for c in collectives)
+    # The compiled chip's floors, and the other chip's from the same program (its bandwidths only).
+    chip_floors = {chip: floors(acc.hbm_bytes, ideal, acc.num_launches, target, nvlink) for chip, target in TARGETS.items()}
+    target = TARGETS[case.chip]
     return {
         **dataclasses.asdict(case), "num_layers": config.num_layers, "expert_bytes": expert_bytes,
         "launches": acc.num_launches, "kernels_launched": acc.num_kernels, "copies": acc.num_copies,
         "copy_bytes": acc.copy_bytes, "launches_per_layer": round(acc.num_launches / config.num_layers, 2),
         "hbm_bytes": acc.hbm_bytes, "ideal_bytes": int(ideal), "bytes_to_ideal": round(acc.hbm_bytes / ideal, 4),
-        "floor_ms": round(acc.hbm_bytes / H100.hbm_bandwidth * 1e3, 4),
-        "ideal_floor_ms": round(ideal / H100.hbm_bandwidth * 1e3, 4),
+        "floor_ms": chip_floors[case.chip]["bytes_floor_ms"], "ideal_floor_ms": chip_floors[case.chip]["ideal_floor_ms"],
+        "launch_floor_ms": chip_floors[case.chip]["launch_floor_ms"], "floors": chip_floors,
+        "collectives": sum(c.count for c in collectives), "collective_payload_bytes": payload,
+        "nvlink_bus_bytes": int(nvlink), "weight_bytes": weight_bytes,
+        "model_weight_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params)),
         "executed_flops": acc.flops, "useful_flops": useful,
         # XLA's dots against the useful matmul FLOPs (attention's run inside the kernels, which the HLO
         # does not size): > 1 would mean padded rows or logits computed for tokens that sample nothing.
         "useful_matmul_flops": useful_matmul, "matmul_flops_to_useful": round(acc.flops / useful_matmul, 4),
-        "compute_floor_ms": round(useful / H100.bf16_dense_flops * 1e3, 4),
+        "compute_floor_ms": round(useful / target.bf16_dense_flops * 1e3, 4),
         "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes,
         "kv_aliased": int(memory.alias_size_in_bytes) >= pool_bytes,
         "by_kind": acc.by_kind(), "largest_copies": sorted(

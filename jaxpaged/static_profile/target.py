@@ -30,6 +30,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGET_CONFIG = Path(__file__).with_name("h100_sxm.txtpb")
+TARGET_CONFIGS = {"h100": TARGET_CONFIG, "h200": Path(__file__).with_name("h200_sxm.txtpb")}  # chip -> description
 TOOLCHAIN_ENV = "JAXPAGED_H100_TOOLCHAIN"  # overrides the default <repo>/.h100-toolchain
 
 
@@ -56,6 +57,9 @@ class H100Target:
     register_alloc_unit: int = 256  # registers, allocated per warp
     smem_alloc_unit: int = 128  # bytes
     smem_reserved_per_block: int = 1024  # bytes the driver reserves per resident block (sm_80+)
+    # Not in the txtpb: NVLink 4 on the H100 / H200 SXM, 900 GB/s per GPU both directions together
+    # (NVIDIA's datasheets): 450 GB/s each way, what a ring all-reduce's bus bandwidth is measured against.
+    nvlink_bandwidth: float = 450e9
 
     @property
     def max_warps_per_sm(self) -> int:
@@ -75,6 +79,8 @@ def load_target(path: Path = TARGET_CONFIG) -> H100Target:
 
 
 H100 = load_target()
+H200 = load_target(TARGET_CONFIGS["h200"])
+TARGETS = {"h100": H100, "h200": H200}
 
 
 def toolchain_dir() -> Path:
@@ -146,6 +152,33 @@ def h100_sharding():
     import jax
 
     return jax.sharding.SingleDeviceSharding(topology().devices[0])
+
+
+@functools.cache
+def chip_topology(chip: str = "h100", num_devices: int = 1):
+    """`num_devices` virtual GPUs of `chip` ("h100" | "h200": TARGET_CONFIGS) in one process, as
+    XLA's deviceless topology "1x1xN" gives them (one host, N devices: what a tensor-parallel mesh takes)."""
+    if chip not in TARGET_CONFIGS:
+        raise ValueError(f"unknown chip {chip!r}; one of {sorted(TARGET_CONFIGS)}")
+    topology()  # the checks, and the CPU platform kept
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIGS[chip].read_text(),
+                                        topology=f"1x1x{num_devices}")
+
+
+def chip_sharding(chip: str = "h100"):
+    """A SingleDeviceSharding on one virtual `chip` (h100_sharding() is chip_sharding("h100")'s twin)."""
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(chip_topology(chip).devices[0])
+
+
+def chip_mesh(chip: str, num_devices: int):
+    """The engine's 1-D `tp` mesh (jaxpaged.device.sharding.make_mesh) over `num_devices` virtual `chip`s."""
+    from jaxpaged.device.sharding import make_mesh
+
+    return make_mesh(num_devices, chip_topology(chip, num_devices).devices)
 
 
 def spec(shape, dtype):

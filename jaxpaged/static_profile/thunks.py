@@ -113,6 +113,8 @@ class ThunkCount:
     copies: int = 0
     memsets: int = 0
     host_launches: int = 0  # what the host issues: a kCommandBuffer (CUDA graph) counts once
+    command_buffers: int = 0  # kCommandBuffer runs (CUDA graphs launched) per program call
+    ops_in_command_buffers: int = 0  # kernels, copies and memsets captured in them
     per_instruction: dict = dataclasses.field(default_factory=dict)  # HLO name -> runs
     kernel_launch_dims: dict = dataclasses.field(default_factory=dict)  # HLO name -> Thunk.launch
     unknown_kinds: set = dataclasses.field(default_factory=set)
@@ -141,6 +143,7 @@ def count_thunks(thunks: list[Thunk], annotations: dict[int, str], hlo_text: str
             elif t.kind in _CONTAINERS:
                 if t.kind == "kCommandBuffer" and not in_graph:
                     out.host_launches += n
+                    out.command_buffers += n
                 # A dynamic-slice fusion's inner copy is annotated with the fused `copy`: it is the fusion's.
                 visit(t.children, n, in_graph or t.kind == "kCommandBuffer",
                       name if t.kind == "kDynamicSliceFusion" else None, out)
@@ -157,6 +160,8 @@ def count_thunks(thunks: list[Thunk], annotations: dict[int, str], hlo_text: str
                         out.kernel_launch_dims[name] = t.launch
                 if not in_graph:
                     out.host_launches += n
+                else:
+                    out.ops_in_command_buffers += n
                 if name and n:
                     out.per_instruction[name] = out.per_instruction.get(name, 0) + n
 
@@ -170,6 +175,8 @@ def _merge(into: ThunkCount, part: ThunkCount) -> None:
     into.copies += part.copies
     into.memsets += part.memsets
     into.host_launches += part.host_launches
+    into.command_buffers += part.command_buffers
+    into.ops_in_command_buffers += part.ops_in_command_buffers
     for name, runs in part.per_instruction.items():
         into.per_instruction[name] = into.per_instruction.get(name, 0) + runs
     into.kernel_launch_dims |= part.kernel_launch_dims
@@ -201,11 +208,16 @@ def read_text(path: str) -> str:
         return f.read()
 
 
+def count_dumped_thunks(dump_dir: str) -> ThunkCount:
+    """The thunk count of the one module in `dump_dir` (CUDA graphs included: `command_buffers`)."""
+    files = find_dump_files(dump_dir)
+    return count_thunks(parse_thunk_sequence(read_text(files.thunk_sequence)),
+                        parse_thunk_metadata(read_text(files.thunk_metadata)), read_text(files.hlo))
+
+
 def cross_check(acc: Accounting, dump_dir: str) -> list[str]:
     """Differences between the HLO accounting and the dumped thunks; [] when they agree."""
-    files = find_dump_files(dump_dir)
-    counted = count_thunks(parse_thunk_sequence(read_text(files.thunk_sequence)),
-                           parse_thunk_metadata(read_text(files.thunk_metadata)), read_text(files.hlo))
+    counted = count_dumped_thunks(dump_dir)
     problems = []
     for label, hlo_n, thunk_n in (("kernels", acc.num_kernels, counted.kernels),
                                   ("copies", acc.num_copies, counted.copies),

@@ -135,6 +135,24 @@ def test_reference_backend_per_layer_path_tp4(params, prompts, one_device):
     assert compiles == []
 
 
+def test_per_layer_weights_split_each_layer_and_equal_one_device(params, prompts, one_device):
+    """per_layer_weights (a GPU's default, under a mesh too): each layer's own buffers, split as the
+    stacked leaf was (no device holds a whole layer weight), the same greedy tokens as one device, and
+    the canonical tree rebuilt from them keeps the stacked split."""
+    engine = make_engine(params, mesh=make_mesh(2), per_layer_weights=True)
+    runner = engine.runner
+    layers = runner.served_params["params"]["layers"]
+    assert runner.per_layer_weights and isinstance(layers, tuple) and len(layers) == TINY.num_layers
+    for layer in layers:
+        for (module, name), spec in ((("attn", "q_proj"), P(None, "tp", None)), (("attn", "o_proj"), P("tp", None, None)),
+                                     (("mlp", "gate_proj"), P(None, "tp")), (("mlp", "down_proj"), P("tp", None))):
+            leaf = layer[module][name]
+            assert leaf.sharding.spec == spec, (name, leaf.sharding.spec)
+            assert set(per_device_bytes(leaf).values()) == {leaf.nbytes // 2}, name
+    assert runner.params["params"]["layers"]["mlp"]["gate_proj"].sharding.spec == P(None, None, "tp")
+    assert run_greedy(engine, prompts) == one_device[0]
+
+
 def test_compiled_step_communicates_only_activations(params):
     """Per layer two all-reduces of [num_tokens, hidden] (after o_proj and down_proj), then the
     embedding's all-reduce and the logits' all-gather: no collective moves a weight or the KV buffer."""
