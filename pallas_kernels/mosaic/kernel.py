@@ -56,14 +56,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import MASK_VALUE
+from pallas_kernels.jax_compat import InterpretGPUParams
 
 TILE_ROWS = 64  # one wgmma M tile per consumer warpgroup
 STEP_KEYS = 64  # keys per pipeline step (QK^T N dim, PV K dim)
-
-try:  # JAX >= 0.11.1
-    InterpretGPUParams = plgpu.InterpretGPUParams
-except AttributeError:  # JAX 0.10.x
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +121,7 @@ def _qk_matmul(q_smem, k_smem, shape: KernelShape):
         )
 
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, STEP_KEYS), jnp.float32))
