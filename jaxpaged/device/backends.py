@@ -25,7 +25,8 @@ def attention_fn(backend: str, *, platform: str | None = None):
     if platform is None or backend not in ("pallas", "mosaic"):
         return fn
     fixed = functools.partial(fn, interpret=platform not in ("cuda", "gpu"))
-    for attr in ("reads_whole_kv_buffer", "has_decode_kernel"):  # what the model reads off a backend
+    for attr in ("reads_whole_kv_buffer", "has_decode_kernel", "effects_when_interpreted"):  # what the model
+        # and the runner read off a backend
         if hasattr(fn, attr):
             setattr(fixed, attr, getattr(fn, attr))
     return fixed

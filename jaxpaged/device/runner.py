@@ -91,7 +91,8 @@ class ModelRunner:
     `execute` refuses.
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
-    copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster).
+    copies in the step); None: on a GPU, single device (on the CPU it compiled ~5x longer, ran no faster),
+    and for an attention with effects off a GPU (Mosaic GPU interpret mode: flax's scan refuses it).
     """
 
     def __init__(
@@ -155,8 +156,11 @@ class ModelRunner:
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
                                   matmul_kernels=self.matmul_kernels)
         self.model, self.decode_model = model(), model(decode_only=True)
-        self.per_layer_weights = (self.tp is None and platform != "cpu" and not return_routed_experts  # ids: the scan's
-                                  ) if per_layer_weights is None else per_layer_weights
+        # An attention with effects where it runs (Mosaic GPU interpret mode's io callbacks, off a GPU) cannot
+        # sit in flax's layer scan (flax 0.12.12's nn.scan refuses a body with effects; 0.12.8 took it): unrolled.
+        effects = getattr(attention_fn, "effects_when_interpreted", False) and platform == "cpu"
+        self.per_layer_weights = (self.tp is None and (platform != "cpu" or effects) and not return_routed_experts
+                                  ) if per_layer_weights is None else per_layer_weights  # routed ids: the scan's
         # Decode-only steps: 1 (2 on a GPU: XLA makes one-row GEMMs multiply + reduce with weight-sized
         # products), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.
         self.decode_buckets = tuple(sorted(default_decode_buckets(max_num_seqs, smallest=1 if platform == "cpu" else 2)
