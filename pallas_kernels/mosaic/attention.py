@@ -81,7 +81,7 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
 
 def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, *,
          group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret,
-         heads_per_tile=1, group=1, real_rows=TILE_ROWS):
+         heads_per_tile=1, group=1, real_rows=TILE_ROWS, decode=False):
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
     pages_per_step = STEP_KEYS // page_size
     num_seqs, pages_per_seq = block_tables.shape
@@ -94,7 +94,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         head_dim=head_dim,
         num_kv_heads=num_kv_heads,
         num_pages=num_pages,
-        num_q_tiles=tile_seq_idx.shape[0],
+        num_q_tiles=tile_num_keys.shape[0],
         num_splits=num_splits,
         num_slots=num_slots,
         num_consumers=num_consumers,
@@ -104,6 +104,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         scale=scale,
         soft_cap=soft_cap,
         interpret=interpret,
+        decode=decode,
     )
     # One row per page of one (layer, K/V, KV head): a free reshape of the contiguous buffer.
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
@@ -257,12 +258,12 @@ def decode_attention(
     q_tiles = q.reshape(num_seqs, num_tiles, real_rows, head_dim).transpose(1, 0, 2, 3)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, store_rows - real_rows), (0, 0)))
     q_tiles = q_tiles.reshape(num_tiles * num_seqs, store_rows, head_dim)
-    # group_rows = R: every row of a decode tile is the sequence's last position.
+    # Decode tiles: tile t is sequence t, every row at its last position (KernelShape.decode).
     out, lse = _run(
-        q_tiles, kv_pages, block_tables, layer_idx, jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - 1,
-        seq_lens, group_rows=TILE_ROWS, num_consumers=1, num_splits=num_splits, num_slots=num_slots, scale=scale,
-        soft_cap=soft_cap, out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype,
-        interpret=interpret, heads_per_tile=tile_heads, group=group, real_rows=real_rows,
+        q_tiles, kv_pages, block_tables, layer_idx, None, None, seq_lens, group_rows=TILE_ROWS, num_consumers=1,
+        num_splits=num_splits, num_slots=num_slots, scale=scale, soft_cap=soft_cap,
+        out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype, interpret=interpret, heads_per_tile=tile_heads,
+        group=group, real_rows=real_rows, decode=True,
     )  # out [K/Hp * S * X, R8, H], lse [K/Hp * S * X, R8]
     out = out.reshape(num_tiles, num_seqs, num_splits, store_rows, head_dim)[:, :, :, :real_rows]
     if num_splits > 1:

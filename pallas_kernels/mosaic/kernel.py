@@ -85,6 +85,9 @@ class KernelShape:
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
+    # Decode: tile t is sequence t, its rows at the last position (num_keys - 1). The kernel then takes no
+    # tile_seq_idx / tile_first_pos operands: two arrays XLA would build anew for every layer's launch.
+    decode: bool = False
 
     @property
     def pages_per_step(self) -> int:
@@ -175,9 +178,11 @@ def _attention_kernel(
     D, C = shape.num_slots, shape.num_consumers
     dtype = q_smem.dtype
 
-    seq_idx = tile_seq_idx_ref[tile_idx]
-    first_pos = tile_first_pos_ref[tile_idx]
     num_keys = tile_num_keys_ref[tile_idx]
+    if shape.decode:
+        seq_idx, first_pos = tile_idx, num_keys - 1
+    else:
+        seq_idx, first_pos = tile_seq_idx_ref[tile_idx], tile_first_pos_ref[tile_idx]
     # This block's key steps [step_begin, step_end): the tile's steps cut into num_splits ranges.
     num_steps = lax.div(num_keys + (STEP_KEYS - 1), STEP_KEYS)
     steps_per_split = lax.div(num_steps + (shape.num_splits - 1), shape.num_splits)
@@ -342,8 +347,14 @@ def attention_tiles(
     if with_lse:
         out_types.append(jax.ShapeDtypeStruct((num_blocks, shape.store_rows), jnp.float32))
 
+    operands = [layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, block_tables, q_tiles, kv_flat]
+    if shape.decode:
+        del operands[1:3]
+
     def entry(*refs):
-        inputs, outputs = refs[:7], refs[7:]
+        inputs, outputs = list(refs[:len(operands)]), refs[len(operands):]
+        if shape.decode:
+            inputs[1:1] = [None, None]  # tile_seq_idx_ref, tile_first_pos_ref: not read
         out_ref = outputs[0]
         lse_ref = outputs[1] if with_lse else None
         o_transforms = (
@@ -380,5 +391,5 @@ def attention_tiles(
         thread_name="wg",
         interpret=InterpretGPUParams() if shape.interpret else None,
     )
-    outs = kernel(layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, block_tables, q_tiles, kv_flat)
+    outs = kernel(*operands)
     return outs[0], (outs[1] if with_lse else None)
