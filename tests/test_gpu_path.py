@@ -6,6 +6,7 @@ The kernels run in Pallas interpret mode here; where the test needs what a GPU w
 is lowered for CUDA (the CPU jaxlib can lower the Triton custom calls, though not run them).
 """
 
+import functools
 import re
 
 import jax
@@ -218,3 +219,22 @@ def test_gpu_pool_leaves_room_for_the_largest_step(tiny_params, monkeypatch):
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda: kv_cache._GPU_MARGIN_BYTES)
     with pytest.raises(ValueError, match="nothing is left for KV pages; lower max_num_batched_tokens"):
         kv_cache.num_pages_for(config, TINY, tiny_params, None)
+
+
+def test_auto_on_a_gpu_is_triton_while_jax_ships_it_then_mosaic_where_it_serves():
+    import dataclasses
+
+    model = dataclasses.replace(TINY, head_dim=128)
+    bf16 = EngineConfig(dtype="bfloat16")
+    pick = functools.partial(backends.gpu_auto_backend, compute_capability="9.0")
+    assert pick(model, bf16) == "pallas"  # this JAX ships the Triton backend (jax_compat.TRITON_COMPILER_PARAMS)
+    assert pick(model, bf16, triton_available=True) == "pallas"
+    assert pick(model, bf16, triton_available=False) == "mosaic"
+    # Where Mosaic cannot serve, XLA's ops: no wgmma (Ampere, Blackwell), quantized or float32 pages,
+    # a head_dim the wgmma tiles lack, a sliding window.
+    for capability in ("8.0", "10.0"):
+        assert backends.gpu_auto_backend(model, bf16, compute_capability=capability, triton_available=False) == "chunked"
+    for config in (EngineConfig(dtype="bfloat16", kv_cache_dtype="int8"), EngineConfig(dtype="float32")):
+        assert pick(model, config, triton_available=False) == "chunked"
+    assert pick(TINY, bf16, triton_available=False) == "chunked"  # head_dim 16
+    assert pick(dataclasses.replace(model, sliding_window=64), bf16, triton_available=False) == "chunked"
