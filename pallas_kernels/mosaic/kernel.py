@@ -98,6 +98,14 @@ class KernelShape:
         return self.num_kv_heads // self.heads_per_tile
 
 
+def _tile_index(head_tile, tile_idx, shape: KernelShape):
+    """Where a (KV-head tile, query tile) block's rows sit in q_ref / out_ref: head-tile major for ragged
+    tiles; sequence major for decode, so q [S, N, H] and the output are tiles without a transpose."""
+    if shape.decode:
+        return tile_idx * shape.num_head_tiles + head_tile
+    return head_tile * shape.num_q_tiles + tile_idx
+
+
 def _wgmma_layout(x, shape: KernelShape, *, reduced: bool = False):
     """Pins `x` to the wgmma accumulator layout (or its row-reduced form) when compiling."""
     if shape.interpret:
@@ -206,7 +214,7 @@ def _attention_kernel(
         # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
-        q_tile = (head_tile * shape.num_q_tiles + tile_idx) * C + wg_idx
+        q_tile = _tile_index(head_tile, tile_idx, shape) * C + wg_idx
         R = shape.store_rows  # rows R.. of q_smem are never loaded: they belong to no head (masked)
         q_rows = q_smem_wg if R == TILE_ROWS else q_smem_wg.at[pl.ds(0, R)]
         plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_rows, q_barrier.at[wg_idx])
@@ -270,7 +278,7 @@ def _attention_kernel(
         has_keys = l > 0.0
         inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
         o_smem_wg[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
-        block = ((head_tile * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
+        block = (_tile_index(head_tile, tile_idx, shape) * shape.num_splits + split_idx) * C + wg_idx
         if lse_smem is not None:
             lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
