@@ -44,11 +44,9 @@ from benchmarks.kernel_cases import (
 from jaxpaged.ops.kv_quant import QuantizedKV, quantize
 from pallas_kernels import decode_attention, paged_attention
 from pallas_kernels import mosaic
+from pallas_kernels.jax_compat import cuda_target, jax_paged_attention_module
 
-try:
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged_attention_module
-except ImportError:  # removed or unavailable in this JAX
-    jax_paged_attention_module = None
+jax_paged_attention_module = jax_paged_attention_module()  # None where this JAX ships none
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -58,7 +56,8 @@ def mosaic_peers(peers: dict, dry_run: bool) -> dict:
     if not dry_run:
         return peers
     for name, (fn, fn_args) in peers.items():
-        text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_target():
+            text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, f"{name} did not lower to a Mosaic GPU kernel"
         print(f"{name}: lowered for CUDA (dry run: Mosaic GPU peers are timed on a GPU only)")
     return {}

@@ -47,8 +47,9 @@ class EngineConfig:
     # float32 scale per (token, KV head), about half (bf16) or a quarter (f32) of the bytes per token.
     # vLLM's "fp8" / "fp8_e4m3" are accepted and stored as "float8_e4m3fn". Not with attention_backend="mosaic".
     kv_cache_dtype: str = "auto"
-    # "auto": "pallas" (the Triton kernels) on a GPU, "chunked" on a CPU (jnp reading only the pages the
-    # batch needs, with C++ kernels where a compiler is found; JAXPAGED_CPU_KERNELS=0 turns them off);
+    # "auto": "pallas" (the Triton kernels) on a GPU while JAX ships them (on the H100 profile Mosaic's decode
+    # step is behind at batch 16-64), then "mosaic" where it serves; "chunked" on a CPU (jnp reading only the
+    # pages the batch needs, with C++ kernels where a compiler is found; JAXPAGED_CPU_KERNELS=0 turns them off);
     # "reference": the plain oracle; "mosaic": the Hopper kernels (bfloat16 only); "pallas" on a CPU
     # runs the kernels in Pallas's interpreter, slowly.
     attention_backend: str = "auto"

@@ -9,8 +9,8 @@ Backend: the kernels are written for Pallas's Triton backend (`pl.pallas_call` w
   * naming `CompilerParams` of the Triton backend explicitly makes `pallas_call` pick Triton even
     where Mosaic GPU is the default;
   * on CPU both kernels run in interpret mode, which is backend independent.
-The import is guarded so the package still imports (and interprets) on a JAX without the Triton
-backend; there `compiler_params` is left to the default.
+On a JAX without the Triton backend (jax_compat.TRITON_COMPILER_PARAMS None) the package still
+imports and interprets; there `compiler_params` is left to the default.
 
 Only plain ref indexing is used inside the kernels (no `pl.load`/`pl.store`, which JAX removed), and
 every array a kernel materialises has power-of-two dimensions (a Triton requirement): the query
@@ -24,10 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-try:  # Triton backend; deprecated from JAX 0.11, possibly absent later.
-    from jax.experimental.pallas import triton as _pallas_triton
-except ImportError:  # pragma: no cover - depends on the installed JAX
-    _pallas_triton = None
+from pallas_kernels.jax_compat import TRITON_COMPILER_PARAMS
 
 # Finite "minus infinity" for masked logits and the running max: exp(MASK - m) underflows to 0
 # without the inf - inf = NaN that a true -inf gives when a whole block is masked.
@@ -49,9 +46,9 @@ def by_target(call, interpret: bool | None):
 
 
 def compiler_params(num_warps: int, num_stages: int):
-    if _pallas_triton is None:
+    if TRITON_COMPILER_PARAMS is None:
         return None
-    return _pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return TRITON_COMPILER_PARAMS(num_warps=num_warps, num_stages=num_stages)
 
 
 def next_power_of_2(n: int) -> int:

@@ -6,6 +6,7 @@ The kernels run in Pallas interpret mode here; where the test needs what a GPU w
 is lowered for CUDA (the CPU jaxlib can lower the Triton custom calls, though not run them).
 """
 
+import functools
 import re
 
 import jax
@@ -22,6 +23,7 @@ from jaxpaged.device.kv_cache import kv_cache_bytes_per_page
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.models import ModelConfig, init_params
 from jaxpaged.device.step_input import default_decode_buckets, prepare_step_input
+from pallas_kernels.jax_compat import cuda_target
 from pallas_kernels.testing import make_case
 
 TINY = ModelConfig(
@@ -119,7 +121,8 @@ def test_step_lowered_for_cuda_hands_the_kernels_the_whole_buffer(tiny_params, m
     decode = runner.prepare(make_scheduler_output(  # the decode-only planning path, if there is one
         [make_seq([1, 2, 3], 2, [1]), make_seq([4, 5], 1, [2]), make_seq([6], 0, [3])], [1, 1, 1]))
     for step_input in (mixed, decode):
-        lowered = runner.trace_step(step_input).lower(lowering_platforms=("cuda",))
+        with cuda_target():  # JAX >= 0.12's Triton lowering reads the GPU's kind; this host has none
+            lowered = runner.trace_step(step_input).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
         kernels = _kernel_operand_sizes(text)
         assert kernels, "no Triton kernel in the step lowered for CUDA"
@@ -218,3 +221,22 @@ def test_gpu_pool_leaves_room_for_the_largest_step(tiny_params, monkeypatch):
     monkeypatch.setattr(kv_cache, "free_device_memory", lambda: kv_cache._GPU_MARGIN_BYTES)
     with pytest.raises(ValueError, match="nothing is left for KV pages; lower max_num_batched_tokens"):
         kv_cache.num_pages_for(config, TINY, tiny_params, None)
+
+
+def test_auto_on_a_gpu_is_triton_while_jax_ships_it_then_mosaic_where_it_serves():
+    import dataclasses
+
+    model = dataclasses.replace(TINY, head_dim=128)
+    bf16 = EngineConfig(dtype="bfloat16")
+    pick = functools.partial(backends.gpu_auto_backend, compute_capability="9.0")
+    assert pick(model, bf16) == "pallas"  # this JAX ships the Triton backend (jax_compat.TRITON_COMPILER_PARAMS)
+    assert pick(model, bf16, triton_available=True) == "pallas"
+    assert pick(model, bf16, triton_available=False) == "mosaic"
+    # Where Mosaic cannot serve, XLA's ops: no wgmma (Ampere, Blackwell), quantized or float32 pages,
+    # a head_dim the wgmma tiles lack, a sliding window.
+    for capability in ("8.0", "10.0"):
+        assert backends.gpu_auto_backend(model, bf16, compute_capability=capability, triton_available=False) == "chunked"
+    for config in (EngineConfig(dtype="bfloat16", kv_cache_dtype="int8"), EngineConfig(dtype="float32")):
+        assert pick(model, config, triton_available=False) == "chunked"
+    assert pick(TINY, bf16, triton_available=False) == "chunked"  # head_dim 16
+    assert pick(dataclasses.replace(model, sliding_window=64), bf16, triton_available=False) == "chunked"

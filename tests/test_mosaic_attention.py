@@ -226,6 +226,12 @@ def test_decode_matches_reference_with_splits():
     check_decode(page_size=16, head_dim=128, group=4, seq_lens=[17, 0, 150], num_splits=3, num_kv_heads=1)
 
 
+def test_decode_tiles_of_several_kv_heads_and_sequences():
+    # 2 KV heads, one per tile (too few sequences to pack), 3 sequences: 6 tiles whose queries and
+    # outputs sit sequence-major in q / out (kernel._tile_index); one split, a padding row.
+    check_decode(page_size=16, head_dim=64, group=2, seq_lens=[5, 0, 70], num_splits=1, num_kv_heads=2)
+
+
 @pytest.mark.parametrize("num_splits", [None, pytest.param(2, marks=pytest.mark.slow)])
 def test_decode_packs_the_groups_of_several_kv_heads_per_tile(num_splits, monkeypatch):
     # GQA 2 with 4 KV heads: the 4 groups share one 64-row tile (8 real rows, the only rows loaded

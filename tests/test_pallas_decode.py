@@ -20,6 +20,7 @@ import pytest
 
 from jaxpaged.ops.attention import reference_paged_attention
 from pallas_kernels import decode_attention
+from pallas_kernels.jax_compat import cuda_target
 from pallas_kernels.testing import make_case
 
 oracle = jax.jit(reference_paged_attention, static_argnames=("scale", "soft_cap"))
@@ -300,10 +301,11 @@ def test_decode_lowers_to_triton_for_cuda(group, dtype, num_splits):
     block_tables = jnp.zeros((3, 5), jnp.int32)
     seq_lens = jnp.zeros((3,), jnp.int32)
     # num_splits 2 / 3: the partials store only the real rows (a split of the 16-row tile).
-    lowered = jax.jit(lambda *a: decode_attention(*a, scale=0.125, soft_cap=30.0, num_splits=num_splits,
-                                                  interpret=False)).trace(
-        q, pages, pages, block_tables, seq_lens
-    ).lower(lowering_platforms=("cuda",))
+    with cuda_target():  # JAX >= 0.12's Triton lowering reads the GPU's kind; this host has none
+        lowered = jax.jit(lambda *a: decode_attention(*a, scale=0.125, soft_cap=30.0, num_splits=num_splits,
+                                                      interpret=False)).trace(
+            q, pages, pages, block_tables, seq_lens
+        ).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 

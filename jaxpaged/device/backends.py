@@ -18,6 +18,26 @@ from __future__ import annotations
 import functools
 
 
+def gpu_auto_backend(model_config, config, *, compute_capability: str, triton_available: bool | None = None) -> str:
+    """What `attention_backend="auto"` runs on a GPU (DESIGN.md, "Attention backends").
+
+    "pallas" (Triton) while JAX ships it: on the H100 static profile, Mosaic's decode step is not at least
+    Triton's in every decode bucket (benchmarks/bench_backends_static.py). Without Triton (a feature test,
+    pallas_kernels.jax_compat): "mosaic" where it can serve (a Hopper GPU, compute capability 9.x: wgmma;
+    bfloat16 pages; head_dim 64/128/256; no sliding window), else "chunked" (XLA's ops).
+    """
+    if triton_available is None:
+        from pallas_kernels.jax_compat import TRITON_COMPILER_PARAMS
+
+        triton_available = TRITON_COMPILER_PARAMS is not None
+    if triton_available:
+        return "pallas"
+    mosaic_serves = (str(compute_capability).startswith("9.") and config.dtype == "bfloat16"
+                     and config.kv_cache_dtype == "auto" and model_config.head_dim in (64, 128, 256)
+                     and all(w is None for w in model_config.layer_windows))
+    return "mosaic" if mosaic_serves else "chunked"
+
+
 def attention_fn(backend: str, *, platform: str | None = None):
     """The attention function of `backend`; `platform` (of the devices the step is compiled for)
     fixes the Pallas kernels' interpret mode: compiled for "cuda"/"gpu", interpreted for any other."""
@@ -25,7 +45,8 @@ def attention_fn(backend: str, *, platform: str | None = None):
     if platform is None or backend not in ("pallas", "mosaic"):
         return fn
     fixed = functools.partial(fn, interpret=platform not in ("cuda", "gpu"))
-    for attr in ("reads_whole_kv_buffer", "has_decode_kernel"):  # what the model reads off a backend
+    for attr in ("reads_whole_kv_buffer", "has_decode_kernel", "effects_when_interpreted"):  # what the model
+        # and the runner read off a backend
         if hasattr(fn, attr):
             setattr(fixed, attr, getattr(fn, attr))
     return fixed

@@ -92,7 +92,8 @@ class ModelRunner:
     parallelism places real ones (`TensorParallel.abstract_params`).
 
     `per_layer_weights`: one weight buffer per layer, layers unrolled (device/layer_params.py: no weight
-    copies in the step); None: on a GPU, under a mesh too (on the CPU it compiled ~5x longer, ran no faster).
+    copies in the step); None: on a GPU, under a mesh too (on the CPU it compiled ~5x longer, ran no faster),
+    and for an attention with effects off a GPU (Mosaic GPU interpret mode: flax's scan refuses it).
     """
 
     def __init__(
@@ -155,7 +156,10 @@ class ModelRunner:
                                   matmul_kernels=self.matmul_kernels,
                                   min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
         self.model, self.decode_model = model(), model(decode_only=True)
-        self.per_layer_weights = (platform != "cpu" and not return_routed_experts  # ids: the scan's
+        # An attention with effects where it runs (Mosaic GPU interpret mode's io callbacks, off a GPU) cannot
+        # sit in flax's layer scan (flax 0.12.12's nn.scan refuses a body with effects; 0.12.8 took it): unrolled.
+        effects = getattr(attention_fn, "effects_when_interpreted", False) and platform == "cpu"
+        self.per_layer_weights = ((platform != "cpu" or effects) and not return_routed_experts  # ids: the scan's
                                   ) if per_layer_weights is None else per_layer_weights
         # Decode-only steps: 1 (2 on a GPU, where a one-row step pads its projections' dots to 2 rows
         # anyway: CausalLM.min_dot_rows), 2, 4, ... max_num_seqs sequences; `()`: decode steps take the token buckets.

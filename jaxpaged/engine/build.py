@@ -11,6 +11,7 @@ import logging
 
 from jaxpaged.config import EngineConfig, default_max_num_seqs
 from jaxpaged.device.backends import attention_fn as backend_attention_fn
+from jaxpaged.device.backends import gpu_auto_backend
 from jaxpaged.device.kv_cache import CPU_KV_BUDGET_BYTES, num_pages_for, on_gpu
 from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
@@ -44,6 +45,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
         {} if config.generation_config == "vllm" else generation_file, config.override_generation_config))
     eos_ids = generation_eos_ids(generation_file, None)
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
+    auto_backend = config.attention_backend == "auto"
     model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization)
     model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations)
     eos_ids = tuple(t for t in eos_ids if t != tokenizer.eos_token_id)  # the tokenizer's own eos stops anyway
@@ -56,6 +58,12 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     if from_pool:  # the largest batch, for sizing the pool (a GPU compiles its largest step for it)
         config = dataclasses.replace(config, max_num_seqs=MAX_NUM_SEQS_FROM_POOL)
     config = config.resolved(on_gpu=on_gpu(), model_max_len=model_config.max_position_embeddings)
+    if auto_backend and on_gpu():  # Triton while JAX ships it, then Mosaic where it serves (device/backends.py)
+        import jax
+
+        capability = getattr(jax.devices()[0], "compute_capability", "")
+        config = dataclasses.replace(config, attention_backend=gpu_auto_backend(
+            model_config, config, compute_capability=capability))
     attention_fn = backend_attention_fn(config.attention_backend)
     num_pages = num_pages_for(config, model_config, params, attention_fn)
     if from_pool:

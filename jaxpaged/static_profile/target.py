@@ -219,6 +219,8 @@ def compile_for_h100(fn, args: tuple, *, kwargs: dict | None = None, donate_argn
     _require_h100_process()
     import jax
 
+    from pallas_kernels.jax_compat import cuda_target
+
     topology()
     options = dict(donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                    static_argnums=static_argnums, static_argnames=static_argnames)
@@ -235,7 +237,8 @@ def compile_for_h100(fn, args: tuple, *, kwargs: dict | None = None, donate_argn
             raise ValueError(f"dump_dir {dump_dir} is not empty; give each compile a fresh directory")
         os.makedirs(dump_dir, exist_ok=True)
     t0 = time.perf_counter()
-    lowered = jitted.trace(*args, **(kwargs or {})).lower()
+    with cuda_target(topology().devices[0].device_kind):  # JAX >= 0.12's Triton lowering reads the GPU's kind
+        lowered = jitted.trace(*args, **(kwargs or {})).lower()
     t1 = time.perf_counter()
     options = dict(compiler_options or {}) | ({"xla_dump_to": str(dump_dir)} if dump_dir else {})
     compiled = lowered.compile(compiler_options=options or None)

@@ -39,5 +39,6 @@ def paged_attention_from_buffer(
 
 paged_attention_from_buffer.reads_whole_kv_buffer = True  # the model passes kv_pages and layer_idx
 paged_attention_from_buffer.has_decode_kernel = True  # and decode_only in decode-bucket steps
+paged_attention_from_buffer.effects_when_interpreted = True  # GPU interpret mode: ordered io callbacks
 
 __all__ = ["paged_attention", "paged_attention_from_buffer", "ragged_paged_attention", "decode_attention"]

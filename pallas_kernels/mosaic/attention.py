@@ -81,7 +81,7 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
 
 def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, *,
          group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret,
-         heads_per_tile=1, group=1, real_rows=TILE_ROWS):
+         heads_per_tile=1, group=1, real_rows=TILE_ROWS, decode=False):
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
     pages_per_step = STEP_KEYS // page_size
     num_seqs, pages_per_seq = block_tables.shape
@@ -94,7 +94,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         head_dim=head_dim,
         num_kv_heads=num_kv_heads,
         num_pages=num_pages,
-        num_q_tiles=tile_seq_idx.shape[0],
+        num_q_tiles=tile_num_keys.shape[0],
         num_splits=num_splits,
         num_slots=num_slots,
         num_consumers=num_consumers,
@@ -104,6 +104,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         scale=scale,
         soft_cap=soft_cap,
         interpret=interpret,
+        decode=decode,
     )
     # One row per page of one (layer, K/V, KV head): a free reshape of the contiguous buffer.
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
@@ -241,8 +242,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     seq_lens = seq_lens.astype(jnp.int32)
     # The groups of Hp KV heads share one 64-row tile (pallas_kernels/decode_plan.py):
-    # [S, N, H] -> [S, K / Hp, Hp * G, H] (free: query head n = k * G + g) -> [K / Hp, S, R8, H],
-    # R8 = Hp * G up to 8-row tiles: the kernel loads and stores only these rows of its 64.
+    # [S, N, H] -> [S, K / Hp, Hp * G, H] (free: query head n = k * G + g) -> [S * K / Hp, R8, H], sequence
+    # major (kernel._tile_index), R8 = Hp * G up to 8-row tiles: the kernel loads and stores only these rows.
     tile_heads = heads_per_tile(num_kv_heads, group, TILE_ROWS, num_seqs)
     num_tiles, real_rows = num_kv_heads // tile_heads, tile_heads * group
     store_rows = -(-real_rows // 8) * 8  # q rows read and output rows stored (KernelShape.store_rows)
@@ -254,26 +255,28 @@ def decode_attention(
             partial_bytes_per_split=2 * store_rows * (head_dim + 1) * 4,
             kv_bytes_per_page=tile_heads * kv_pages.shape[4] * 2 * head_dim * kv_pages.dtype.itemsize,
         )
-    q_tiles = q.reshape(num_seqs, num_tiles, real_rows, head_dim).transpose(1, 0, 2, 3)
+    q_tiles = q.reshape(num_seqs, num_tiles, real_rows, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, store_rows - real_rows), (0, 0)))
-    q_tiles = q_tiles.reshape(num_tiles * num_seqs, store_rows, head_dim)
-    # group_rows = R: every row of a decode tile is the sequence's last position.
+    q_tiles = q_tiles.reshape(num_seqs * num_tiles, store_rows, head_dim)
+    # Decode tiles: tile t is sequence t, every row at its last position (KernelShape.decode).
     out, lse = _run(
-        q_tiles, kv_pages, block_tables, layer_idx, jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - 1,
-        seq_lens, group_rows=TILE_ROWS, num_consumers=1, num_splits=num_splits, num_slots=num_slots, scale=scale,
-        soft_cap=soft_cap, out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype,
-        interpret=interpret, heads_per_tile=tile_heads, group=group, real_rows=real_rows,
-    )  # out [K/Hp * S * X, R8, H], lse [K/Hp * S * X, R8]
-    out = out.reshape(num_tiles, num_seqs, num_splits, store_rows, head_dim)[:, :, :, :real_rows]
+        q_tiles, kv_pages, block_tables, layer_idx, None, None, seq_lens, group_rows=TILE_ROWS, num_consumers=1,
+        num_splits=num_splits, num_slots=num_slots, scale=scale, soft_cap=soft_cap,
+        out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype, interpret=interpret, heads_per_tile=tile_heads,
+        group=group, real_rows=real_rows, decode=True,
+    )  # out [S * K/Hp * X, R8, H], lse [S * K/Hp * X, R8]
+    out = out.reshape(num_seqs, num_tiles, num_splits, store_rows, head_dim)[:, :, :, :real_rows]
     if num_splits > 1:
         # Merge the splits: weights exp(lse_x - max lse); an empty split has lse = MASK_VALUE, weight 0.
-        lse = lse.reshape(num_tiles, num_seqs, num_splits, store_rows)[:, :, :, :real_rows]
-        weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))  # [K/Hp, S, X, Hp*G]
-        out = (out * weights[..., None]).sum(axis=2) / weights.sum(axis=2)[..., None]  # [K/Hp, S, Hp*G, H]
+        lse = lse.reshape(num_seqs, num_tiles, num_splits, store_rows)[:, :, :, :real_rows]
+        weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))  # [S, K/Hp, X, Hp*G]
+        out = (out * weights[..., None]).sum(axis=2) / weights.sum(axis=2)[..., None]  # [S, K/Hp, Hp*G, H]
     else:
         out = out[:, :, 0]
-    out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)  # [S, K/Hp, Hp*G, H] -> [S, N, H]
-    return jnp.where((seq_lens > 0)[:, None, None], out, 0.0).astype(q.dtype)
+    out = out.reshape(num_seqs, num_heads, head_dim)  # [S, K/Hp, Hp*G, H] -> [S, N, H]: free
+    # Padding rows (seq_len 0) are zeros already: a row that sees no key is written as 0 (the kernel's
+    # has_keys), and all-empty splits merge to 0. No select here: it was one more launch per layer.
+    return out.astype(q.dtype)
 
 
 decode_attention.reads_whole_kv_buffer = True

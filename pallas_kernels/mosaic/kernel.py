@@ -56,14 +56,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import MASK_VALUE
+from pallas_kernels.jax_compat import InterpretGPUParams
 
 TILE_ROWS = 64  # one wgmma M tile per consumer warpgroup
 STEP_KEYS = 64  # keys per pipeline step (QK^T N dim, PV K dim)
-
-try:  # JAX >= 0.11.1
-    InterpretGPUParams = plgpu.InterpretGPUParams
-except AttributeError:  # JAX 0.10.x
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +85,9 @@ class KernelShape:
     scale: float
     soft_cap: float | None
     interpret: bool  # GPU interpret mode lowers no layout_cast: register layouts are left implicit
+    # Decode: tile t is sequence t, its rows at the last position (num_keys - 1). The kernel then takes no
+    # tile_seq_idx / tile_first_pos operands: two arrays XLA would build anew for every layer's launch.
+    decode: bool = False
 
     @property
     def pages_per_step(self) -> int:
@@ -97,6 +96,14 @@ class KernelShape:
     @property
     def num_head_tiles(self) -> int:  # the grid's "kv_head" axis: tiles of Hp KV heads
         return self.num_kv_heads // self.heads_per_tile
+
+
+def _tile_index(head_tile, tile_idx, shape: KernelShape):
+    """Where a (KV-head tile, query tile) block's rows sit in q_ref / out_ref: head-tile major for ragged
+    tiles; sequence major for decode, so q [S, N, H] and the output are tiles without a transpose."""
+    if shape.decode:
+        return tile_idx * shape.num_head_tiles + head_tile
+    return head_tile * shape.num_q_tiles + tile_idx
 
 
 def _wgmma_layout(x, shape: KernelShape, *, reduced: bool = False):
@@ -125,7 +132,7 @@ def _qk_matmul(q_smem, k_smem, shape: KernelShape):
         )
 
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, STEP_KEYS), jnp.float32))
@@ -179,9 +186,11 @@ def _attention_kernel(
     D, C = shape.num_slots, shape.num_consumers
     dtype = q_smem.dtype
 
-    seq_idx = tile_seq_idx_ref[tile_idx]
-    first_pos = tile_first_pos_ref[tile_idx]
     num_keys = tile_num_keys_ref[tile_idx]
+    if shape.decode:
+        seq_idx, first_pos = tile_idx, num_keys - 1
+    else:
+        seq_idx, first_pos = tile_seq_idx_ref[tile_idx], tile_first_pos_ref[tile_idx]
     # This block's key steps [step_begin, step_end): the tile's steps cut into num_splits ranges.
     num_steps = lax.div(num_keys + (STEP_KEYS - 1), STEP_KEYS)
     steps_per_split = lax.div(num_steps + (shape.num_splits - 1), shape.num_splits)
@@ -205,7 +214,7 @@ def _attention_kernel(
         # Every consumer runs every key step of the block (the tile's causal limit is its last row's);
         # a consumer whose rows end earlier masks the extra keys out.
         q_smem_wg, o_smem_wg = q_smem.at[wg_idx], o_smem.at[wg_idx]
-        q_tile = (head_tile * shape.num_q_tiles + tile_idx) * C + wg_idx
+        q_tile = _tile_index(head_tile, tile_idx, shape) * C + wg_idx
         R = shape.store_rows  # rows R.. of q_smem are never loaded: they belong to no head (masked)
         q_rows = q_smem_wg if R == TILE_ROWS else q_smem_wg.at[pl.ds(0, R)]
         plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_rows, q_barrier.at[wg_idx])
@@ -269,7 +278,7 @@ def _attention_kernel(
         has_keys = l > 0.0
         inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
         o_smem_wg[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
-        block = ((head_tile * shape.num_q_tiles + tile_idx) * shape.num_splits + split_idx) * C + wg_idx
+        block = (_tile_index(head_tile, tile_idx, shape) * shape.num_splits + split_idx) * C + wg_idx
         if lse_smem is not None:
             lse_smem[wg_idx] = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), MASK_VALUE)
         plgpu.commit_smem()
@@ -346,8 +355,14 @@ def attention_tiles(
     if with_lse:
         out_types.append(jax.ShapeDtypeStruct((num_blocks, shape.store_rows), jnp.float32))
 
+    operands = [layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, block_tables, q_tiles, kv_flat]
+    if shape.decode:
+        del operands[1:3]
+
     def entry(*refs):
-        inputs, outputs = refs[:7], refs[7:]
+        inputs, outputs = list(refs[:len(operands)]), refs[len(operands):]
+        if shape.decode:
+            inputs[1:1] = [None, None]  # tile_seq_idx_ref, tile_first_pos_ref: not read
         out_ref = outputs[0]
         lse_ref = outputs[1] if with_lse else None
         o_transforms = (
@@ -384,5 +399,5 @@ def attention_tiles(
         thread_name="wg",
         interpret=InterpretGPUParams() if shape.interpret else None,
     )
-    outs = kernel(layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, block_tables, q_tiles, kv_flat)
+    outs = kernel(*operands)
     return outs[0], (outs[1] if with_lse else None)
