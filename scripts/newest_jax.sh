@@ -12,7 +12,8 @@
 #   trixie/opt/<venv>-h100-toolchain/   scripts/install_h100_toolchain.sh for that venv's jaxlib
 # The repo is bind-mounted at /repo inside for the run (copied there where mount --bind is refused) and
 # unmounted on exit. The subset: the kernels in interpret mode, the engine's backend variants, and the H100
-# static gate compiled with the plugin of that jaxlib. Prints the Python / JAX / flax versions and pytest's counts.
+# static gate compiled with the plugin of that jaxlib, in two xdist workers as the README's command.
+# Prints the Python / JAX / flax versions and pytest's counts.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,14 +63,14 @@ in_chroot() {  # a clean environment: the host's PIP_* settings and constraints 
 echo "[newest-jax] installing $JAX_SPEC into $VENV"
 in_chroot "[[ -x $VENV/bin/python ]] || python3 -m venv $VENV
   pip install -q -U '$JAX_SPEC' flax jaxtyping numpy transformers tokenizers safetensors gguf jinja2 orbax-checkpoint \
-    tqdm fastapi uvicorn pydantic prometheus_client llguidance 'pytest>=8' hypothesis beartype jsonschema httpx
+    tqdm fastapi uvicorn pydantic prometheus_client llguidance 'pytest>=8' pytest-xdist hypothesis beartype jsonschema httpx
   pip install -q --no-deps -e /repo
   bash scripts/install_h100_toolchain.sh $VENV-h100-toolchain"
 ready=$(date +%s)
 
 in_chroot "python -c 'import sys, jax, jaxlib, flax; print(\"[newest-jax] Python\", sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"flax\", flax.__version__)'"
 set +e
-in_chroot "python -m pytest -q -p no:cacheprovider -m 'not slow' ${SUBSET[*]}"
+in_chroot "python -m pytest -q -p no:cacheprovider -m 'not slow' -n 2 --dist loadfile ${SUBSET[*]}"
 rc=$?
 set -e
 end=$(date +%s)
