@@ -59,8 +59,10 @@ from jaxpaged.device.step_input import pack_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import init_params
 from jaxpaged.static_profile.hlo_accounting import BufferOverride, account, entry_param_number
+from jaxpaged.static_profile.floors import PER_LAUNCH_S
+from jaxpaged.static_profile.target import H200
 
-H200_HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e bandwidth (datasheet)
+H200_HBM_BYTES_PER_S = H200.hbm_bandwidth  # the H200's HBM3e bandwidth (datasheet, the static profile's target)
 LLAMA3_8B_SHAPES = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128, rope_theta=500_000.0, max_position_embeddings=8192,
                         dtype="bfloat16")
@@ -122,7 +124,11 @@ def floor_of(compiled_text: str, config: ModelConfig, num_seqs: int, context: in
     kv_param = entry_param_number(compiled_text, "kv_pages")
     acc = account(compiled_text, BufferOverride(kv_param, bytes_read=live_kv_bytes_per_layer(config, num_seqs, context)))
     return dict(hbm_bytes=acc.hbm_bytes, launches=acc.num_launches, copies=acc.num_copies,
-                floor_ms=acc.hbm_bytes / bandwidth * 1e3, accounting_warnings=acc.warnings[:3])
+                floor_ms=acc.hbm_bytes / bandwidth * 1e3,
+                # + launches x the static profile's uncalibrated per-launch cost; a measured row calibrates
+                # it: (measured_ms - floor_ms) / launches
+                launch_floor_ms=acc.hbm_bytes / bandwidth * 1e3 + acc.num_launches * PER_LAUNCH_S * 1e3,
+                accounting_warnings=acc.warnings[:3])
 
 
 def time_steps(runner: ModelRunner, step_input, repeats: int) -> tuple[float, float]:

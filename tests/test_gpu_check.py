@@ -85,6 +85,7 @@ def test_dry_run_rows_cover_every_decode_bucket_and_context(dry_run):
     for row in rows.values():
         assert row["measured_ms"] is None and row["ratio"] is None  # no GPU here
         assert row["floor_ms"] > 0 and row["hbm_bytes"] > 0 and "dry run" in row["floor_label"]
+        assert row["launch_floor_ms"] == pytest.approx(row["floor_ms"] + row["launches"] * 2e-3)  # 2 us a launch
     for b in (1, 2, 4):  # one program per bucket: the same launches at every context, nothing lowered again
         short, long = rows[("tiny-qwen3-like", b, 16)], rows[("tiny-qwen3-like", b, 64)]
         assert long["launches"] == short["launches"] and long["hbm_bytes"] >= short["hbm_bytes"]
