@@ -56,7 +56,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     if from_pool:  # the largest batch, for sizing the pool (a GPU compiles its largest step for it)
         config = dataclasses.replace(config, max_num_seqs=MAX_NUM_SEQS_FROM_POOL)
     config = config.resolved(on_gpu=on_gpu(), model_max_len=model_config.max_position_embeddings)
-    attention_fn = backend_attention_fn(config.attention_backend)
+    attention_fn = backend_attention_fn(config.attention_backend, batch_invariant=config.batch_invariant)
     num_pages = num_pages_for(config, model_config, params, attention_fn)
     if from_pool:
         config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config, on_gpu()))

@@ -89,6 +89,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
             per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
             return_routed_experts=config.enable_return_routed_experts,
+            batch_invariant=bool(config.batch_invariant),  # device/batch_invariant.py
         )
         self.processor = OutputProcessor(tokenizer)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}

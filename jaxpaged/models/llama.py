@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops import gguf_panels
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
+from jaxpaged.ops.ordered_sum import ordered_sum
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling
 from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
@@ -103,12 +104,17 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
     plus_one: bool = False  # Gemma: multiply by (1 + scale), in float32
+    ordered: bool = False  # the mean's sum in an order fixed by dim alone (batch_invariant: ops/ordered_sum.py)
 
     @nn.compact
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.ordered:
+            mean_square = (ordered_sum(x32 * x32) / jnp.float32(x.shape[-1]))[..., None]
+        else:
+            mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
         if self.plus_one:
             return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return scale * normed.astype(self.dtype)
@@ -133,6 +139,7 @@ class Attention(nn.Module):
     # between two calls by lax.cond, so each backend sees a static window.
     windows: tuple[int | None, ...] = (None,)
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
+    batch_invariant: bool = False  # static: CausalLM.batch_invariant (the q/k norms' sums ordered)
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
@@ -149,8 +156,8 @@ class Attention(nn.Module):
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
             value = value + self.param("v_bias", _init, (k, h), self.dtype)
         if self.qk_norm:
-            q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="q_norm")(q)
-            key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="k_norm")(key)
+            q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, self.batch_invariant, name="q_norm")(q)
+            key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, self.batch_invariant, name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         if kv_centres is not None:  # a quantized cache stores k - mu_k, v - mu_v (device/kv_centres.py)
             centre = kv_centres[layer_idx]  # [2, K, H] float32
@@ -220,13 +227,14 @@ class DecoderLayer(nn.Module):
     decode_only: bool = False
     expert_fn: ExpertFn = grouped_experts
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
+    batch_invariant: bool = False  # static: CausalLM.batch_invariant
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
                  kv_centres=None, weight_stack=None):
         # weight_stack: {"attn": {...}, "mlp": {...}} the kernels' leaves of every layer, or None (gguf_blocks.linear)
         c, dtype = self.config, jnp.dtype(self.config.dtype)
-        norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
+        norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, self.batch_invariant, name=name)
         x, kv_pages = carry
         cos, sin, local_cos, local_sin = rope
         if c.local_rope_theta is not None:  # Gemma 3: local layers rotate with their own base
@@ -235,7 +243,8 @@ class DecoderLayer(nn.Module):
             c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias, c.o_proj_bias, c.qk_norm,
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
-            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels, name="attn",
+            tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels,
+            self.batch_invariant, name="attn",
         )
         stack = weight_stack or {}
         h, kv_pages = attn(
@@ -267,6 +276,13 @@ class CausalLM(nn.Module):
     # "gguf_matmul" for GGUF codes (ops/cpu/gguf_matmul.cc), "dense_matmul" for float32 weights
     # (ops/cpu/dense_matmul.cc); the runner sets them on XLA:CPU. Same weights, float32 sums in another order.
     matmul_kernels: frozenset = frozenset()
+    # Static: every token's logits computed in an order that does not depend on the other rows
+    # (EngineConfig.batch_invariant): RMSNorm's sums by ops/ordered_sum.py, the LM head by `invariant_lm_head`.
+    batch_invariant: bool = False
+    # Static: the matmul kernels read each layer's weight from the whole stack (no slice copies: the
+    # engine). False: from the scan's own slice of it, whose cotangent is that layer's alone (a
+    # trainer differentiating the step: jaxpaged/rl/).
+    kernels_read_stack: bool = True
 
     @nn.compact
     def __call__(
@@ -306,7 +322,8 @@ class CausalLM(nn.Module):
             # One parameter tree per layer (the runner's serving layout, device/layer_params.py): the
             # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
             # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
-            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, parent=None)
+            layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels,
+                                 self.batch_invariant, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
@@ -318,21 +335,26 @@ class CausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
-            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, name="layers")
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, self.batch_invariant,
+              name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
             # The kernels read weights from the whole stack at layer_idx (no per-layer slice copies).
             stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})
             weight_stack = ({m: stack_of(stacked, m, self.matmul_kernels) for m in ("attn", "mlp")}
-                          if self.matmul_kernels and stacked else None)
+                          if self.matmul_kernels and stacked and self.kernels_read_stack else None)
             (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, weight_stack)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
-        x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
+        x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, self.batch_invariant,
+                    name="final_norm")(x[logits_indices])  # [S, D]
         lm_head = None if c.tie_word_embeddings else self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
         with jax.named_scope("lm_head"):  # names the head's ops in profiles
             if panels:
                 logits = panels_head(x, panels, self.matmul_kernels)
+            elif self.batch_invariant:
+                logits = invariant_lm_head(x, embedding if lm_head is None else lm_head, tied=lm_head is None,
+                                           kernels=self.matmul_kernels)
             elif lm_head is None:
                 logits = tied_lm_head(x, embedding, self.vocab_major_head)
             else:
@@ -359,6 +381,29 @@ def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array | np.ndarray, "V
     if vocab_major and VOCAB_MAJOR_ROWS[0] <= x.shape[0] <= VOCAB_MAJOR_ROWS[1]:
         return jax.lax.optimization_barrier(jnp.einsum("VD,SD->VS", embedding, x, preferred_element_type=jnp.float32)).T
     return jnp.einsum("SD,DV->SV", x, embedding.T, preferred_element_type=jnp.float32)
+
+
+def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "V D"] | Float[Array, "D V"], *, tied: bool,
+                      kernels: frozenset) -> Float[Array, "S V"]:
+    """float32 logits whose row s depends on x[s] alone, bit for bit, whatever S is (batch_invariant).
+
+    Untied ([D, V]): the dense_matmul kernel where it runs (its sums over D are ordered by D and the
+    thread count only, ops/dense_matmul.py). Tied ([V, D]): XLA:CPU's vocabulary-major dot E @ x^T,
+    whose sums do not depend on the number of columns from 2 on (one column is a matrix-vector
+    product that sums in another order), so a single row is padded to two. The optimization barrier
+    keeps the simplifier from folding the transpose back into an x @ E^T dot, which does vary
+    (from 64 rows on, SmolLM2's head; tests/test_batch_invariant.py checks the whole step).
+    """
+    if not tied:
+        if "dense_matmul" in kernels and weight.dtype == jnp.float32 and weight.shape[1] % 16 == 0:
+            from jaxpaged.ops.dense_matmul import dense_matmul
+
+            return dense_matmul(x, weight)
+        return jnp.einsum("SD,DV->SV", x, weight, preferred_element_type=jnp.float32)
+    rows = x.shape[0]
+    padded = jnp.pad(x, ((0, 1), (0, 0))) if rows == 1 else x  # [max(S, 2), D]
+    by_vocab = jax.lax.optimization_barrier(jnp.einsum("VD,SD->VS", weight, padded, preferred_element_type=jnp.float32))
+    return by_vocab.T[:rows]
 
 
 def param_shapes(config: ModelConfig):
