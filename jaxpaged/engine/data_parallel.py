@@ -135,10 +135,21 @@ class DataParallelEngine:
         for engine in self.engines:
             engine.warmup()
 
-    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def update_params(self, params, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """Every replica, in turn (each validates first: a bad tree fails on replica 0, changing nothing)."""
         for engine in self.engines:
             engine.update_params(params, version=version, in_flight=in_flight)
+
+    @property
+    def weight_version(self) -> int | str:
+        return self.engines[0].weight_version
+
+    def set_weight_version(self, version: int | str) -> None:
+        for engine in self.engines:
+            engine.set_weight_version(version)
+
+    def abort_all_requests(self) -> int:
+        return sum(engine.abort_all_requests() for engine in self.engines)  # outputs: the next step(), routed back
 
     def sleep(self, level: int = 1) -> None:
         if self.has_unfinished_requests():  # checked here so no replica sleeps while another refuses

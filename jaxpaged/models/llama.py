@@ -353,8 +353,10 @@ class CausalLM(nn.Module):
             if panels:
                 logits = panels_head(x, panels, self.matmul_kernels)
             elif self.batch_invariant:
-                logits = invariant_lm_head(x, embedding if lm_head is None else lm_head, tied=lm_head is None,
-                                           kernels=self.matmul_kernels)
+                if lm_head is None:  # tied: the runner's transposed copy, or the embedding transposed here
+                    kept = self.has_variable("params", TRANSPOSED_HEAD)
+                    lm_head = self.get_variable("params", TRANSPOSED_HEAD) if kept else embedding.T
+                logits = invariant_lm_head(x, lm_head, kernels=self.matmul_kernels)
             elif lm_head is None:
                 logits = tied_lm_head(x, embedding, self.vocab_major_head)
             else:
@@ -363,6 +365,10 @@ class CausalLM(nn.Module):
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pages
 
+
+# batch_invariant with a tied embedding: the runner serves the head transposed, [D, V], under this name
+# beside the embedding (device/batch_invariant.py), so the dense_matmul kernel reads it in place.
+TRANSPOSED_HEAD = "lm_head_t"
 
 # Logit rows for which XLA:CPU's dot runs faster vocabulary-major (tied_lm_head).
 VOCAB_MAJOR_ROWS = (2, 64)
@@ -383,27 +389,20 @@ def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array | np.ndarray, "V
     return jnp.einsum("SD,DV->SV", x, embedding.T, preferred_element_type=jnp.float32)
 
 
-def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "V D"] | Float[Array, "D V"], *, tied: bool,
-                      kernels: frozenset) -> Float[Array, "S V"]:
+def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "D V"], *, kernels: frozenset) -> Float[Array, "S V"]:
     """float32 logits whose row s depends on x[s] alone, bit for bit, whatever S is (batch_invariant).
 
-    Untied ([D, V]): the dense_matmul kernel where it runs (its sums over D are ordered by D and the
-    thread count only, ops/dense_matmul.py). Tied ([V, D]): XLA:CPU's vocabulary-major dot E @ x^T,
-    whose sums do not depend on the number of columns from 2 on (one column is a matrix-vector
-    product that sums in another order), so a single row is padded to two. The optimization barrier
-    keeps the simplifier from folding the transpose back into an x @ E^T dot, which does vary
-    (from 64 rows on, SmolLM2's head; tests/test_batch_invariant.py checks the whole step).
+    The dense_matmul kernel, whose sums over D are ordered by D and the thread count only
+    (ops/dense_matmul.py), on the head as [D, V]: the untied lm_head, or a tied embedding transposed
+    (the runner keeps that copy as TRANSPOSED_HEAD; a trainer transposes in its program, exactly).
+    XLA's own dots change their order with S (x @ E^T from 64 rows; E @ x^T at 1 row and again
+    between 384 and 1024 rows for SmolLM2's head), so they only run off the CPU kernels' path.
     """
-    if not tied:
-        if "dense_matmul" in kernels and weight.dtype == jnp.float32 and weight.shape[1] % 16 == 0:
-            from jaxpaged.ops.dense_matmul import dense_matmul
+    if "dense_matmul" in kernels and weight.dtype == jnp.float32 and weight.shape[1] % 16 == 0:
+        from jaxpaged.ops.dense_matmul import dense_matmul
 
-            return dense_matmul(x, weight)
-        return jnp.einsum("SD,DV->SV", x, weight, preferred_element_type=jnp.float32)
-    rows = x.shape[0]
-    padded = jnp.pad(x, ((0, 1), (0, 0))) if rows == 1 else x  # [max(S, 2), D]
-    by_vocab = jax.lax.optimization_barrier(jnp.einsum("VD,SD->VS", weight, padded, preferred_element_type=jnp.float32))
-    return by_vocab.T[:rows]
+        return dense_matmul(x, weight)
+    return jnp.einsum("SD,DV->SV", x, weight, preferred_element_type=jnp.float32)
 
 
 def param_shapes(config: ModelConfig):
