@@ -72,7 +72,7 @@ def invariant_attention_fn(backend: str):
     return cpu_attention.with_cpu_kernels(chunked_paged_attention_from_buffer, kernels, one_path=True)
 
 
-def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels: frozenset, attention_fn,
+def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels: frozenset, one_attention_path: bool,
                           kv_cache_dtype: str, page_size: int, sharded: bool) -> None:
     """ValueError naming what keeps this runner from being batch-invariant, and what to change."""
     def refuse(what: str) -> None:
@@ -104,6 +104,6 @@ def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels:
         refuse(f"the kernels take widths that are multiples of 16; this model has {odd}")
     if page_size > 16:
         refuse(f"page_size={page_size}: the ragged kernel scores a page as one 16-lane vector; use <= 16")
-    if not getattr(attention_fn, "one_path", False):
+    if not one_attention_path:
         refuse("the attention backend must run one kernel in every step: build it with "
                "jaxpaged.device.backends.attention_fn('chunked', batch_invariant=True)")

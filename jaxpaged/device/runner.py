@@ -124,6 +124,7 @@ class ModelRunner:
         # attention run per device on its own heads. self.config is the model as the devices see
         # it (KV heads replicated when the mesh is wider than num_kv_heads).
         model_config = model_config.for_max_model_len(max_model_len)  # LongRoPE: long factors past the original
+        one_attention_path = getattr(attention_fn, "one_path", False)  # read before any tp wrapping
         self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
         if self.tp is not None:
             model_config = self.tp.config
@@ -155,7 +156,7 @@ class ModelRunner:
         self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
         if batch_invariant:
             check_batch_invariant(model_config, platform=platform, matmul_kernels=self.matmul_kernels,
-                                  attention_fn=attention_fn, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+                                  one_attention_path=one_attention_path, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                   sharded=self.tp is not None and self.tp.mesh.size > 1)
         self.batch_invariant = batch_invariant
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
