@@ -9,11 +9,12 @@ by the step's shape. On the CPU path that holds when
     attention     ops/cpu/ragged_attention.cc      pages up to the token's own, in order, one online
                   in every step (decode included)   softmax update each; the decode kernel orders its
                                                    sums otherwise, so it is not used
-    LM head       models/llama.py invariant_lm_head  dense_matmul on [D, V]: the untied head, or the
-                                                   tied embedding's transposed copy the runner keeps
-                                                   (`with_transposed_head`: one more embedding of memory)
+    LM head       models/llama.py invariant_lm_head  XLA's dot on tiles of exactly HEAD_TILE rows (a
+                                                   loop over tiles): one compiled shape, whose sums do
+                                                   not depend on a row's place in the tile
     the rest      norms, RoPE, residuals: per-row reductions and elementwise ops, the same program
                   shape-independent in XLA:CPU (tests/test_batch_invariant.py checks whole steps)
+    logprobs      the sampler's log_softmax sums by ops/ordered_sum.py, as the trainer's
     sampler       per-row draws from (seed, step) already (sample/sampler.py)
 
 so a token computed in a decode step, in a prompt chunk (any chunking), recomputed after preemption,
@@ -26,35 +27,9 @@ attention soft-capping (the kernels do not take it), widths the kernels do not t
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import TRANSPOSED_HEAD
-
-
-def _with_inner(params, inner: dict):
-    outer = dict(params)
-    outer["params"] = type(params["params"])(inner) if not isinstance(params["params"], dict) else inner
-    return type(params)(outer) if not isinstance(params, dict) else outer
-
-
-def with_transposed_head(params):
-    """The served tree plus the tied embedding transposed, [D, V] (a copy: the step reads it in place)."""
-    inner = dict(params["params"])
-    embedding = inner["embedding"]
-    inner[TRANSPOSED_HEAD] = (jnp.array(embedding.T, copy=True) if hasattr(embedding, "T") and not
-                              isinstance(embedding, jax.ShapeDtypeStruct) else
-                              jax.ShapeDtypeStruct(embedding.shape[::-1], embedding.dtype, sharding=embedding.sharding))
-    return _with_inner(params, inner)
-
-
-def without_transposed_head(params):
-    """The served tree without the transposed copy (what `ModelRunner.params` returns)."""
-    if params is None or TRANSPOSED_HEAD not in params["params"]:
-        return params
-    inner = {k: v for k, v in params["params"].items() if k != TRANSPOSED_HEAD}
-    return _with_inner(params, inner)
 
 
 def invariant_attention_fn(backend: str):
@@ -98,7 +73,6 @@ def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels:
     widths = {"hidden_size": config.hidden_size, "num_heads * head_dim": config.num_heads * config.head_dim,
               "num_kv_heads * head_dim": config.num_kv_heads * config.head_dim,
               "intermediate_size": config.intermediate_size, "head_dim": config.head_dim}
-    widths["vocab_size"] = config.vocab_size
     odd = {name: width for name, width in widths.items() if width % 16}
     if odd:
         refuse(f"the kernels take widths that are multiples of 16; this model has {odd}")

@@ -32,7 +32,7 @@ from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
-from jaxpaged.device.batch_invariant import check_batch_invariant, with_transposed_head, without_transposed_head
+from jaxpaged.device.batch_invariant import check_batch_invariant
 from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
 
@@ -226,14 +226,11 @@ class ModelRunner:
     def params(self):
         """The canonical (stacked) parameter tree: where the runner serves another layout (one buffer per
         layer, GGUF panels: `served_params`, device/layer_params.py) this is a new copy."""
-        return canonical_layout(without_transposed_head(self.served_params))
+        return canonical_layout(self.served_params)
 
     def _serve(self, params) -> None:
         """Keeps the runner's own copy `params` (canonical) as the step reads it (device/layer_params.py)."""
-        served = serving_layout(params, per_layer=self.per_layer_weights, kernels=self.matmul_kernels)
-        if self.batch_invariant and self.config.tie_word_embeddings:  # the head as dense_matmul reads it
-            served = with_transposed_head(served)
-        self.served_params = served
+        self.served_params = serving_layout(params, per_layer=self.per_layer_weights, kernels=self.matmul_kernels)
 
     def _abstract(self, x) -> jax.ShapeDtypeStruct:  # x's shape and dtype on the compile-only runner's devices
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._abstract_sharding)

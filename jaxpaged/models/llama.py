@@ -353,10 +353,7 @@ class CausalLM(nn.Module):
             if panels:
                 logits = panels_head(x, panels, self.matmul_kernels)
             elif self.batch_invariant:
-                if lm_head is None:  # tied: the runner's transposed copy, or the embedding transposed here
-                    kept = self.has_variable("params", TRANSPOSED_HEAD)
-                    lm_head = self.get_variable("params", TRANSPOSED_HEAD) if kept else embedding.T
-                logits = invariant_lm_head(x, lm_head, kernels=self.matmul_kernels)
+                logits = invariant_lm_head(x, embedding if lm_head is None else lm_head, tied=lm_head is None)
             elif lm_head is None:
                 logits = tied_lm_head(x, embedding, self.vocab_major_head)
             else:
@@ -366,9 +363,8 @@ class CausalLM(nn.Module):
         return logits, kv_pages
 
 
-# batch_invariant with a tied embedding: the runner serves the head transposed, [D, V], under this name
-# beside the embedding (device/batch_invariant.py), so the dense_matmul kernel reads it in place.
-TRANSPOSED_HEAD = "lm_head_t"
+# batch_invariant: the LM head's rows in tiles of exactly this many (invariant_lm_head).
+HEAD_TILE = 16
 
 # Logit rows for which XLA:CPU's dot runs faster vocabulary-major (tied_lm_head).
 VOCAB_MAJOR_ROWS = (2, 64)
@@ -389,20 +385,29 @@ def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array | np.ndarray, "V
     return jnp.einsum("SD,DV->SV", x, embedding.T, preferred_element_type=jnp.float32)
 
 
-def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "D V"], *, kernels: frozenset) -> Float[Array, "S V"]:
+def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "V D"] | Float[Array, "D V"], *,
+                      tied: bool) -> Float[Array, "S V"]:
     """float32 logits whose row s depends on x[s] alone, bit for bit, whatever S is (batch_invariant).
 
-    The dense_matmul kernel, whose sums over D are ordered by D and the thread count only
-    (ops/dense_matmul.py), on the head as [D, V]: the untied lm_head, or a tied embedding transposed
-    (the runner keeps that copy as TRANSPOSED_HEAD; a trainer transposes in its program, exactly).
-    XLA's own dots change their order with S (x @ E^T from 64 rows; E @ x^T at 1 row and again
-    between 384 and 1024 rows for SmolLM2's head), so they only run off the CPU kernels' path.
+    XLA's own dot changes its summation order with the number of rows (on XLA:CPU x @ W from 64 rows,
+    a one-row GEMV, E @ x^T between 384 and 1024 rows of SmolLM2's head), but one compiled shape sums
+    every row alike wherever it sits. So the rows go through the head in tiles of exactly HEAD_TILE
+    (zero-padded; a `lax.map` over tiles, one dot shape), vocabulary-major for a tied embedding (E @
+    x^T, XLA:CPU's faster orientation: tied_lm_head) and x @ W for an untied head. The optimization
+    barrier keeps the simplifier from folding the transpose back into the dot.
     """
-    if "dense_matmul" in kernels and weight.dtype == jnp.float32 and weight.shape[1] % 16 == 0:
-        from jaxpaged.ops.dense_matmul import dense_matmul
+    rows = x.shape[0]
+    num_tiles = -(-rows // HEAD_TILE)
+    tiles = jnp.pad(x, ((0, num_tiles * HEAD_TILE - rows), (0, 0))).reshape(num_tiles, HEAD_TILE, x.shape[1])
 
-        return dense_matmul(x, weight)
-    return jnp.einsum("SD,DV->SV", x, weight, preferred_element_type=jnp.float32)
+    def tile_logits(tile):  # [HEAD_TILE, D] -> [HEAD_TILE, V]
+        if tied:
+            return jax.lax.optimization_barrier(
+                jnp.einsum("VD,SD->VS", weight, tile, preferred_element_type=jnp.float32)).T
+        return jnp.einsum("SD,DV->SV", tile, weight, preferred_element_type=jnp.float32)
+
+    logits = jax.lax.map(tile_logits, tiles)  # [num_tiles, HEAD_TILE, V]
+    return logits.reshape(num_tiles * HEAD_TILE, -1)[:rows]
 
 
 def param_shapes(config: ModelConfig):
