@@ -59,6 +59,9 @@ class EngineConfig:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1  # devices one model is split over (a `tp` mesh axis; jaxpaged/device/sharding.py)
     data_parallel_size: int = 1  # whole engine replicas, each on its own tensor_parallel_size devices
+    # Which replica a request goes to (jaxpaged/engine/prefix_routing.py): "least_loaded" (fewest
+    # unfinished requests), "round_robin", or "prefix" (the replica sent its longest page prefix).
+    data_parallel_routing: str = "least_loaded"
     # Out of pages, a victim's K/V is recomputed later ("recompute") or copied to host memory and
     # back ("swap", within swap_space_bytes of host pages; recompute when those are full).
     preemption_mode: str = "recompute"
@@ -149,6 +152,9 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1: no parallelism)")
+        if self.data_parallel_routing not in ("least_loaded", "round_robin", "prefix"):
+            raise ValueError(f"data_parallel_routing={self.data_parallel_routing!r}: use 'least_loaded', "
+                             "'round_robin' or 'prefix'")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: use one of {PREEMPTION_MODES}")
         for name in ("swap_space_bytes", "host_cache_bytes"):
