@@ -10,7 +10,9 @@ then every one of the P * G conversations takes a second turn (its first prompt 
 tokens). Each routing runs the same requests on `--replicas` engine replicas, one forced host CPU
 device each, over a tiny random model (the hit rate depends on routing, not on the model); the hit
 rate is prefix-hit tokens over prompt tokens looked up, summed over replicas (the engines' own
-counters), per turn and overall, with the wall time.
+counters), per turn and overall. The wall time includes each routing's compilation (the first
+run's programs are compiled, later runs mostly load them from the persistent cache): not a speed
+comparison.
 """
 
 from __future__ import annotations
