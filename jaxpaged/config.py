@@ -60,6 +60,9 @@ class EngineConfig:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1  # devices one model is split over (a `tp` mesh axis; jaxpaged/device/sharding.py)
     data_parallel_size: int = 1  # whole engine replicas, each on its own tensor_parallel_size devices
+    # Which replica a request goes to (jaxpaged/engine/prefix_routing.py): "least_loaded" (fewest
+    # unfinished requests), "round_robin", or "prefix" (the replica sent its longest page prefix).
+    data_parallel_routing: str = "least_loaded"
     # Out of pages, a victim's K/V is recomputed later ("recompute") or copied to host memory and
     # back ("swap", within swap_space_bytes of host pages; recompute when those are full).
     preemption_mode: str = "recompute"
@@ -101,6 +104,11 @@ class EngineConfig:
     # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
     # float32's tokens.
     gguf_activations: str = "float32"
+    # A request's tokens and logprobs bit for bit the same whatever else runs with it (batch, bucket,
+    # chunking, prefix hits, preemption, replica), and equal to jaxpaged.rl.token_logprobs (an RL
+    # trainer's forward). None: on when VLLM_BATCH_INVARIANT=1 (vLLM's switch). CPU path only
+    # (jaxpaged/device/batch_invariant.py says what it fixes and refuses).
+    batch_invariant: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
@@ -142,6 +150,9 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (1: no parallelism)")
+        if self.data_parallel_routing not in ("least_loaded", "round_robin", "prefix"):
+            raise ValueError(f"data_parallel_routing={self.data_parallel_routing!r}: use 'least_loaded', "
+                             "'round_robin' or 'prefix'")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: use one of {PREEMPTION_MODES}")
         for name in ("swap_space_bytes", "host_cache_bytes"):
@@ -179,10 +190,24 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend='mosaic' reads bfloat16 pages only, not kv_cache_dtype={self.kv_cache_dtype!r}; "
                 "use attention_backend='pallas' (or 'auto') for a quantized KV cache, or kv_cache_dtype='auto'")
+        if self.batch_invariant:
+            self.check_batch_invariant()
         if self.attention_backend == "mosaic" and self.dtype != "bfloat16":
             raise ValueError(
                 f"attention_backend='mosaic' runs wgmma on bfloat16 pages, got dtype={self.dtype!r}; "
                 "pass dtype='bfloat16'")
+
+    def check_batch_invariant(self) -> None:
+        """The engine arguments batch_invariant=True refuses (the runner checks the model and the kernels)."""
+        refused = {"speculative_config": self.speculative_config is not None,  # drafts change tokens by batch size
+                   "quantization": self.quantization is not None, "kv_cache_dtype": self.kv_cache_dtype != "auto",
+                   "tensor_parallel_size": self.tensor_parallel_size > 1, "dtype": self.dtype == "bfloat16",
+                   "enable_return_routed_experts": self.enable_return_routed_experts}
+        given = [name for name, bad in refused.items() if bad]
+        if given:
+            raise ValueError(f"batch_invariant=True (or VLLM_BATCH_INVARIANT=1) runs float32 weights and KV on one "
+                             f"device per replica without speculation; {', '.join(given)} cannot be batch-invariant: "
+                             "leave them at their defaults")
 
     def resolved(self, *, on_gpu: bool, model_max_len: int) -> "EngineConfig":
         """The same config with every None default filled in for this platform and model."""
@@ -195,8 +220,11 @@ class EngineConfig:
                 f"lower max_model_len")
         max_num_seqs = self.max_num_seqs or default_max_num_seqs(on_gpu)
         max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
-        return replace(
+        batch_invariant = (os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+                           if self.batch_invariant is None else self.batch_invariant)
+        return replace(  # (__post_init__ checks batch_invariant, VLLM_BATCH_INVARIANT's included)
             self,
+            batch_invariant=batch_invariant,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -29,7 +29,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = {"config": 0, "planner": 1, "structured": 1, "ops": 2, "models": 3, "sample": 4, "device": 5, "spec_decode": 6,
-          "engine": 6, "entrypoints": 7, "static_profile": 7, "baseline": 7}
+          "engine": 6, "entrypoints": 7, "static_profile": 7, "baseline": 7,
+          "rl": 7}
 # The package's own __init__ and the two entry names (python -m jaxpaged.generate / .serve) sit on top.
 TOP = {"__init__", "generate", "serve"}
 

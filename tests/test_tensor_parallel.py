@@ -37,10 +37,11 @@ def test_mesh_suite_on_eight_host_devices():
 
 
 def test_data_parallel_entry_points_on_forced_host_devices():
-    """tests/multidevice/test_data_parallel_entrypoints.py: LLM / CLI / server with data_parallel_size=2."""
+    """tests/multidevice/test_data_parallel_entrypoints.py: LLM / CLI / server with data_parallel_size=2, and
+    batch_invariant=True giving the same bits on either replica."""
     proc = _run_multidevice("not slow", timeout=900, modules=("test_data_parallel_entrypoints.py",))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "3 passed" in proc.stdout and "failed" not in proc.stdout
+    assert "4 passed" in proc.stdout and "failed" not in proc.stdout
 
 
 def test_update_params_reshards_from_a_trainer_mesh_on_eight_host_devices():

@@ -38,9 +38,15 @@ def gpu_auto_backend(model_config, config, *, compute_capability: str, triton_av
     return "mosaic" if mosaic_serves else "chunked"
 
 
-def attention_fn(backend: str, *, platform: str | None = None):
+def attention_fn(backend: str, *, platform: str | None = None, batch_invariant: bool = False):
     """The attention function of `backend`; `platform` (of the devices the step is compiled for)
-    fixes the Pallas kernels' interpret mode: compiled for "cuda"/"gpu", interpreted for any other."""
+    fixes the Pallas kernels' interpret mode: compiled for "cuda"/"gpu", interpreted for any other.
+    `batch_invariant` (EngineConfig.batch_invariant): one kernel for every step ("chunked" on the CPU:
+    the ragged kernel, decode-only steps included; device/batch_invariant.py checks what runs)."""
+    if batch_invariant:
+        from jaxpaged.device.batch_invariant import invariant_attention_fn
+
+        return invariant_attention_fn(backend)
     fn = _attention_fn(backend)
     if platform is None or backend not in ("pallas", "mosaic"):
         return fn

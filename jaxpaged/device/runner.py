@@ -32,6 +32,7 @@ from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
+from jaxpaged.device.batch_invariant import check_batch_invariant
 from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
 
@@ -113,6 +114,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         per_layer_weights: bool | None = None,
         return_routed_experts: bool = False,  # MoE: execute returns (its result, ids [T, L, k]): engine/routed_experts.py
+        batch_invariant: bool = False,  # every token's arithmetic independent of the step (device/batch_invariant.py)
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -124,6 +126,7 @@ class ModelRunner:
         # attention run per device on its own heads. self.config is the model as the devices see
         # it (KV heads replicated when the mesh is wider than num_kv_heads).
         model_config = model_config.for_max_model_len(max_model_len)  # LongRoPE: long factors past the original
+        one_attention_path = getattr(attention_fn, "one_path", False)  # read before any tp wrapping
         self.tp = TensorParallel.create(mesh, model_config) if mesh is not None else None
         if self.tp is not None:
             model_config = self.tp.config
@@ -151,9 +154,14 @@ class ModelRunner:
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
         # ops/cpu/gguf_matmul.cc, dense_matmul.cc
         self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
+        if batch_invariant:
+            check_batch_invariant(model_config, platform=platform, matmul_kernels=self.matmul_kernels,
+                                  one_attention_path=one_attention_path, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+                                  sharded=self.tp is not None and self.tp.mesh.size > 1)
+        self.batch_invariant = batch_invariant
         model = functools.partial(CausalLM, model_config, attention_fn or reference_paged_attention, expert_fn=expert_fn,
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
-                                  matmul_kernels=self.matmul_kernels,
+                                  matmul_kernels=self.matmul_kernels, batch_invariant=batch_invariant,
                                   min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
         self.model, self.decode_model = model(), model(decode_only=True)
         # An attention with effects where it runs (Mosaic GPU interpret mode's io callbacks, off a GPU) cannot

@@ -64,7 +64,7 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
         capability = getattr(jax.devices()[0], "compute_capability", "")
         config = dataclasses.replace(config, attention_backend=gpu_auto_backend(
             model_config, config, compute_capability=capability))
-    attention_fn = backend_attention_fn(config.attention_backend)
+    attention_fn = backend_attention_fn(config.attention_backend, batch_invariant=config.batch_invariant)
     num_pages = num_pages_for(config, model_config, params, attention_fn)
     if from_pool:
         config = dataclasses.replace(config, max_num_seqs=pool_max_num_seqs(num_pages, config, on_gpu()))

@@ -1,6 +1,7 @@
 """Data parallelism: `data_parallel_size` whole engines, each on its own devices, behind one engine API.
 
-    LLM ──► DataParallelEngine ──add_request──► the replica with the fewest unfinished requests
+    LLM ──► DataParallelEngine ──add_request──► a replica chosen by EngineConfig.data_parallel_routing
+                                                 (engine/prefix_routing.py; default: the fewest unfinished)
                                 ──step──────────► every busy replica, concurrently (one thread each)
             replica r: an LLMEngine on devices [r * tp, (r + 1) * tp) (a tp mesh, tp >= 1)
 
@@ -24,6 +25,7 @@ from jaxpaged.engine import weights
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.prefix_routing import ReplicaRouter
 from jaxpaged.planner.request import SEED_MASK, SamplingParams
 
 
@@ -48,6 +50,10 @@ class DataParallelEngine:
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)  # drawn as one LLMEngine draws
         self._pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="jaxpaged-replica")
+        # Which replica each request goes to (engine/prefix_routing.py); "prefix" tolerates a replica
+        # holding up to one batch more requests than the least loaded before it balances instead.
+        self._router = ReplicaRouter(self.config.data_parallel_routing, len(engines), self.config.page_size,
+                                     max_imbalance=self.config.max_num_seqs)
 
     @property
     def params(self):
@@ -69,18 +75,20 @@ class DataParallelEngine:
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, SEED_MASK)))
         return self._add(request_id, lambda engine: engine.add_request(
-            prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt))
+            prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt), prompt_token_ids, cache_salt)
 
     def add_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams, *, prompt: str | None = None,
                          request_id: str | None = None) -> str:
         """Queues a beam search on the least-loaded replica: a search runs whole on one replica."""
-        return self._add(request_id, lambda engine: engine.add_beam_request(prompt_token_ids, params, prompt=prompt))
+        return self._add(request_id, lambda engine: engine.add_beam_request(prompt_token_ids, params, prompt=prompt),
+                         prompt_token_ids, None)
 
-    def _add(self, request_id: str | None, add) -> str:
+    def _add(self, request_id: str | None, add, prompt_token_ids: list[int], cache_salt) -> str:
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self._route:
             raise ValueError(f"request id {request_id!r} is already in use; pass a new one or None")
-        replica_idx = min(range(len(self.engines)), key=lambda r: (self._load(r), r))
+        loads = [self._load(r) for r in range(len(self.engines))]
+        replica_idx = self._router.choose(prompt_token_ids, cache_salt, loads)
         inner_id = add(self.engines[replica_idx])
         self._route[request_id] = (replica_idx, inner_id)
         self._reverse[(replica_idx, inner_id)] = request_id
@@ -135,10 +143,21 @@ class DataParallelEngine:
         for engine in self.engines:
             engine.warmup()
 
-    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def update_params(self, params, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """Every replica, in turn (each validates first: a bad tree fails on replica 0, changing nothing)."""
         for engine in self.engines:
             engine.update_params(params, version=version, in_flight=in_flight)
+
+    @property
+    def weight_version(self) -> int | str:
+        return self.engines[0].weight_version
+
+    def set_weight_version(self, version: int | str) -> None:
+        for engine in self.engines:
+            engine.set_weight_version(version)
+
+    def abort_all_requests(self) -> int:
+        return sum(engine.abort_all_requests() for engine in self.engines)  # outputs: the next step(), routed back
 
     def sleep(self, level: int = 1) -> None:
         if self.has_unfinished_requests():  # checked here so no replica sleeps while another refuses

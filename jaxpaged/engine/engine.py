@@ -89,6 +89,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,  # "int8" / "float8_e4m3fn": jaxpaged/ops/kv_quant.py
             per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
             return_routed_experts=config.enable_return_routed_experts,
+            batch_invariant=bool(config.batch_invariant),  # device/batch_invariant.py
         )
         self.processor = OutputProcessor(tokenizer)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
@@ -264,10 +265,28 @@ class LLMEngine:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:  # vLLM's (engine/weights.py)
         return reset_prefix_cache([self], reset_running_requests)
 
-    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def update_params(self, params, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """New weights (a copy; same tree and shapes, any sharding), no recompiling, between two steps;
         requests in flight are kept, recomputed or aborted (engine/weights.py)."""
         self.weights.update_params(params, version=version, in_flight=in_flight)
+
+    @property
+    def weight_version(self) -> int | str:
+        """The label of the weights tokens are sampled under now (update_params' version)."""
+        return self.weights.version
+
+    def set_weight_version(self, version: int | str) -> None:
+        """Relabels the current weights (no weight changes): vLLM's update_weight_version."""
+        self.weights.set_version(version)
+
+    def abort_all_requests(self) -> int:
+        """Finishes every request now with finish_reason "abort" (their final outputs come out of the next
+        step()) and drops every beam search; returns how many requests were finished."""
+        for search_id in list(self.beams.searches):
+            self.abort_request(search_id)
+        for request_id in list(self.processor.requests):
+            self.structured.abort(request_id)
+        return self.weights.abort_running()
 
     def sleep(self, level: int = 1) -> None:
         """Frees the KV pool; weights to host (1) or dropped (2). Only with no request in the engine."""

@@ -40,7 +40,7 @@ class Sample:
     num_sent_chars: int = 0  # characters of `text` already reported
     num_decoded: int = 0  # leading seq.output_token_ids the detokenizer has taken (`text` covers them)
     # [(first output token index, weight version)]: tokens from that index on were sampled under it.
-    version_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    version_runs: list[tuple[int, int | str]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,7 +77,7 @@ class OutputProcessor:
         self.routed_experts = None  # a RoutedExpertsRecorder when the engine returns routed experts
 
     def add_request(self, request_id: str, prompt: str | None, seq: Sequence, params: SamplingParams,
-                    seed: int, weight_version: int = 0) -> RequestState:
+                    seed: int, weight_version: int | str = 0) -> RequestState:
         stops = params.stop or ()
         request = RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(seq.prompt_token_ids), params=params,
@@ -171,7 +171,7 @@ class OutputProcessor:
             self.pop(request.request_id)
         return outputs, stopped
 
-    def start_weight_version(self, version: int) -> None:
+    def start_weight_version(self, version: int | str) -> None:
         """Tokens sampled from now on belong to `version`: those still on the device (placeholders)
         were sampled under the previous weights, so each sample's new run starts after them."""
         for request in self.requests.values():

@@ -54,7 +54,7 @@ class CompletionOutput:
     @classmethod
     def snapshot(cls, index: int, text: str, live_token_ids: list[int], finish_reason: str | None,
                  live_logprobs: list[LogprobsDict] | None, delta_text: str, delta_token_ids: list[int],
-                 version_runs: tuple[tuple[int, int], ...] | None = None, routed_experts=None,
+                 version_runs: tuple[tuple[int, int | str], ...] | None = None, routed_experts=None,
                  stop_reason: str | int | None = None) -> CompletionOutput:
         """An output over the engine's growing lists as they are now (their current lengths)."""
         out = cls.__new__(cls)
@@ -96,12 +96,12 @@ class CompletionOutput:
         return float(sum(entry[t].logprob for entry, t in zip(logprobs, token_ids)))
 
     @property
-    def weight_versions(self) -> list[int] | None:
+    def weight_versions(self) -> list[int | str] | None:
         """The weight version each token was sampled under (runs expanded; see the class doc)."""
         if self._version_runs is None:
             return None
         num_tokens = len(self.token_ids)
-        versions: list[int] = []
+        versions: list[int | str] = []
         for i, (start, version) in enumerate(self._version_runs):
             end = self._version_runs[i + 1][0] if i + 1 < len(self._version_runs) else num_tokens
             versions += [version] * (min(end, num_tokens) - min(start, num_tokens))

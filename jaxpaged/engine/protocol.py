@@ -66,10 +66,21 @@ class EngineClient(Protocol):
     def params(self):
         """The weights the engine runs."""
 
-    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def update_params(self, params, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """New weights of the same shapes (any sharding), without recompiling, between two steps;
         running requests are kept / recomputed / aborted per `in_flight` (engine/weights.py);
         tokens sampled from now on carry `version` (default: the current one + 1). Clears the prefix cache."""
+
+    @property
+    def weight_version(self) -> int | str:
+        """The label of the weights tokens are sampled under now."""
+
+    def set_weight_version(self, version: int | str) -> None:
+        """Relabels the current weights without changing them (vLLM's update_weight_version)."""
+
+    def abort_all_requests(self) -> int:
+        """Finishes every request with finish_reason "abort" (final outputs: the next step()); drops beam
+        searches; returns how many requests were finished."""
 
     def sleep(self, level: int = 1) -> None:
         """No request in the engine: frees the KV pool; weights to host memory (1) or dropped (2)."""

@@ -25,6 +25,18 @@ from jaxpaged.models.gguf_blocks import REFUSED_UPDATE, has_kept_weights
 from jaxpaged.planner.weight_update import check_in_flight, discard_kv, resalt_waiting
 
 
+def check_version(version) -> None:
+    """A weight version is a label: an int (jaxpaged's) or a str (vLLM's weight_version), or None."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
+        raise ValueError(f"version={version!r}; pass an int or a str (or None for the next version)")
+
+
+def next_version(version: int | str) -> int | str:
+    """The version `update_params(version=None)` gives: an int's next, or a str label kept (vLLM's rule: no
+    new label given, the label stays)."""
+    return version + 1 if isinstance(version, int) else version
+
+
 class WeightLifecycle:
     """Which weights the engine runs (user version, internal epoch), their updates, sleep and wake-up."""
 
@@ -51,33 +63,47 @@ class WeightLifecycle:
         outputs, self.aborted_outputs = self.aborted_outputs, []
         return outputs
 
-    def update_params(self, params, *, version: int | None, in_flight: str) -> None:
+    def update_params(self, params, *, version: int | str | None, in_flight: str) -> None:
         """Applies new weights between two steps (aborted requests' final outputs: aborted_outputs)."""
         check_in_flight(in_flight)
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise ValueError(f"version={version!r}; pass an int (or None for the current version + 1)")
+        check_version(version)
         if in_flight != "keep" and self.beam_searches:
             raise ValueError(f"in_flight={in_flight!r} with beam searches running; use in_flight='keep' "
                              "or finish the searches first")
         if self.keeps_gguf_codes and not has_kept_weights(params):
             raise ValueError(REFUSED_UPDATE)  # float weights for an engine serving GGUF codes (models/gguf_blocks.py)
         self.runner.update_params(params)  # ValueError on a wrong tree/shape/dtype: nothing changed
-        self.version = self.version + 1 if version is None else version
+        self.version = next_version(self.version) if version is None else version
         self.epoch += 1
         self.has_params = True
         if self.sleep_level:  # the weights are on the device now; wake_up restores only the KV pool
             self.runner.params_on_host = False
         scheduler = self.scheduler
         if in_flight == "abort":
-            for request in self.processor.requests.values():
-                for sample in request.samples:
-                    scheduler.abort(sample.seq.seq_id)
-            self.aborted_outputs += self.processor.finish_all("abort")
+            self.abort_running()
         elif in_flight == "recompute":
             discard_kv(scheduler)
         resalt_waiting(scheduler, self.epoch)
         scheduler.block_manager.reset_prefix_cache()
         self.processor.start_weight_version(self.version)
+
+    def abort_running(self) -> int:
+        """Finishes every request with finish_reason "abort" (their final outputs come out of the next
+        step(): aborted_outputs); returns how many."""
+        for request in self.processor.requests.values():
+            for sample in request.samples:
+                self.scheduler.abort(sample.seq.seq_id)
+        finished = self.processor.finish_all("abort")
+        self.aborted_outputs += finished
+        return len(finished)
+
+    def set_version(self, version: int | str) -> None:
+        """Labels the current weights `version` (vLLM's update_weight_version): tokens sampled from now on carry it."""
+        check_version(version)
+        if version is None:
+            raise ValueError("version=None; pass the label (an int or a str)")
+        self.version = version
+        self.processor.start_weight_version(version)
 
     def sleep(self, level: int) -> None:
         """Call with no request in the engine (the caller checks: their K/V live in the pool freed here)."""

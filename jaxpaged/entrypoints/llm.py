@@ -23,6 +23,7 @@ from jaxpaged.engine.protocol import EngineClient
 from jaxpaged.models.hf_weights import params_from_weights
 from jaxpaged.entrypoints.chat_prompts import chat_prompts
 from jaxpaged.entrypoints.prompts import Prompts, normalize_prompts
+from jaxpaged.entrypoints.rl_control import GenerationGate, StagedWeights, check_pause_mode
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -65,6 +66,8 @@ class LLM:
         # engine hands each output to its owner, so no call loses another's outputs.
         self._owners: dict[str, _Call] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}  # finished searches, until their call takes them
+        self._gate = GenerationGate()  # pause_generation / resume_generation (entrypoints/rl_control.py)
+        self._staged = StagedWeights()  # start_weight_update ... finish_weight_update
 
     @property
     def tokenizer(self):
@@ -192,6 +195,7 @@ class LLM:
                 for text, token_ids, _ in self._normalize(prompts, None):
                     ids.append(self.engine.add_beam_request(token_ids, params, prompt=text))
             while not all(i in self._beam_results for i in ids):
+                self._gate.wait(lambda: False)  # paused: no step until resume_generation
                 with self._lock:
                     lost = [i for i in ids if i not in self._beam_results and not self.engine.has_request(i)]
                     if lost:
@@ -222,8 +226,11 @@ class LLM:
                     call.pending.add(request_id)
             while call.pending or call.outputs:
                 if not call.outputs:
+                    # Paused (pause_generation): wait for resume, unless a draining pause hands us outputs.
+                    self._gate.wait(lambda: bool(call.outputs) or not call.pending)
                     with self._lock:
-                        if not call.outputs:  # another thread may have stepped while we waited
+                        # another thread may have stepped while we waited; a paused engine is not stepped
+                        if not call.outputs and call.pending and not self._gate.paused:
                             self._step_locked(call)
                     if on_step is not None:
                         on_step()
@@ -313,7 +320,7 @@ class LLM:
         with self._lock:
             return self.engine.reset_prefix_cache(reset_running_requests)
 
-    def update_params(self, params, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def update_params(self, params, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """Swaps in new weights of the same tree and shapes without recompiling; safe while other
         threads generate (applied between two steps). Params may come from any sharding (a
         trainer's mesh, other devices, host numpy): they are resharded leaf by leaf to the engine's.
@@ -328,7 +335,7 @@ class LLM:
         with self._lock:
             self.engine.update_params(params, version=version, in_flight=in_flight)
 
-    def load_weights(self, weights, *, version: int | None = None, in_flight: str = "keep") -> None:
+    def load_weights(self, weights, *, version: int | str | None = None, in_flight: str = "keep") -> None:
         """New weights in Hugging Face names and layout (what a torch trainer's `state_dict()` holds,
         vLLM's `model.load_weights` input): a mapping or an iterable of (name, array) pairs, arrays as
         numpy, torch tensors or jax arrays. Every weight of the model must be there (a partial
@@ -380,6 +387,71 @@ class LLM:
     def params(self):
         """The engine's current weights (a pytree of jax arrays): what `update_params` replaces."""
         return self.engine.params
+
+    @property
+    def model_config(self):
+        """The model the engine runs (models/config.py ModelConfig): with `params`, what
+        `jaxpaged.rl.token_logprobs` takes."""
+        return self.engine.model_config
+
+    # ---------------------------------------------------------------- RL: vLLM's names (entrypoints/rl_control.py)
+
+    def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stops stepping the engine until `resume_generation`, e.g. to update weights (vLLM's name).
+        mode "abort": every request finishes now with finish_reason "abort" (its call returns it);
+        "wait": requests already in the engine run to their end first, this call returning after;
+        "keep": requests are frozen, K/V kept, and continue on resume. clear_cache (abort, wait): the
+        prefix cache is reset once drained. Calls made while paused queue their requests and wait."""
+        check_pause_mode(mode)
+        if not isinstance(clear_cache, bool):
+            raise ValueError(f"clear_cache={clear_cache!r}; pass True or False")
+        with self._lock:  # no step is running
+            self._gate.close()
+            if mode == "keep":
+                return
+            if mode == "abort":
+                self.engine.abort_all_requests()  # final outputs come out of the steps below
+            drain = _Call(only_finished=True)
+            while self.engine.has_unfinished_requests():  # each output goes to its own call
+                self._step_locked(drain)
+                self._gate.notify()
+            if clear_cache:
+                self.engine.reset_prefix_cache()
+
+    def resume_generation(self) -> None:
+        """Lets calls step the engine again after `pause_generation`."""
+        self._gate.open()
+
+    def is_paused(self) -> bool:
+        return self._gate.paused
+
+    def start_weight_update(self) -> None:
+        """Opens a weight update whose parts `update_weights` stages and `finish_weight_update` applies."""
+        self._staged.start()
+
+    def update_weights(self, request) -> None:
+        """Stages part of the update: `{"update_info": {"params": tree}}` (jaxpaged's tree, as `params`) or
+        `{"update_info": {"weights": {hf_name: array}}}` (Hugging Face names; chunks merge until finish)."""
+        self._staged.add(request)
+
+    def finish_weight_update(self, weight_version: int | str | None = None) -> None:
+        """Applies the staged weights between two steps, requests in flight kept (`update_params` with
+        in_flight="keep"; pause first to choose otherwise); tokens sampled from now on carry
+        `weight_version` (None: the current version + 1, or the same label if it is a str)."""
+        kind, value = self._staged.finish()
+        if kind == "params":
+            self.update_params(value, version=weight_version)
+        else:
+            self.load_weights(value, version=weight_version)
+
+    def update_weight_version(self, new_version: int | str) -> None:
+        """Relabels the current weights without changing them."""
+        with self._lock:
+            self.engine.set_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        """The current weights' label, as a str (vLLM's type; `CompletionOutput.weight_versions` keeps the label)."""
+        return str(self.engine.weight_version)
 
 
 class _Call:

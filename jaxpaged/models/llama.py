@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.ops import gguf_panels
 from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
+from jaxpaged.ops.ordered_sum import ordered_sum
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling
 from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
@@ -103,12 +104,17 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
     plus_one: bool = False  # Gemma: multiply by (1 + scale), in float32
+    ordered: bool = False  # the mean's sum in an order fixed by dim alone (batch_invariant: ops/ordered_sum.py)
 
     @nn.compact
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.ordered:
+            mean_square = (ordered_sum(x32 * x32) / jnp.float32(x.shape[-1]))[..., None]
+        else:
+            mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
         if self.plus_one:
             return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return scale * normed.astype(self.dtype)
@@ -134,6 +140,7 @@ class Attention(nn.Module):
     windows: tuple[int | None, ...] = (None,)
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
     min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
+    batch_invariant: bool = False  # static: CausalLM.batch_invariant (the q/k norms' sums ordered)
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
@@ -150,8 +157,8 @@ class Attention(nn.Module):
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
             value = value + self.param("v_bias", _init, (k, h), self.dtype)
         if self.qk_norm:
-            q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="q_norm")(q)
-            key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, name="k_norm")(key)
+            q = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, self.batch_invariant, name="q_norm")(q)
+            key = RMSNorm(self.rms_norm_eps, self.dtype, self.norm_plus_one, self.batch_invariant, name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         if kv_centres is not None:  # a quantized cache stores k - mu_k, v - mu_v (device/kv_centres.py)
             centre = kv_centres[layer_idx]  # [2, K, H] float32
@@ -224,13 +231,14 @@ class DecoderLayer(nn.Module):
     expert_fn: ExpertFn = grouped_experts
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
     min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
+    batch_invariant: bool = False  # static: CausalLM.batch_invariant
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
                  kv_centres=None, weight_stack=None):
         # weight_stack: {"attn": {...}, "mlp": {...}} the kernels' leaves of every layer, or None (gguf_blocks.linear)
         c, dtype = self.config, jnp.dtype(self.config.dtype)
-        norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name=name)
+        norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, self.batch_invariant, name=name)
         x, kv_pages = carry
         cos, sin, local_cos, local_sin = rope
         if c.local_rope_theta is not None:  # Gemma 3: local layers rotate with their own base
@@ -240,7 +248,7 @@ class DecoderLayer(nn.Module):
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
             tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels,
-            self.min_dot_rows, name="attn",
+            self.min_dot_rows, self.batch_invariant, name="attn",
         )
         stack = weight_stack or {}
         h, kv_pages = attn(
@@ -277,6 +285,13 @@ class CausalLM(nn.Module):
     # rows); the runner sets 2 on a GPU, where XLA strength-reduces a one-row dot of a small weight into
     # multiply + reduce that writes the weight-sized product (docs: jaxpaged/static_profile/__init__.py).
     min_dot_rows: int = 1
+    # Static: every token's logits computed in an order that does not depend on the other rows
+    # (EngineConfig.batch_invariant): RMSNorm's sums by ops/ordered_sum.py, the LM head by `invariant_lm_head`.
+    batch_invariant: bool = False
+    # Static: the matmul kernels read each layer's weight from the whole stack (no slice copies: the
+    # engine). False: from the scan's own slice of it, whose cotangent is that layer's alone (a
+    # trainer differentiating the step: jaxpaged/rl/).
+    kernels_read_stack: bool = True
 
     @nn.compact
     def __call__(
@@ -317,7 +332,7 @@ class CausalLM(nn.Module):
             # layers are unrolled and each reads its own weight buffers in place. A loop over stacked
             # weights would copy every layer's slice first (XLA's dynamic-slice fusions are memcpys).
             layer = DecoderLayer(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels,
-                                 self.min_dot_rows, parent=None)
+                                 self.min_dot_rows, self.batch_invariant, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
@@ -329,21 +344,25 @@ class CausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
                 length=c.num_layers,
-            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, self.min_dot_rows, name="layers")
+            )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, self.min_dot_rows,
+              self.batch_invariant, name="layers")
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
             # The kernels read weights from the whole stack at layer_idx (no per-layer slice copies).
             stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})
             weight_stack = ({m: stack_of(stacked, m, self.matmul_kernels) for m in ("attn", "mlp")}
-                          if self.matmul_kernels and stacked else None)
+                          if self.matmul_kernels and stacked and self.kernels_read_stack else None)
             (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, weight_stack)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.
-        x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, name="final_norm")(x[logits_indices])  # [S, D]
+        x = RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, self.batch_invariant,
+                    name="final_norm")(x[logits_indices])  # [S, D]
         lm_head = None if c.tie_word_embeddings else self.param("lm_head", _init, (c.hidden_size, c.vocab_size), dtype)
         with jax.named_scope("lm_head"):  # names the head's ops in profiles
             if panels:
                 logits = panels_head(x, panels, self.matmul_kernels)
+            elif self.batch_invariant:
+                logits = invariant_lm_head(x, embedding if lm_head is None else lm_head, tied=lm_head is None)
             elif lm_head is None:
                 logits = tied_lm_head(x, embedding, self.vocab_major_head)
             else:
@@ -352,6 +371,9 @@ class CausalLM(nn.Module):
             logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         return logits, kv_pages
 
+
+# batch_invariant: the LM head's rows in tiles of exactly this many (invariant_lm_head).
+HEAD_TILE = 16
 
 # Logit rows for which XLA:CPU's dot runs faster vocabulary-major (tied_lm_head).
 VOCAB_MAJOR_ROWS = (2, 64)
@@ -370,6 +392,31 @@ def tied_lm_head(x: Float[Array, "S D"], embedding: Float[Array | np.ndarray, "V
     if vocab_major and VOCAB_MAJOR_ROWS[0] <= x.shape[0] <= VOCAB_MAJOR_ROWS[1]:
         return jax.lax.optimization_barrier(jnp.einsum("VD,SD->VS", embedding, x, preferred_element_type=jnp.float32)).T
     return jnp.einsum("SD,DV->SV", x, embedding.T, preferred_element_type=jnp.float32)
+
+
+def invariant_lm_head(x: Float[Array, "S D"], weight: Float[Array, "V D"] | Float[Array, "D V"], *,
+                      tied: bool) -> Float[Array, "S V"]:
+    """float32 logits whose row s depends on x[s] alone, bit for bit, whatever S is (batch_invariant).
+
+    XLA's own dot changes its summation order with the number of rows (on XLA:CPU x @ W from 64 rows,
+    a one-row GEMV, E @ x^T between 384 and 1024 rows of SmolLM2's head), but one compiled shape sums
+    every row alike wherever it sits. So the rows go through the head in tiles of exactly HEAD_TILE
+    (zero-padded; a `lax.map` over tiles, one dot shape), vocabulary-major for a tied embedding (E @
+    x^T, XLA:CPU's faster orientation: tied_lm_head) and x @ W for an untied head. The optimization
+    barrier keeps the simplifier from folding the transpose back into the dot.
+    """
+    rows = x.shape[0]
+    num_tiles = -(-rows // HEAD_TILE)
+    tiles = jnp.pad(x, ((0, num_tiles * HEAD_TILE - rows), (0, 0))).reshape(num_tiles, HEAD_TILE, x.shape[1])
+
+    def tile_logits(tile):  # [HEAD_TILE, D] -> [HEAD_TILE, V]
+        if tied:
+            return jax.lax.optimization_barrier(
+                jnp.einsum("VD,SD->VS", weight, tile, preferred_element_type=jnp.float32)).T
+        return jnp.einsum("SD,DV->SV", tile, weight, preferred_element_type=jnp.float32)
+
+    logits = jax.lax.map(tile_logits, tiles)  # [num_tiles, HEAD_TILE, V]
+    return logits.reshape(num_tiles * HEAD_TILE, -1)[:rows]
 
 
 def param_shapes(config: ModelConfig):

@@ -14,6 +14,14 @@ buffer without soft capping run a kernel on the CPU, the decode one in decode-on
 one in the others; the rest (quantized pools, soft caps, a kernel switched off, other platforms at
 lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
 tests/test_cpu_attention.py), sliding windows included; float32 sums and exp in another order.
+
+The ragged kernel computes each token in an order fixed by its own position: every page up to its
+own, in block-table order, one online-softmax update per page, whatever else the step holds, how
+its sequence's prompt was cut into chunks, or whether it is a decode token. The decode kernel orders
+the sums otherwise (the same token differs by ~1 ulp), so `with_cpu_kernels(..., one_path=True)`
+(EngineConfig.batch_invariant) runs the ragged kernel in every step. The ragged kernel is
+differentiable (`jax.custom_vjp`: its backward is the reference's), so a trainer's forward can be
+the engine's own arithmetic (jaxpaged/rl/).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpaged.ops import cpu_kernels
-from jaxpaged.ops.kv_quant import QuantizedKV
+from jaxpaged.ops.attention import reference_paged_attention
+from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools
 
 NAME = "paged_attention"
 RAGGED = "ragged_attention"
@@ -76,18 +85,47 @@ def paged_ragged_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: Arra
     target = _check("paged_ragged_attention", RAGGED, q, kv_pages, block_tables,
                     starts == (block_tables.shape[0] + 1,) and lens == (block_tables.shape[0],),
                     f"seq_lens [num_seqs] and query_start_loc [num_seqs + 1] (got {lens} and {starts})", march)
+    ints = tuple(jnp.asarray(a, jnp.int32) for a in (block_tables, seq_lens, query_start_loc, layer_idx))
+    return _ragged(target, float(scale), sliding_window, jnp.asarray(q, jnp.float32), kv_pages, *ints)
+
+
+def _ragged_kernel(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx):
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
-                jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
-                jnp.asarray(layer_idx, jnp.int32), scale=np.float32(scale), window=np.int64(sliding_window or 0))
+    return call(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, scale=np.float32(scale),
+                window=np.int64(window or 0))
 
 
-def _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels) -> str | None:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ragged(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx):
+    return _ragged_kernel(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx)
+
+
+def _ragged_forward(target, scale, window, q, kv_pages, *ints):
+    return _ragged_kernel(target, scale, window, q, kv_pages, *ints), (q, kv_pages, ints)
+
+
+def _ragged_backward(target, scale, window, saved, d_out):
+    """The reference's gradient at the same inputs (its forward equals the kernel's up to float32 rounding)."""
+    q, kv_pages, (block_tables, seq_lens, query_start_loc, layer_idx) = saved
+
+    def reference(q, kv_pages):
+        k_pool, v_pool = layer_pools(kv_pages, layer_idx)
+        return reference_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, scale=scale,
+                                         sliding_window=window)
+
+    d_q, d_kv = jax.vjp(reference, q, kv_pages)[1](d_out)
+    return (d_q, d_kv) + (None,) * 4  # the integer inputs have no cotangent
+
+
+_ragged.defvjp(_ragged_forward, _ragged_backward)
+
+
+def _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels, one_path=False) -> str | None:
     """Which of `kernels` runs this call: NAME, RAGGED, or None (the wrapped backend)."""
     if not (soft_cap is None and not isinstance(kv_pages, QuantizedKV) and kv_pages.dtype == jnp.float32
             and q.dtype == jnp.float32 and q.shape[2] % 16 == 0 and kv_pages.shape[4] <= MAX_PAGE_SIZE):
         return None
-    if decode_only and q.shape[0] == block_tables.shape[0]:
+    if decode_only and q.shape[0] == block_tables.shape[0] and not one_path:
         return NAME if NAME in kernels else None
     return RAGGED if RAGGED in kernels else None
 
@@ -97,16 +135,19 @@ def enabled_kernels() -> frozenset[str]:
     return frozenset(name for name in (NAME, RAGGED) if cpu_kernels.enabled(name))
 
 
-def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED})):
+def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED}), *, one_path: bool = False):
     """`fn` (a whole-buffer backend) with `kernels` (NAME: decode-only steps, RAGGED: the others) where
-    they apply."""
+    they apply. `one_path`: RAGGED in every step, decode-only ones included (a token's arithmetic then
+    never depends on the step it is in: EngineConfig.batch_invariant); it needs RAGGED in `kernels`."""
+    if one_path and RAGGED not in kernels:
+        raise ValueError(f"one_path runs {RAGGED} in every step; kernels={sorted(kernels)} lacks it")
 
     @functools.wraps(fn)
     def attention(q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
                   sliding_window=None, decode_only=False, **kwargs):
         fallback = functools.partial(fn, layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
                                      sliding_window=sliding_window, decode_only=decode_only, **kwargs)
-        which = _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels)
+        which = _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels, one_path)
         if which is None:
             return fallback(q, kv_pages, block_tables, seq_lens, query_start_loc)
         if which == NAME:
@@ -122,4 +163,5 @@ def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED})):
 
     attention.reads_whole_kv_buffer = True
     attention.has_decode_kernel = True
+    attention.one_path = one_path  # the runner checks it under EngineConfig.batch_invariant
     return attention

@@ -71,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt
 
+from jaxpaged.ops.ordered_sum import ordered_log_softmax
 from jaxpaged.sample.inverse_cdf import blocked_draw, full_cdf_draw
 from jaxpaged.sample.logprobs import token_logprobs
 from jaxpaged.sample.penalties import PenaltyArrays, TokenState, add_tokens, apply_penalties
@@ -380,14 +381,18 @@ def sample(
     return token_ids, logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("logprobs_mode", "num_out", "branch_free"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("logprobs_mode", "num_out", "branch_free", "ordered"),
+                   donate_argnames=("state",))
 def sample_ext(
     logits: Float[Array, "num_seqs vocab_size"], params: SamplingArrays, penalties: PenaltyArrays | None,
     state: TokenState | None, token_bitmask: Int[Array, "num_rows num_words"], *, logprobs_mode: str, num_out: int,
-    branch_free: bool | None = None,
+    branch_free: bool | None = None, ordered: bool = False,
 ):
     """Returns (tokens int32 [num_out] padded with 0, logprobs dict of device arrays, the updated state).
 
+    `ordered` (static; EngineConfig.batch_invariant): the logprobs' log_softmax sums in an order fixed
+    by the vocabulary size alone (ops/ordered_sum.py), as jaxpaged.rl.token_logprobs sums them; XLA's
+    own reduction orders them by the number of rows.
     logprobs: "chosen" f32 [R], "rank" int32 [R], "top_values" f32 [R, 20], "top_ids" int32 [R, 20].
     `penalties` None (and state None) skips the penalty path: a separate compiled program.
     `token_bitmask`: the structured-output mask (all ones for rows without a grammar), applied after
@@ -413,7 +418,7 @@ def sample_ext(
         state = add_tokens(state, penalties.slot, token_ids)
 
     dist = raw if logprobs_mode == "raw_logprobs" else processed
-    logprobs = jax.nn.log_softmax(dist, axis=1)
+    logprobs = ordered_log_softmax(dist) if ordered else jax.nn.log_softmax(dist, axis=1)
     out = token_logprobs(logprobs, token_ids)
     tokens = jnp.pad(token_ids, (0, num_out - token_ids.shape[0]))
     return tokens, out, state

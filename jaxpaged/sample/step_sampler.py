@@ -40,6 +40,7 @@ class StepSampler:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
         self.runner, self.logprobs_mode, self.max_num_seqs = runner, logprobs_mode, max_num_seqs
+        self.ordered = runner.batch_invariant  # logprobs' sums as jaxpaged.rl.token_logprobs orders them
         # One slot per running sequence is enough; twice that leaves room for the fan-out rows of a
         # step whose children are not yet running.
         place = lambda tree: jax.device_put(tree, runner.placement)  # committed as the logits are: jit keys on it
@@ -115,7 +116,7 @@ class StepSampler:
             mask = bitmask if bitmask is not None else self._all_allowed(num_rows)
             tokens, logprobs, state = sample_ext(
                 logits, arrays, penalties, self.slots.state if use_slots else None, mask,
-                logprobs_mode=self.logprobs_mode, num_out=num_out)
+                logprobs_mode=self.logprobs_mode, ordered=self.ordered, num_out=num_out)
             if use_slots:
                 self.slots.state = state
             if want_logprobs:
@@ -175,7 +176,7 @@ class StepSampler:
                 penalties = make_penalty_arrays([], num_rows) if penalized else None
                 tokens, logprobs, state = sample_ext(
                     logits, arrays, penalties, self.slots.state if penalized else None, self._all_allowed(num_rows),
-                    logprobs_mode=self.logprobs_mode, num_out=max(num_rows, self.runner.num_prev_token_rows))
+                    logprobs_mode=self.logprobs_mode, ordered=self.ordered, num_out=max(num_rows, self.runner.num_prev_token_rows))
                 if penalized:
                     self.slots.state = state
                 jax.block_until_ready((tokens, logprobs))

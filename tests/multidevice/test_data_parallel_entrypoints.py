@@ -130,3 +130,20 @@ def test_server_with_two_replicas(checkpoint, one_engine):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_batch_invariant_replicas_give_the_same_bits(checkpoint):
+    """batch_invariant=True: one seeded request gives the same tokens and logprobs bit for bit on
+    either replica, beside other requests or alone (the replicas are two CPU devices of one process)."""
+    llm = LLM(checkpoint, data_parallel_size=2, batch_invariant=True, logprobs_mode="processed_logprobs", **ENGINE)
+    assert isinstance(llm.engine, DataParallelEngine)
+    sampled = SamplingParams(temperature=0.7, max_tokens=8, seed=11, logprobs=0, ignore_eos=True)
+
+    def chosen(output):
+        sample = output.outputs[0]
+        return sample.token_ids, [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
+
+    # Least-loaded routing: the first copy goes to replica 0, the second to replica 1.
+    both = llm.generate([PROMPTS[2], PROMPTS[2]] + PROMPTS[3:5], sampled)
+    alone = llm.generate([PROMPTS[2]], sampled)[0]
+    assert chosen(both[0]) == chosen(both[1]) == chosen(alone)

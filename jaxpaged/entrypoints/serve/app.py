@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxpaged.entrypoints.serve import chat, completions
+from jaxpaged.entrypoints.serve import chat, completions, rl_routes
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
 from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
@@ -155,6 +155,7 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
     app.add_exception_handler(405, _bad_method)
     for module_router in (router, completions.router, chat.router):
         app.include_router(module_router)
+    rl_routes.attach(app)  # vLLM's RL endpoints, with VLLM_SERVER_DEV_MODE=1
     return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
 
 

@@ -16,6 +16,7 @@ instead of growing an unbounded backlog.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -48,6 +49,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Run:
+    """A function of the bridge run on the engine thread between two steps (serve/rl_routes.py)."""
+
+    fn: object
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -118,6 +127,9 @@ class EngineBridge:
         self._timings: dict[str, _Timing] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        # /pause (serve/rl_routes.py): while paused nothing steps; requests that arrive wait here, unadded.
+        self.paused = False
+        self.held: list[_Add] = []
 
     # ---------------------------------------------------------------- handler side (any thread)
 
@@ -153,29 +165,53 @@ class EngineBridge:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def run_on_engine(self, fn) -> concurrent.futures.Future:
+        """`fn(bridge)` on the engine thread between two steps; its result (or exception) in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Run(fn, future))
+        return future
+
+    # ---------------------------------------------------------------- engine thread: pause (serve/rl_routes.py)
+
+    def step_until_idle(self) -> None:
+        """Steps until the engine holds no request, delivering every output (a draining /pause)."""
+        while self.engine.has_unfinished_requests():
+            self._step()
+
+    def add_held(self) -> None:
+        """Adds the requests that arrived while paused, in arrival order (/resume)."""
+        held, self.held = self.held, []
+        for command in held:
+            self._add(command)
+
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            self._drain_inbox(block=not engine.has_unfinished_requests())
-            if not engine.has_unfinished_requests():
+            self._drain_inbox(block=self.paused or not engine.has_unfinished_requests())
+            if self.paused or not engine.has_unfinished_requests():
                 continue
-            t0 = time.perf_counter()
-            try:
-                outputs = engine.step()
-            except Exception as err:  # a bug: fail every request in flight, keep serving new ones
-                logger.exception("engine step failed; aborting %d requests", len(self._streams))
-                for request_id in list(self._streams):
-                    engine.abort_request(request_id)
-                    self._retire(request_id, RuntimeError(f"engine step failed: {err!r}"))
-                continue
-            now = time.perf_counter()
-            for output in outputs:
-                self._deliver(output, now)
-            if self.metrics is not None:
-                self.metrics.step_done(now - t0)
-                self.metrics.publish(engine, force=not engine.has_unfinished_requests())
+            self._step()
+
+    def _step(self) -> None:
+        """One engine step, its outputs delivered to their streams."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except Exception as err:  # a bug: fail every request in flight, keep serving new ones
+            logger.exception("engine step failed; aborting %d requests", len(self._streams))
+            for request_id in list(self._streams):
+                engine.abort_request(request_id)
+                self._retire(request_id, RuntimeError(f"engine step failed: {err!r}"))
+            return
+        now = time.perf_counter()
+        for output in outputs:
+            self._deliver(output, now)
+        if self.metrics is not None:
+            self.metrics.step_done(now - t0)
+            self.metrics.publish(engine, force=not engine.has_unfinished_requests())
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -186,7 +222,12 @@ class EngineBridge:
         while True:
             changed = True
             if isinstance(command, _Add):
-                self._add(command)
+                self.held.append(command) if self.paused else self._add(command)
+            elif isinstance(command, _Run):
+                try:
+                    command.future.set_result(command.fn(self))
+                except Exception as err:  # noqa: BLE001 - the handler that sent it answers
+                    command.future.set_exception(err)
             elif command.request_id in self._streams:  # an abort of a request still running
                 self.engine.abort_request(command.request_id)
                 self._retire(command.request_id, None)

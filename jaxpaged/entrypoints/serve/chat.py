@@ -8,6 +8,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from jaxpaged.entrypoints.serve import rl_routes
 from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt, usage,
@@ -107,6 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                      "logprobs": logprobs_of(c.token_ids, c.logprobs or []), **ids_of(c.token_ids)}
                     for c in final.outputs],
         "usage": usage(final), **({"prompt_token_ids": token_ids} if body.return_token_ids else {}),
+        **rl_routes.response_fields([final]),
     }
 
 

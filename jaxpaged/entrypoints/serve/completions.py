@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from jaxpaged.entrypoints.serve import rl_routes
 from jaxpaged.entrypoints.serve.common import (
     APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt,
@@ -150,7 +151,7 @@ async def completions(body: CompletionRequest, request: Request):
                 "text": (echo_text(p) if body.echo else "") + text,
                 "logprobs": logprobs_of(p, final, token_ids, entries, body.echo)})
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_of(finals)}
+            "usage": usage_of(finals), **rl_routes.response_fields(finals)}
 
 
 class _AllStreams:
