@@ -30,8 +30,9 @@ logger = logging.getLogger("jaxpaged")
 class StructuredRequests(StepFeature):
     name = "structured"
 
-    def __init__(self, tokenizer, vocab_size: int, scheduler, processor):
+    def __init__(self, tokenizer, vocab_size: int, scheduler, processor, *, strict_json: bool = True):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.strict_json = strict_json  # objects admit only the keys they name (config.strict_json_schemas)
         self.scheduler, self.processor = scheduler, processor
         self.compiling: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence)
         self.compiler = self.state = None  # built on first use
@@ -47,7 +48,7 @@ class StructuredRequests(StepFeature):
                 f"this engine's tokenizer is a {type(self.tokenizer).__name__}"
             )
         eos = self.tokenizer.eos_token_id
-        self.compiler = GrammarCompiler(make_ll_tokenizer(backend, self.vocab_size, eos))
+        self.compiler = GrammarCompiler(make_ll_tokenizer(backend, self.vocab_size, eos), strict_json=self.strict_json)
         self.state = StructuredState(self.vocab_size, eos)
 
     def __len__(self) -> int:
