@@ -125,7 +125,7 @@ async def retrieve_model(model_id: str, request: Request):
 
 
 async def _api_error(_request, err: APIError):
-    return error_response(err.status, err.message, err.type_, err.param, err.code)
+    return error_response(err.status, err.message, err.type_, err.param)
 
 
 async def _validation_error(_request, err: RequestValidationError):
@@ -138,7 +138,7 @@ async def _validation_error(_request, err: RequestValidationError):
 
 
 async def _not_found(request, _err):
-    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models", code="not_found")
+    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models")
 
 
 async def _bad_method(request, _err):
@@ -175,10 +175,9 @@ class _Guard:
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
                 return await error_response(
                     401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key")(scope, receive, send)
+                    "authentication_error")(scope, receive, send)
         too_large = error_response(
-            413, f"request body is larger than {self.max_body_bytes} bytes; send a shorter prompt",
-            code="request_too_large")
+            413, f"request body is larger than {self.max_body_bytes} bytes; send a shorter prompt")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await too_large(scope, receive, send)
