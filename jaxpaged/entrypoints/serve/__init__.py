@@ -7,6 +7,7 @@
     common.py       what every endpoint does: validate, submit, stream or collect
     protocol.py     request bodies (pydantic) and the one error body
     bridge.py       the engine thread and the queues between it and the handlers
+    shutdown.py     graceful shutdown (--shutdown-timeout): drain on SIGTERM, then exit 0
     metrics.py      the Prometheus metrics, declared once
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 
 def build_server(engine, *, served_model_name: str, api_key: str | None = None, max_waiting_requests: int = 64,
-                 max_body_bytes: int = 1 << 20):
-    """`(asgi_app, bridge)` over an engine. Call `bridge.start()` before serving, `bridge.shutdown()` after."""
+                 max_body_bytes: int = 1 << 20, drain=None):
+    """`(asgi_app, bridge)` over an engine. Call `bridge.start()` before serving, `bridge.shutdown()` after.
+    `drain`: a shutdown.Drain the app consults (503 while draining), or None."""
     from jaxpaged.entrypoints.serve.app import build_app
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
     from jaxpaged.entrypoints.serve.metrics import ServerMetrics
@@ -24,5 +26,5 @@ def build_server(engine, *, served_model_name: str, api_key: str | None = None, 
                             model_name=served_model_name)
     bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
     app = build_app(bridge, metrics, served_model_name=served_model_name, api_key=api_key,
-                    max_body_bytes=max_body_bytes)
+                    max_body_bytes=max_body_bytes, drain=drain)
     return app, bridge

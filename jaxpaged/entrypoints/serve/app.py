@@ -15,7 +15,7 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions
@@ -146,7 +146,7 @@ async def _bad_method(request, _err):
 
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20) -> "_Guard":
+              max_body_bytes: int = 1 << 20, drain=None) -> "_Guard":
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None)
     app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name)
     app.add_exception_handler(APIError, _api_error)
@@ -155,21 +155,35 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
     app.add_exception_handler(405, _bad_method)
     for module_router in (router, completions.router, chat.router):
         app.include_router(module_router)
-    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, drain=drain)
+
+
+# While the server drains (shutdown.py): probes answer 503 {"status": "draining"}, /metrics as usual,
+# every other path 503 with Retry-After.
+_PROBES = ("/health", "/ping")
 
 
 class _Guard:
-    """ASGI middleware: body size limit (413) and, with an API key, bearer auth on /v1 (401).
+    """ASGI middleware: the drain (503), body size limit (413) and, with an API key, bearer auth on /v1 (401).
 
     Runs before FastAPI reads the body, so an unauthenticated or oversized request costs nothing.
     """
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, drain=None):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.drain = drain  # shutdown.Drain, or None (no graceful shutdown)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.drain is not None and self.drain.draining and scope["path"] != "/metrics":
+            retry = {"Retry-After": str(self.drain.retry_after_s())}
+            if scope["path"] in _PROBES:
+                refusal = JSONResponse({"status": "draining"}, status_code=503, headers=retry)
+            else:
+                refusal = error_response(503, "the server is shutting down and admits no new request; retry "
+                                              "on another replica", "server_draining", headers=retry)
+            return await refusal(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":

@@ -11,11 +11,16 @@ client that went away) frees its pages before the next step is planned.
 Admission control: at most `max_num_seqs + max_waiting_requests` requests are in flight (submitted
 and not yet finished, aborted or rejected); past that `submit` raises `ServerOverloaded` (HTTP 503)
 instead of growing an unbounded backlog.
+
+Drain (graceful shutdown, shutdown.py): `drain(deadline)` waits for the requests in flight, then
+aborts the rest on the engine thread; each of those gets a last output with finish_reason "abort",
+so its handler ends the response as for any finished request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -23,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
 from jaxpaged.planner.request import SamplingParams
 
 logger = logging.getLogger("jaxpaged.serve")
@@ -51,6 +56,14 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    """Abort every request in flight (the drain's deadline); `done` is set once they are retired."""
+
+    done: threading.Event
+    num_aborted: list[int]  # filled by the engine thread
+
+
+@dataclass
 class _Timing:
     """Per-request clock, kept by the engine thread for the latency histograms."""
 
@@ -68,6 +81,9 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.last_output: RequestOutput | None = None  # engine thread: the last output pushed (for an abort)
+        self.num_samples = 1  # engine thread: the request's n
+        self.prompt_token_ids: list[int] = []
 
     def push(self, item) -> None:  # engine thread
         try:
@@ -153,6 +169,18 @@ class EngineBridge:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def drain(self, deadline: float, hurry: threading.Event, *, abort_wait_s: float = 5.0) -> int:
+        """Waits until no request is in flight, `deadline` (time.monotonic()) passes or `hurry` is set;
+        then aborts the rest (each stream ends with finish_reason "abort"). Returns how many."""
+        while self.num_in_flight and time.monotonic() < deadline and not hurry.is_set():
+            hurry.wait(0.05)
+        if not self.num_in_flight:
+            return 0
+        command = _AbortAll(threading.Event(), [])
+        self._inbox.put(command)
+        command.done.wait(abort_wait_s)
+        return command.num_aborted[0] if command.num_aborted else 0
+
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
@@ -187,6 +215,9 @@ class EngineBridge:
             changed = True
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _AbortAll):
+                command.num_aborted.append(self._abort_all())
+                command.done.set()
             elif command.request_id in self._streams:  # an abort of a request still running
                 self.engine.abort_request(command.request_id)
                 self._retire(command.request_id, None)
@@ -206,6 +237,7 @@ class EngineBridge:
             command.stream.push(err)
             return
         self._streams[command.request_id] = command.stream
+        command.stream.num_samples, command.stream.prompt_token_ids = command.params.n, command.prompt_token_ids
         self._timings[command.request_id] = _Timing(arrival=time.perf_counter())
         if self.metrics is not None:
             self.metrics.add_prompt_tokens(len(command.prompt_token_ids))
@@ -216,6 +248,7 @@ class EngineBridge:
         if stream is None:
             return  # aborted in the meantime
         stream.push(output)
+        stream.last_output = output
         timing = self._timings[output.request_id]
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)
         if num_new and timing.first_token is None:
@@ -232,6 +265,16 @@ class EngineBridge:
                                           output.outputs[0].finish_reason if output.outputs else None)
             self._retire(output.request_id, None)
 
+    def _abort_all(self) -> int:
+        """Aborts every request in flight; each stream gets a last output, finish_reason "abort"."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            stream = self._streams[request_id]
+            stream.push(_aborted_output(request_id, stream))
+            self._retire(request_id, None)
+        return len(request_ids)
+
     def _retire(self, request_id: str, error: BaseException | None) -> None:
         stream = self._streams.pop(request_id)
         self._timings.pop(request_id, None)
@@ -242,3 +285,16 @@ class EngineBridge:
     def _release(self) -> None:
         with self._lock:
             self._num_in_flight -= 1
+
+
+def _aborted_output(request_id: str, stream: RequestStream) -> RequestOutput:
+    """The final output of a request aborted by the drain: what it had, every unfinished sample
+    finished with "abort" and nothing new in its deltas."""
+    last = stream.last_output
+    if last is None:  # nothing generated yet
+        return RequestOutput(request_id, None, stream.prompt_token_ids,
+                             [CompletionOutput(j, "", [], "abort") for j in range(stream.num_samples)])
+    outputs = [c if c.finish_reason is not None else CompletionOutput(c.index, c.text, list(c.token_ids), "abort",
+                                                                      c.logprobs)
+               for c in last.outputs]
+    return dataclasses.replace(last, outputs=outputs)

@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=64,
                    help="requests that may wait beyond the running batch; past it: HTTP 503")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="vLLM's flag: on SIGTERM / SIGINT stop admitting (503 with Retry-After; /health says "
+                        "draining), let requests in flight finish for up to SECONDS, abort the rest, exit 0 "
+                        "(default 0: no drain, uvicorn's own shutdown)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds (0: no drain)")
     configure_logging(args.log_level)
 
     import uvicorn
@@ -74,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.build import build_engine
     from jaxpaged.entrypoints.serve import build_server
+    from jaxpaged.entrypoints.serve.shutdown import Drain, DrainingServer
 
     try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
         engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
@@ -81,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
     name = args.served_model_name or served_name(args.model)
+    drain = Drain(args.shutdown_timeout)
     app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
-                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes)
+                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+                               drain=drain)
     logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
     bridge.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        DrainingServer(config, drain=drain, bridge=bridge).run()
     finally:
         bridge.shutdown()
     return 0
