@@ -27,14 +27,17 @@ ENGINE_FLAGS = ["--page-size", "8", "--num-pages", "96", "--max-num-seqs", "4", 
                 "--max-model-len", "256"]
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_healthy(base: str, proc: subprocess.Popen | None, timeout_s: float) -> list:
+    """Polls /health until 200; returns what it answered before: (status, JSON body, Retry-After)."""
+    deadline, before = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             pytest.fail(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
+            health = httpx.get(f"{base}/health", timeout=1)
+            if health.status_code == 200:
+                return before
+            before.append((health.status_code, health.json(), health.headers.get("Retry-After")))
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
@@ -71,7 +74,9 @@ def test_sigterm_drains_streams_in_flight_refuses_new_requests_and_exits_0(tmp_p
          "--shutdown-timeout", "60", "--log-level", "warning", *ENGINE_FLAGS],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
-        _wait_healthy(base, proc, timeout_s=300)
+        starting = _wait_healthy(base, proc, timeout_s=300)
+        # Readiness: listening before the engine is built and warm, and saying so.
+        assert starting and all(h == (503, {"status": "starting"}, "5") for h in starting), starting
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         max_tokens = 230
         results = [{} for _ in range(4)]
@@ -169,6 +174,35 @@ def test_a_second_signal_ends_the_drain_at_once(drained_server):
     thread.join(30)
     assert result.get("finish") == "abort", result
     assert not thread.is_alive() and engine.stats()["num_used_pages"] == 0
+
+
+def test_a_model_that_cannot_load_stops_the_starting_server_with_status_2(tmp_path):
+    """The server listens while the engine is built; an engine that cannot be built ends it, exit 2."""
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.serve", "--model", str(tmp_path / "nothing-here"),
+                           "--port", str(port), "--log-level", "warning"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "error: " in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_startup_gate_answers_503_until_opened():
+    from fastapi.testclient import TestClient
+
+    from jaxpaged.entrypoints.serve.startup import StartupGate
+
+    gate = StartupGate()
+    with TestClient(gate) as http:
+        for path in ("/health", "/ping"):
+            r = http.get(path)
+            assert (r.status_code, r.json(), r.headers["Retry-After"]) == (503, {"status": "starting"}, "5")
+        r = http.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503 and r.headers["Retry-After"] == "5"
+
+        async def ready(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        gate.open(ready)
+        assert http.get("/health").status_code == 200 and http.post("/v1/completions").text == "ok"
 
 
 def test_shutdown_timeout_must_not_be_negative():

@@ -7,6 +7,7 @@
     common.py       what every endpoint does: validate, submit, stream or collect
     protocol.py     request bodies (pydantic) and the one error body
     bridge.py       the engine thread and the queues between it and the handlers
+    startup.py      readiness: 503 (/health "starting") until the engine is built and warm
     shutdown.py     graceful shutdown (--shutdown-timeout): drain on SIGTERM, then exit 0
     metrics.py      the Prometheus metrics, declared once
 """

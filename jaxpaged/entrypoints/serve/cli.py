@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
 from jaxpaged.entrypoints.cli import add_engine_args, engine_args
 
@@ -81,24 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpaged.engine.build import build_engine
     from jaxpaged.entrypoints.serve import build_server
     from jaxpaged.entrypoints.serve.shutdown import Drain, DrainingServer
+    from jaxpaged.entrypoints.serve.startup import StartupGate
 
-    try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
-        engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
-    except (ValueError, OSError) as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
-    name = args.served_model_name or served_name(args.model)
     drain = Drain(args.shutdown_timeout)
-    app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
-                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
-                               drain=drain)
-    logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
-    bridge.start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    gate = StartupGate()  # /health 503 until the engine below is built and warm (startup.py)
+    config = uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = DrainingServer(config, drain=drain, bridge=None)
+    failed: list[str] = []
+
+    def start_engine() -> None:
+        try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
+            engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
+        except Exception as err:  # noqa: BLE001 - any failure to start: the server stops, exit status 2
+            failed.append(" ".join(str(err).split()) or repr(err))
+            server.should_exit = True
+            return
+        name = args.served_model_name or served_name(args.model)
+        app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
+                                   max_waiting_requests=args.max_waiting_requests,
+                                   max_body_bytes=args.max_body_bytes, drain=drain)
+        logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
+        bridge.start()
+        server.bridge = bridge
+        gate.open(app)
+
+    threading.Thread(target=start_engine, name="jaxpaged-startup", daemon=True).start()
     try:
-        DrainingServer(config, drain=drain, bridge=bridge).run()
+        server.run()
     finally:
-        bridge.shutdown()
+        if server.bridge is not None:
+            server.bridge.shutdown()
+    if failed:
+        print("error: " + failed[0], file=sys.stderr)
+        return 2
     return 0
 
 

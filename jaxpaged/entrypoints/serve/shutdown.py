@@ -53,12 +53,16 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, *, drain: Drain, bridge):
         super().__init__(config)
-        self.drain, self.bridge = drain, bridge
+        self.drain = drain
+        self.bridge = bridge  # the engine bridge; None while the server is still starting
         self.num_aborted: int | None = None  # requests the drain aborted, once it ended
 
     def handle_exit(self, sig, frame) -> None:
         if self.drain.timeout_s <= 0:
             return super().handle_exit(sig, frame)
+        if self.bridge is None:  # still starting (startup.py): nothing to drain
+            self.should_exit = True
+            return
         if self.drain.draining:
             self.drain.hurry.set()
             return
