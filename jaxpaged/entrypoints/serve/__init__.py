@@ -16,16 +16,18 @@ from __future__ import annotations
 
 
 def build_server(engine, *, served_model_name: str, api_key: str | None = None, max_waiting_requests: int = 64,
-                 max_body_bytes: int = 1 << 20, drain=None):
+                 max_body_bytes: int = 1 << 20, drain=None, request_timeout_s: float = 0.0):
     """`(asgi_app, bridge)` over an engine. Call `bridge.start()` before serving, `bridge.shutdown()` after.
-    `drain`: a shutdown.Drain the app consults (503 while draining), or None."""
+    `drain`: a shutdown.Drain the app consults (503 while draining), or None. `request_timeout_s`: a
+    request in flight that long is aborted (0: no deadline)."""
     from jaxpaged.entrypoints.serve.app import build_app
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
     from jaxpaged.entrypoints.serve.metrics import ServerMetrics
 
     metrics = ServerMetrics(page_size=engine.config.page_size, bytes_per_page=engine.kv_bytes_per_page,
                             model_name=served_model_name)
-    bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
+    bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics,
+                          request_timeout_s=request_timeout_s)
     app = build_app(bridge, metrics, served_model_name=served_model_name, api_key=api_key,
                     max_body_bytes=max_body_bytes, drain=drain)
     return app, bridge

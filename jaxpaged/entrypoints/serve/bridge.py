@@ -12,6 +12,9 @@ Admission control: at most `max_num_seqs + max_waiting_requests` requests are in
 and not yet finished, aborted or rejected); past that `submit` raises `ServerOverloaded` (HTTP 503)
 instead of growing an unbounded backlog.
 
+Deadline (`--request-timeout`): a request still in flight that long after its arrival is aborted
+the same way, between two steps, and its pages freed.
+
 Drain (graceful shutdown, shutdown.py): `drain(deadline)` waits for the requests in flight, then
 aborts the rest on the engine thread; each of those gets a last output with finish_reason "abort",
 so its handler ends the response as for any finished request.
@@ -121,8 +124,12 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, engine, *, max_waiting_requests: int = 64, metrics=None):
+    def __init__(self, engine, *, max_waiting_requests: int = 64, metrics=None, request_timeout_s: float = 0.0):
+        if not request_timeout_s >= 0:
+            raise ValueError(f"request_timeout={request_timeout_s!r} must be >= 0 seconds (0: no deadline)")
         self.engine = engine
+        self.request_timeout_s = request_timeout_s  # 0: none; else in flight this long after arrival -> aborted
+        self.num_timed_out = 0  # requests aborted at their deadline
         self.metrics = metrics
         self.capacity = engine.config.max_num_seqs + max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -201,6 +208,8 @@ class EngineBridge:
             now = time.perf_counter()
             for output in outputs:
                 self._deliver(output, now)
+            if self.request_timeout_s:
+                self._expire(now)
             if self.metrics is not None:
                 self.metrics.step_done(now - t0)
                 self.metrics.publish(engine, force=not engine.has_unfinished_requests())
@@ -264,6 +273,16 @@ class EngineBridge:
                 self.metrics.request_done(timing.arrival, timing.first_token, now, timing.num_tokens,
                                           output.outputs[0].finish_reason if output.outputs else None)
             self._retire(output.request_id, None)
+
+    def _expire(self, now: float) -> None:
+        """Aborts every request past its deadline (each stream ends with finish_reason "abort")."""
+        late = [request_id for request_id, timing in self._timings.items()
+                if now - timing.arrival > self.request_timeout_s]
+        for request_id in late:
+            self.engine.abort_request(request_id)
+            self._streams[request_id].push(_aborted_output(request_id, self._streams[request_id]))
+            self._retire(request_id, None)
+        self.num_timed_out += len(late)
 
     def _abort_all(self) -> int:
         """Aborts every request in flight; each stream gets a last output, finish_reason "abort"."""

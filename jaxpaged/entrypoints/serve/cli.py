@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's flag: on SIGTERM / SIGINT stop admitting (503 with Retry-After; /health says "
                         "draining), let requests in flight finish for up to SECONDS, abort the rest, exit 0 "
                         "(default 0: no drain, uvicorn's own shutdown)")
+    s.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="a request still running SECONDS after it arrived is aborted (finish_reason abort) and "
+                        "its KV pages freed (default 0: no deadline)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
+    if not args.request_timeout >= 0:
+        raise SystemExit(f"--request-timeout {args.request_timeout} must be >= 0 seconds (0: no deadline)")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds (0: no drain)")
     configure_logging(args.log_level)
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or served_name(args.model)
         app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
                                    max_waiting_requests=args.max_waiting_requests,
-                                   max_body_bytes=args.max_body_bytes, drain=drain)
+                                   max_body_bytes=args.max_body_bytes, drain=drain,
+                                   request_timeout_s=args.request_timeout)
         logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
         bridge.start()
         server.bridge = bridge

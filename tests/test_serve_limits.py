@@ -1,0 +1,56 @@
+"""Bounds on what one request may cost (issue 53 item 3): the per-request deadline
+(`--request-timeout`) aborts a request and frees its pages; tiny random model, a real server on
+127.0.0.1 in a thread."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_fixtures import running_server
+from test_llm_inputs import tiny_llm
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = tiny_llm(max_model_len=256, num_pages=128)
+    from jaxpaged import SamplingParams  # compile the steps a lone request takes before the clock matters
+    llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True))
+    engine = llm.engine
+    with running_server(engine, served_model_name=MODEL, request_timeout_s=1.0) as (base, bridge):
+        yield base, bridge, engine
+
+
+def test_a_request_past_its_deadline_is_aborted_and_frees_its_pages(served):
+    base, bridge, engine = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    before = bridge.num_timed_out
+    started = time.monotonic()
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=230, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    elapsed = time.monotonic() - started
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["abort"] and 0 < chunks[-1].usage.completion_tokens < 230
+    assert elapsed < 10 and bridge.num_timed_out == before + 1
+    whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=230, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "abort"  # a whole response is cut at its deadline too
+    # A short request finishes normally; nothing is held afterwards.
+    short = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0.0)
+    assert short.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_used_pages"] == 0 and bridge.num_in_flight == 0
+
+
+def test_request_timeout_must_not_be_negative():
+    from jaxpaged.entrypoints.serve.bridge import EngineBridge
+
+    with pytest.raises(ValueError, match="request_timeout"):
+        EngineBridge(tiny_llm().engine, request_timeout_s=-1.0)
