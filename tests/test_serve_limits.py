@@ -54,3 +54,52 @@ def test_request_timeout_must_not_be_negative():
 
     with pytest.raises(ValueError, match="request_timeout"):
         EngineBridge(tiny_llm().engine, request_timeout_s=-1.0)
+
+
+@pytest.fixture(scope="module")
+def limited():
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    engine = tiny_llm(max_model_len=256, num_pages=128).engine
+    limits = RequestLimits(max_stop_strings=2, max_stop_string_length=8, max_structured_spec_bytes=200,
+                           max_chat_template_kwargs_bytes=50)
+    with running_server(engine, served_model_name=MODEL, limits=limits) as (base, bridge):
+        yield base, bridge, engine
+
+
+BIG_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(20)}}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, param, flag", [
+    ("/v1/completions", {"prompt": "a", "stop": ["x", "y", "z"]}, "stop", "--max-stop-strings"),
+    ("/v1/completions", {"prompt": "a", "stop": "a stop string far too long"}, "stop", "--max-stop-string-length"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"json": BIG_SCHEMA}}, "structured_outputs",
+     "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": BIG_SCHEMA}}},
+     "response_format", "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}]},
+     "tools", "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": "y" * 100}}, "chat_template_kwargs",
+     "--max-chat-template-kwargs-bytes"),
+])
+def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, param, flag):
+    base, bridge, engine = limited
+    steps = engine.stats()["num_steps"]
+    r = httpx.post(base + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and flag in error["message"] and error["code"] == 400
+    assert bridge.num_in_flight == 0 and engine.stats()["num_steps"] == steps  # the engine never saw it
+    # Within the limits the same kind of request is served.
+    ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": ["x", "y"]},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_limits_must_be_positive_ints():
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="max_stop_strings"):
+            RequestLimits(max_stop_strings=bad)

@@ -146,9 +146,9 @@ async def _bad_method(request, _err):
 
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, drain=None) -> "_Guard":
+              max_body_bytes: int = 1 << 20, drain=None, limits=None) -> "_Guard":
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None)
-    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name)
+    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(404, _not_found)

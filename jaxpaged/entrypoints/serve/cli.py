@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's flag: on SIGTERM / SIGINT stop admitting (503 with Retry-After; /health says "
                         "draining), let requests in flight finish for up to SECONDS, abort the rest, exit 0 "
                         "(default 0: no drain, uvicorn's own shutdown)")
+    s.add_argument("--max-stop-strings", type=int, default=64, help="stop strings one request may give")
+    s.add_argument("--max-stop-string-length", type=int, default=1024, metavar="CHARS",
+                   help="characters of one stop string")
+    s.add_argument("--max-structured-spec-bytes", type=int, default=64 << 10, metavar="BYTES",
+                   help="JSON size of a request's structured_outputs, response_format or tools (compiled to a grammar)")
+    s.add_argument("--max-chat-template-kwargs-bytes", type=int, default=16 << 10, metavar="BYTES",
+                   help="JSON size of a request's chat_template_kwargs")
     s.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="a request still running SECONDS after it arrived is aborted (finish_reason abort) and "
                         "its KV pages freed (default 0: no deadline)")
@@ -79,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--request-timeout {args.request_timeout} must be >= 0 seconds (0: no deadline)")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds (0: no drain)")
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    try:
+        limits = RequestLimits(args.max_stop_strings, args.max_stop_string_length, args.max_structured_spec_bytes,
+                               args.max_chat_template_kwargs_bytes)
+    except ValueError as err:
+        raise SystemExit(f"--{str(err).split('=')[0].replace('_', '-')}: {err}") from None
     configure_logging(args.log_level)
 
     import uvicorn
@@ -107,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
                                    max_waiting_requests=args.max_waiting_requests,
                                    max_body_bytes=args.max_body_bytes, drain=drain,
-                                   request_timeout_s=args.request_timeout)
+                                   request_timeout_s=args.request_timeout, limits=limits)
         logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
         bridge.start()
         server.bridge = bridge

@@ -29,6 +29,7 @@ class ServerState:
     bridge: EngineBridge
     metrics: object  # ServerMetrics
     served_model_name: str
+    limits: object = None  # limits.RequestLimits: what one request may ask (None: the defaults)
 
     @property
     def tokenizer(self):
