@@ -127,8 +127,13 @@ class EngineConfig:
     # the properties it names unless its additionalProperties says otherwise. vLLM's way to relax:
     # {"backend": "guidance"} (extra keys allowed unless "disable_additional_properties": true).
     structured_outputs_config: dict | None = None
+    # A grammar (JSON schema, regex, Lark) still compiling this long after its request arrived ends
+    # that request with finish_reason "abort" (the engine keeps serving; the spec is not cached).
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self):
+        if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0):
+            raise ValueError(f"grammar_compile_timeout_s={self.grammar_compile_timeout_s!r} must be > 0 seconds")
         strict_json_schemas(self.structured_outputs_config)  # ValueError for unknown keys or values
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [0, 20] (20 is the most "

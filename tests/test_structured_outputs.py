@@ -456,3 +456,39 @@ def test_the_engine_compiles_strict_schemas_by_default_and_refuses_unknown_confi
     for bad in ({"backend": "outlines"}, {"strict": True}, {"disable_additional_properties": "yes"}):
         with pytest.raises(ValueError, match="structured_outputs_config"):
             EngineConfig(structured_outputs_config=bad)
+
+
+def test_a_grammar_past_its_compile_timeout_aborts_its_request_and_is_not_cached(llm, monkeypatch):
+    """grammar_compile_timeout_s: a compile still running after it (here made slow by hand) ends its
+    request with "abort"; other requests are served meanwhile, the spec compiles anew next time."""
+    import threading
+    import time
+
+    from jaxpaged.config import EngineConfig
+
+    structured = _engine(llm).structured
+    llm.generate(["p"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[ab]+")))
+    compiler = structured.compiler
+    release, real_compile = threading.Event(), compiler._compile
+
+    def slow_compile(kind, grammar):
+        release.wait(30)
+        return real_compile(kind, grammar)
+
+    monkeypatch.setattr(compiler, "_compile", slow_compile)
+    monkeypatch.setattr(structured, "compile_timeout_s", 0.5)
+    spec = StructuredOutputsParams(regex="[xyz]{3}")
+    started = time.monotonic()
+    slow, free = llm.generate(["p", "q"], [SamplingParams(max_tokens=5, structured_outputs=spec),
+                                          SamplingParams(temperature=0, max_tokens=3)])
+    assert slow.outputs[0].finish_reason == "abort" and slow.outputs[0].token_ids == []
+    assert free.outputs[0].finish_reason == "length"
+    assert time.monotonic() - started < 20 and structured.num_compile_timeouts >= 1
+    release.set()
+    monkeypatch.setattr(compiler, "_compile", real_compile)
+    again = llm.generate(["p"], SamplingParams(max_tokens=5, structured_outputs=spec))[0].outputs[0]
+    assert again.finish_reason == "stop" and re.fullmatch("[xyz]{3}", again.text)
+    _assert_idle(llm)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+            EngineConfig(grammar_compile_timeout_s=bad)

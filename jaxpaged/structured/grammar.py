@@ -110,6 +110,14 @@ class GrammarCompiler:
                 del self._cache[next(iter(self._cache))]
         return future
 
+    def forget(self, spec: StructuredOutputsParams, future: concurrent.futures.Future) -> None:
+        """Drops `spec`'s cache entry if it is `future` (one that took too long: not kept for later
+        requests); the compile itself runs on (a thread cannot be stopped)."""
+        with self._lock:
+            if self._cache.get(spec.key()) is future:
+                del self._cache[spec.key()]
+            future.cancel()  # if it has not started yet
+
     def _compile(self, kind: str, grammar: str):
         """The template matcher (worker thread). Raises ValueError if it fails or can emit nothing."""
         self.num_compiles += 1
