@@ -103,3 +103,29 @@ def test_limits_must_be_positive_ints():
     for bad in (0, -1, True):
         with pytest.raises(ValueError, match="max_stop_strings"):
             RequestLimits(max_stop_strings=bad)
+
+
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    """Every /v1 request's Authorization header goes through hmac.compare_digest (time independent
+    of how much of the key matched); right key 200, wrong ones (same length, prefix, none) 401."""
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    import jaxpaged.entrypoints.serve.app as app_module
+    from jaxpaged.entrypoints.serve import build_server
+
+    compared, real = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", compare_digest)
+    app, _ = build_server(tiny_llm().engine, served_model_name=MODEL, api_key="s3cret-key")
+    with TestClient(app) as http:
+        assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+        for wrong in ("Bearer s3cret-kex", "Bearer s3cret", "s3cret-key", ""):
+            r = http.get("/v1/models", headers={"Authorization": wrong} if wrong else {})
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, wrong
+    assert len(compared) == 5 and all(b == b"Bearer s3cret-key" for _, b in compared)

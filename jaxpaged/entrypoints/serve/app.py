@@ -12,6 +12,8 @@ served name) is one `ServerState` on `app.state.server`.
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
@@ -172,6 +174,7 @@ class _Guard:
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, drain=None):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
         self.drain = drain  # shutdown.Drain, or None (no graceful shutdown)
+        self._expected_authorization = None if api_key is None else f"Bearer {api_key}".encode("utf-8")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -186,7 +189,8 @@ class _Guard:
             return await refusal(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            # Constant time: how long the comparison takes says nothing of how much of the key matched.
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected_authorization):
                 return await error_response(
                     401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                     "authentication_error")(scope, receive, send)
