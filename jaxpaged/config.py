@@ -15,6 +15,10 @@ KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/k
 QUANTIZATIONS = (None, "gguf")  # weights as given, or a .gguf's block codes kept (models/gguf_blocks.py)
 # quantization="gguf": the activations the codes multiply, float32 or Q8_1 blocks (ops/gguf_panels.py)
 GGUF_ACTIVATIONS = ("float32", "q8_1")
+# structured_outputs_config's keys (vLLM's engine argument). Its "backend" names vLLM's choices; jaxpaged
+# always runs llguidance, with the named backend's JSON-schema semantics (below).
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_additional_properties")
 # vLLM's spellings of the same storage, accepted and stored under jaxpaged's name ("fp8" is e4m3 in vLLM).
 KV_CACHE_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 # preemption_mode="swap" without swap_space_bytes: vLLM's default swap space (4 GiB), at most this
@@ -23,6 +27,24 @@ DEFAULT_SWAP_SPACE_BYTES = 4 << 30
 SWAP_SPACE_DEFAULT_SHARE, SWAP_SPACE_MAX_SHARE = 0.4, 0.7
 
 logger = logging.getLogger("jaxpaged")
+
+
+def strict_json_schemas(structured_outputs_config: dict | None) -> bool:
+    """Whether objects of a JSON schema admit only the properties they name (additionalProperties
+    false unless the schema says otherwise): vLLM's xgrammar ("auto", the default) does; its
+    guidance backend does only with disable_additional_properties."""
+    config = structured_outputs_config or {}
+    if not isinstance(config, dict) or set(config) - set(STRUCTURED_OUTPUTS_KEYS):
+        raise ValueError(f"structured_outputs_config={structured_outputs_config!r}: pass a dict with keys among "
+                         f"{STRUCTURED_OUTPUTS_KEYS}, e.g. {{'backend': 'guidance'}}")
+    backend = config.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"structured_outputs_config backend={backend!r}: use one of {STRUCTURED_OUTPUTS_BACKENDS} "
+                         "(jaxpaged runs llguidance with that backend's JSON-schema semantics)")
+    disable = config.get("disable_additional_properties")
+    if disable is not None and not isinstance(disable, bool):
+        raise ValueError(f"structured_outputs_config disable_additional_properties={disable!r} must be true or false")
+    return backend != "guidance" or bool(disable)
 
 
 def host_memory_bytes() -> int:
@@ -109,8 +131,19 @@ class EngineConfig:
     # trainer's forward). None: on when VLLM_BATCH_INVARIANT=1 (vLLM's switch). CPU path only
     # (jaxpaged/device/batch_invariant.py says what it fixes and refuses).
     batch_invariant: bool | None = None
+    # vLLM's engine argument, keys "backend" and "disable_additional_properties". JSON schemas are
+    # strict by default, as vLLM's default backend (xgrammar) compiles them: an object admits only
+    # the properties it names unless its additionalProperties says otherwise. vLLM's way to relax:
+    # {"backend": "guidance"} (extra keys allowed unless "disable_additional_properties": true).
+    structured_outputs_config: dict | None = None
+    # A grammar (JSON schema, regex, Lark) still compiling this long after its request arrived ends
+    # that request with finish_reason "abort" (the engine keeps serving; the spec is not cached).
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self):
+        if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0):
+            raise ValueError(f"grammar_compile_timeout_s={self.grammar_compile_timeout_s!r} must be > 0 seconds")
+        strict_json_schemas(self.structured_outputs_config)  # ValueError for unknown keys or values
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [0, 20] (20 is the most "
                              "logprobs per token jaxpaged computes)")

@@ -146,6 +146,28 @@ def test_a_beam_that_reported_waits_and_a_preempted_one_reports_again():
     assert beams.abort("r0", sched) and not beams and bm.num_free_pages == 10 and not sched.has_unfinished()
 
 
+def test_the_step_hook_drops_the_report_of_a_beam_the_scheduler_preempted():
+    """The engine's path: a scheduled step whose SchedulerOutput lists a beam as preempted
+    (after_schedule, the step-feature hook) drops that beam's report, so the search waits for it
+    to be recomputed instead of advancing on candidates whose K/V are gone."""
+    from jaxpaged.planner.scheduler_output import SchedulerOutput
+
+    bm, sched, beams, search = make(max_tokens=4, max_num_batched_tokens=4)
+    (a,) = search.live
+    step(sched, beams, {})  # prompt tokens 0..3
+    step(sched, beams, {a: [(10, -0.1), (11, -0.5), (12, -1.0), (EOS, -2.0)]})
+    b = search.live[1]
+    sched.running.remove(b)
+    sched._preempt(b)
+    beams.forget([b])
+    out, _ = step(sched, beams, {a: [(20, -0.1), (21, -0.2), (22, -0.3), (23, -0.4)]})  # b recomputes 3 tokens
+    assert a.seq_id in search.pending and b.seq_id not in search.pending
+    sched.running.remove(a)
+    sched._preempt(a)
+    beams.after_schedule(SchedulerOutput(seqs=[], num_new_tokens=[], copies=[], preempted=[a], num_batched_tokens=0))
+    assert a.seq_id not in search.pending and not search.ready()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(beam_width=0), "beam_width=0 must be >= 1"),
     (dict(beam_width=2.0), "must be an int"),

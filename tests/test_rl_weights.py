@@ -155,6 +155,44 @@ def test_prefix_cache_never_serves_pages_across_versions(params):
     _assert_clean(engine)
 
 
+def test_a_reused_version_label_never_serves_pages_of_the_old_weights(params):
+    """Two updates both labelled version 1 (different weights): a request waiting at the second
+    update, and one added after it, must not hit the pages the first request computed under the
+    first version-1 weights (the prefix cache keys on the internal epoch, not the label)."""
+    prompt = np.random.default_rng(2).integers(0, 256, 40).tolist()
+    first_weights, second_weights = _scaled(params), _scaled(params, factor=0.5)
+    engine = make_engine(params)
+    engine.update_params(first_weights, version=1)
+    engine.add_request(prompt, SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()  # the first request prefills 16 tokens under the first version-1 weights
+    waiting = engine.add_request(prompt, SamplingParams(max_tokens=4, **GREEDY))
+    engine.update_params(second_weights, version=1, in_flight="keep")
+    after = engine.add_request(prompt, SamplingParams(max_tokens=4, **GREEDY))
+    final = _finish(engine)
+    expected = _greedy(make_engine(second_weights), prompt, 4).token_ids
+    assert final[waiting].num_cached_tokens == 0  # `after` may hit the pages `waiting` computed
+    for request_id in (waiting, after):
+        assert final[request_id].outputs[0].token_ids == expected
+        assert final[request_id].outputs[0].weight_versions == [1] * 4
+    _assert_clean(engine)
+
+
+def test_recompute_update_keeps_arrival_order(params):
+    """in_flight="recompute" with three running requests: they go back to the waiting queue in
+    arrival order (the scheduler's invariant), so they are readmitted oldest first."""
+    engine = make_engine(params)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, **GREEDY)) for p in prompts()[1:4]]
+    engine.step()
+    engine.step()
+    assert len(engine.scheduler.running) == 3 and not engine.scheduler.waiting
+    engine.update_params(_scaled(params), in_flight="recompute")
+    order = [seq.arrival_idx for seq in engine.scheduler.waiting]
+    assert len(order) == 3 and order == sorted(order)
+    final = _finish(engine)
+    assert set(final) == set(ids)
+    _assert_clean(engine)
+
+
 def test_versioned_salt_separates_epochs_and_keeps_the_tenant():
     tokens = (1, 2, 3, 4)
     assert versioned_salt(None, 0) is None and versioned_salt("t", 0) == "t"

@@ -92,3 +92,34 @@ def test_flag_off_step_has_no_extra_output_and_dense_models_are_refused(tiny_hf_
     with pytest.raises(ValueError, match="speculative_config"):
         EngineConfig(enable_return_routed_experts=True, speculative_config={"method": "ngram",
                                                                            "num_speculative_tokens": 2})
+
+
+def test_rows_follow_their_pages_out_to_the_host_and_back_in():
+    """Host-only: sequence 1 computes a page's 4 tokens on device page 2; the page is swapped out
+    to host page 0, its device page overwritten by sequence 2, then swapped back in to device page
+    5. Sequence 3, whose block table names page 5 (a prefix-cache hit of the swapped-in copy), reads
+    sequence 1's rows there, not sequence 2's."""
+    from types import SimpleNamespace
+
+    from jaxpaged.engine.routed_experts import RoutedExpertsRecorder
+
+    ps, layers, k = 4, 2, 1
+    recorder = RoutedExpertsRecorder(num_pages=8, num_host_pages=2, page_size=ps, num_layers=layers, top_k=k,
+                                     num_experts=8)
+
+    def step(seq, slots, ids, swap_out=(), swap_in=()):
+        out = SimpleNamespace(seqs=[seq], num_new_tokens=[len(slots)], copies=[], swap_out=list(swap_out),
+                              swap_in=list(swap_in))
+        recorder.after_schedule(out)
+        ids = jax.numpy.asarray(np.asarray(ids, np.int16).reshape(len(slots), layers, k))
+        _, planned = recorder.plan(out, np.asarray(slots), ("logits", ids))
+        recorder.commit(planned)
+
+    first = [[1, 2], [3, 4], [5, 6], [7, 0]]
+    step(SimpleNamespace(seq_id=1, num_computed_tokens=0, block_table=[2]), [8, 9, 10, 11], first)
+    step(SimpleNamespace(seq_id=2, num_computed_tokens=0, block_table=[2]), [8, 9, 10, 11], [[6, 6]] * 4,
+         swap_out=[(2, 0)])  # page 2 leaves for host page 0 before sequence 2 writes into it
+    reader = SimpleNamespace(seq_id=3, num_computed_tokens=4, block_table=[5, 6])
+    step(reader, [24], [[4, 4]], swap_in=[(0, 5)])  # computes position 4; positions 0..3 come from page 5
+    np.testing.assert_array_equal(recorder.rows_of(3, 5)[:4], np.asarray(first, np.int16).reshape(4, layers, k))
+    np.testing.assert_array_equal(recorder.rows_of(2, 4), np.full((4, layers, k), 6, np.int16))

@@ -482,3 +482,35 @@ def test_make_sampling_arrays_columns_match_each_row():
             banned = np.asarray(arrays.banned_ids[r])
             assert banned[: len(spec.banned_ids)].tolist() == list(spec.banned_ids)
             assert (banned[len(spec.banned_ids) :] == -1).all()
+
+
+@pytest.mark.parametrize("branch_free", [False, True])
+@pytest.mark.parametrize("with_random_row", [False, True])
+def test_processed_logprobs_of_greedy_rows_give_banned_tokens_minus_inf(branch_free, with_random_row):
+    """processed_logprobs: a greedy row's distribution is its penalized and banned logits, so a token
+    banned by min_tokens (banned_ids) or by the grammar (bitmask bit 0) has logprob -inf, even when it
+    is the model's favourite; the chosen token's logprob is log_softmax over the allowed ones."""
+    from jaxpaged.sample.sampler import sample_ext
+
+    vocab_size = 32  # one bitmask word per row
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(3, vocab_size)).astype(np.float32)
+    logits[0, 3] = logits[1, 5] = 10.0  # the raw favourites, each banned below
+    rows = [RowSpec(0, banned_ids=(3,)), RowSpec(1)]
+    if with_random_row:  # the batch takes the random path; greedy rows must still read `allowed`
+        rows.append(RowSpec(2, temperature=1.0, seed=1))
+    bitmask = np.full((4, 1), -1, np.int32)  # all tokens allowed
+    bitmask[1, 0] = np.int32(~(1 << 5))  # row 1's grammar forbids token 5
+    tokens, out, _ = sample_ext(jnp.asarray(logits), make_sampling_arrays(rows, 4), None, None, jnp.asarray(bitmask),
+                                logprobs_mode="processed_logprobs", num_out=4, branch_free=branch_free)
+    tokens = np.asarray(tokens)
+    top_ids, top_values = np.asarray(out["top_ids"]), np.asarray(out["top_values"])
+    for r, banned in ((0, 3), (1, 5)):
+        allowed = logits[r].astype(np.float64).copy()
+        allowed[banned] = -np.inf
+        want = allowed - np.log(np.exp(allowed[np.isfinite(allowed)]).sum())
+        assert tokens[r] == int(np.argmax(allowed)) != banned
+        assert int(np.asarray(out["rank"])[r]) == 1
+        np.testing.assert_allclose(float(np.asarray(out["chosen"])[r]), want[tokens[r]], rtol=1e-5)
+        assert top_ids[r, 0] == tokens[r]
+        np.testing.assert_allclose(top_values[r], np.sort(want)[::-1][:20], rtol=1e-5)  # the banned id is not among them

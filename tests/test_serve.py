@@ -217,6 +217,8 @@ HOSTILE = [
     ("prompt past max_model_len", "/v1/completions", AUTH, {"model": MODEL, "prompt": list(range(100, 700))}, 400,
      "prompt"),
     ("token id outside vocab", "/v1/completions", AUTH, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("no such route", "/v1/nothing", AUTH, {"model": MODEL}, 404, None),
+    ("wrong method", "/health", AUTH, {}, 405, None),
 ]
 
 
@@ -247,6 +249,7 @@ def test_hostile_request_gets_documented_error_and_server_keeps_serving(served, 
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == status  # vLLM's: the HTTP status
     if param is not None:
         assert error["param"] == param, error
     ok = httpx.post(served["base"] + "/v1/completions", headers=AUTH, timeout=60,

@@ -72,7 +72,7 @@ def test_full_queue_answers_503_and_an_abort_frees_a_slot():
         with TestClient(app) as http:
             resp = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
             assert resp.status_code == 503
-            assert resp.json()["error"]["type"] == "server_overloaded"
+            assert resp.json()["error"]["type"] == "server_overloaded" and resp.json()["error"]["code"] == 503
             assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
             # A client that goes away frees its slot; a prompt the engine refuses gets 400 and holds none.

@@ -96,7 +96,7 @@ def test_models_retrieve_names_the_served_model(client):
     assert card.id == MODEL and card.object == "model"
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4")
-    assert info.value.body["code"] == "model_not_found"
+    assert info.value.body["code"] == 404  # vLLM's: the HTTP status
 
 
 def _sse_chunks(base, path, body) -> list[dict]:
@@ -250,6 +250,15 @@ def test_stop_reason_and_vllms_output_text_fields(served, client):
         {"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}], max_tokens=3, temperature=0.0,
         extra_body={"skip_special_tokens": False, "ignore_eos": True})
     assert chat.choices[0].stop_reason is None and chat.choices[0].finish_reason == "length"
+    # Streamed chat carries stop_reason too: a stop token's id, then a stop string.
+    chat_args = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0)
+    whole = client.chat.completions.create(**chat_args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat_ids, chat_text = whole.choices[0].token_ids, whole.choices[0].message.content
+    assert len(chat_text) >= 2
+    for extra, want in (({"stop_token_ids": [chat_ids[1]]}, chat_ids[1]), ({"stop": [chat_text[:2]]}, chat_text[:2])):
+        chunks = list(client.chat.completions.create(**chat_args, stream=True, extra_body={"ignore_eos": True, **extra}))
+        finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+        assert len(finals) == 1 and finals[0].finish_reason == "stop" and finals[0].stop_reason == want
 
 
 def test_vllms_request_fields_are_served_or_refused_never_dropped(served, client):

@@ -160,6 +160,7 @@ def test_auto_parses_hermes_tool_calls():
     assert parse_tool_calls("no calls here", "auto", None) == ("no calls here", [])
     two = text + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
     assert len(parse_tool_calls(two, "auto", None)[1]) == 2 and len(parse_tool_calls(two, "auto", None, False)[1]) == 1
+    assert parse_tool_calls(two, "auto", None)[0] == "Let me check."  # the content stops at the FIRST call
     assert parse_tool_calls("<tool_call>{broken", "auto", None) == ("<tool_call>{broken", [])
 
 

@@ -14,6 +14,7 @@ from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models import ModelConfig, init_params, params_from_hf
 from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
 from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.sequence import Sequence
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
 from tp_fixtures import SilentTokenizer
 
@@ -102,3 +103,20 @@ def test_pages_held_stay_within_the_window_on_a_long_generation(num_new):
     mixed = dataclasses.replace(config, layer_types=("sliding_attention", "full_attention"))
     assert not isinstance(_engine(mixed, params, num_pages=13, max_num_seqs=1, max_model_len=64,
                                   page_size=page_size).scheduler.block_manager, SlidingWindowBlockManager)
+
+
+@pytest.mark.parametrize("num_computed,num_freed", [(17, 2), (18, 2), (19, 3)])
+def test_the_page_holding_the_oldest_visible_key_is_kept(num_computed, num_freed):
+    """W 8, page 4: after c computed tokens the next query (position c) sees keys c - 7 .. c. With
+    c = 18 the oldest visible key is slot 11, page 2's LAST slot: page 2 stays, pages 0 and 1 go;
+    with c = 19 the oldest is slot 12 and page 2 goes too."""
+    manager = SlidingWindowBlockManager(num_pages=12, page_size=4, enable_prefix_caching=False, sliding_window=8)
+    seq = Sequence(list(range(24)))
+    manager.allocate(seq)  # 6 pages for 24 prompt tokens
+    pages = list(seq.block_table)
+    free_before = manager.num_free_pages
+    seq.num_computed_tokens = num_computed
+    assert manager.release_out_of_window(seq) == num_freed
+    assert seq.block_table[:num_freed] == [0] * num_freed  # freed entries become the padding page
+    assert seq.block_table[num_freed:] == pages[num_freed:]
+    assert manager.num_free_pages == free_before + num_freed

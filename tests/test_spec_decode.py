@@ -52,6 +52,24 @@ def test_propose_ngram():
     assert propose_ngram([5, 5, 5, 5], 2, 1, 2) == [5, 5]  # the most recent match followed by k tokens
     assert propose_ngram([7, 1, 8, 2, 8, 1], 3, 1, 1) == [8, 2, 8]  # n = 1: "1" occurred at index 1
     assert propose_ngram([7, 1, 8, 2, 8, 1], 3, 2, 2) == []  # "8 1" never occurred before
+    # The latest match's continuation ends exactly at the sequence's end: it still counts as k known tokens.
+    assert propose_ngram([1, 2, 9, 1, 2, 8, 1, 2], 3, 2, 2) == [8, 1, 2]
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_verify_fewer_proposals_than_k_target_zero(greedy_only):
+    """A row with m = 1 < K = 3 proposals whose target after them is token 0: the padded columns
+    (also 0) are never compared, so exactly one proposal is kept and 0 is the bonus token."""
+    from jaxpaged.spec_decode import verifier
+
+    vocab, k = 8, 3
+    logits = np.full((4, vocab), -5.0, np.float32)
+    logits[0, 5] = 5.0  # position 0 predicts 5 (the proposal): kept
+    logits[1:, 0] = 5.0  # positions 1.. predict 0, the same id the padding holds
+    arrays = verifier.make_verify_arrays([(0, [5], 0.0, 0, 1.0, 0.0, 1, 0)], 1, k)
+    tokens, num_accepted = (np.asarray(a) for a in verifier.verify(logits, arrays, greedy_only=greedy_only))
+    assert num_accepted.tolist() == [1]
+    assert tokens[0, :2].tolist() == [5, 0]
 
 
 def test_speculative_config_validation():

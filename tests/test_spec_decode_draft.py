@@ -192,3 +192,26 @@ def test_an_int8_draft_calibrates_its_own_kv_centres(models):
     assert target.kv_centres.shape == (TINY.num_layers, 2, TINY.num_kv_heads, TINY.head_dim)
     np.testing.assert_allclose(np.asarray(draft.kv_centres), np.asarray(calibrate_kv_centres(DRAFT, draft_params, "int8")),
                                atol=1e-6)
+
+
+def test_sleep_level_2_restores_the_draft_model(models):
+    """sleep(level=2) drops the target's weights (update_params brings new ones) but keeps the
+    draft's on the host; wake_up puts them back: after it the draft proposes exactly as before
+    (the same proposals accepted), and the tokens are the plain engine's."""
+    params, draft = models
+    prompts = _prompts()[:2]
+    engine = make_engine(params, speculative_config=draft_config(3), draft_model=draft)
+
+    def run():
+        before = engine.stats()
+        tokens = [o.outputs[0].token_ids for o in _run(engine, prompts, [_greedy(max_tokens=16)] * len(prompts))]
+        after = engine.stats()
+        return tokens, {key: after[key] - before[key] for key in ("num_spec_draft_tokens", "num_spec_accepted_tokens")}
+
+    tokens, counts = run()
+    assert counts["num_spec_accepted_tokens"] > 0
+    engine.sleep(level=2)
+    engine.update_params(params)
+    engine.wake_up()
+    assert run() == (tokens, counts)
+    assert engine.stats()["num_used_pages"] == 0

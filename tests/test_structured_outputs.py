@@ -399,3 +399,96 @@ def test_masks_computed_ahead_equal_masks_computed_at_dispatch():
                 pairs[1][1].output_token_ids.append(token)
         num_stale += stale
     assert ahead.num_rows_ahead > 0 and now.num_rows_ahead == 0 and num_stale >= 5
+
+
+def test_closed_objects_names_additional_properties_false_where_the_schema_is_silent():
+    from jaxpaged.structured.grammar import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "array", "items": {"type": "object", "patternProperties": {"^k": {"type": "string"}}}},
+        "c": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}},
+        "d": {"anyOf": [{"$ref": "#/$defs/p"}, {"type": "null"}]},
+    }, "$defs": {"p": {"type": "object", "properties": {"y": {"type": "string"}}, "additionalProperties": True}}}
+    before = json.dumps(schema)
+    closed = closed_objects(schema)
+    assert json.dumps(schema) == before  # the request's schema is not changed
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["a"]["additionalProperties"] is False
+    assert props["b"]["items"]["additionalProperties"] is False
+    assert props["c"]["additionalProperties"] == {"type": "integer"}  # said by the schema: kept
+    assert closed["$defs"]["p"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["d"] and "additionalProperties" not in props["a"]["properties"]["x"]
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object: any object
+
+
+@pytest.mark.parametrize("config, strict", [(None, True), ({"backend": "xgrammar"}, True),
+                                            ({"backend": "guidance"}, False),
+                                            ({"backend": "guidance", "disable_additional_properties": True}, True)])
+def test_json_schema_objects_take_only_named_keys_unless_relaxed_as_vllm(llm, config, strict):
+    """vLLM's default (xgrammar) admits no key a schema does not name; its structured_outputs_config
+    {"backend": "guidance"} does. Checked on the compiled matcher: the whole text `{"a": 1, "b": 2}`
+    is accepted exactly when relaxed, `{"a": 1}` always."""
+    from jaxpaged.config import EngineConfig, strict_json_schemas
+    from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
+
+    engine = _engine(llm)
+    assert strict_json_schemas(EngineConfig(structured_outputs_config=config).structured_outputs_config) is strict
+    compiler = GrammarCompiler(make_ll_tokenizer(engine.tokenizer.backend, engine.runner.config.vocab_size,
+                                                 engine.tokenizer.eos_token_id), strict_json=strict)
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    template = compiler.submit(spec).result(timeout=60)
+    for text, accepted in (('{"a": 1}', True), ('{"a": 1, "b": 2}', not strict)):
+        tokens = engine.tokenizer.encode(text, add_special_tokens=False)
+        assert (template.deep_copy().validate_tokens(tokens) == len(tokens)) is accepted, text
+    compiler.shutdown()
+
+
+def test_the_engine_compiles_strict_schemas_by_default_and_refuses_unknown_config(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for s in range(8)]
+    for out in llm.generate([PROMPT] * 8, params):
+        assert out.outputs[0].finish_reason == "stop"
+        assert set(json.loads(out.outputs[0].text)) <= {"a"}, out.outputs[0].text
+    _assert_idle(llm)
+    from jaxpaged.config import EngineConfig
+    for bad in ({"backend": "outlines"}, {"strict": True}, {"disable_additional_properties": "yes"}):
+        with pytest.raises(ValueError, match="structured_outputs_config"):
+            EngineConfig(structured_outputs_config=bad)
+
+
+def test_a_grammar_past_its_compile_timeout_aborts_its_request_and_is_not_cached(llm, monkeypatch):
+    """grammar_compile_timeout_s: a compile still running after it (here made slow by hand) ends its
+    request with "abort"; other requests are served meanwhile, the spec compiles anew next time."""
+    import threading
+    import time
+
+    from jaxpaged.config import EngineConfig
+
+    structured = _engine(llm).structured
+    llm.generate(["p"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[ab]+")))
+    compiler = structured.compiler
+    release, real_compile = threading.Event(), compiler._compile
+
+    def slow_compile(kind, grammar):
+        release.wait(30)
+        return real_compile(kind, grammar)
+
+    monkeypatch.setattr(compiler, "_compile", slow_compile)
+    monkeypatch.setattr(structured, "compile_timeout_s", 0.5)
+    spec = StructuredOutputsParams(regex="[xyz]{3}")
+    started = time.monotonic()
+    slow, free = llm.generate(["p", "q"], [SamplingParams(max_tokens=5, structured_outputs=spec),
+                                          SamplingParams(temperature=0, max_tokens=3)])
+    assert slow.outputs[0].finish_reason == "abort" and slow.outputs[0].token_ids == []
+    assert free.outputs[0].finish_reason == "length"
+    assert time.monotonic() - started < 20 and structured.num_compile_timeouts >= 1
+    release.set()
+    monkeypatch.setattr(compiler, "_compile", real_compile)
+    again = llm.generate(["p"], SamplingParams(max_tokens=5, structured_outputs=spec))[0].outputs[0]
+    assert again.finish_reason == "stop" and re.fullmatch("[xyz]{3}", again.text)
+    _assert_idle(llm)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+            EngineConfig(grammar_compile_timeout_s=bad)

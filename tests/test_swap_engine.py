@@ -166,3 +166,31 @@ def test_warmup_compiles_the_host_transfers_only_when_there_are_host_pages():
     warm.generate(batch, GREEDY)
     assert warm.stats()["num_swaps_out"] > 0 and runner.num_transfer_compiles == 2
     assert tiny_llm(warmup=True).engine.runner.num_transfer_compiles == 0
+
+
+def test_a_step_swaps_out_before_it_swaps_in_to_the_same_device_page():
+    """One step's transfers (SchedulerOutput: "swap-outs first"): device page 5 is copied out to host
+    page 0 and, freed, receives host page 1. Swapping in first would overwrite page 5 before its
+    K/V left: host page 0 must hold page 5's old contents, page 5 host page 1's."""
+    import jax
+
+    from jaxpaged.planner.scheduler_output import SchedulerOutput
+
+    engine = tiny_llm(preemption_mode="swap", swap_space_bytes=1 << 20).engine
+    runner, host_kv = engine.runner, engine.host_kv
+    assert host_kv.num_host_pages >= 2
+    rng = np.random.default_rng(1)
+    leaves, treedef = jax.tree.flatten(runner.kv_pages)
+    filled = [rng.integers(0, 100, leaf.shape).astype(leaf.dtype) for leaf in leaves]
+    runner.kv_pages = jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in filled])
+    for host in jax.tree.leaves(host_kv.pages):
+        host[:, :, :, 1] = rng.integers(100, 200, host[:, :, :, 1].shape).astype(host.dtype)
+    incoming = [np.array(host[:, :, :, 1]) for host in jax.tree.leaves(host_kv.pages)]
+    out = SchedulerOutput(seqs=[], num_new_tokens=[], copies=[], preempted=[], num_batched_tokens=0,
+                          swap_out=[(5, 0)], swap_in=[(1, 5)])
+    assert engine.step_runner.run(out, {}, None) is None  # nothing scheduled: only the transfers
+    host_kv.swap_out([])  # lands the swap-out's copy in the host pages
+    for before, host, device, want_in in zip(filled, jax.tree.leaves(host_kv.pages),
+                                             jax.tree.leaves(runner.kv_pages), incoming):
+        np.testing.assert_array_equal(host[:, :, :, 0], before[:, :, :, 5])
+        np.testing.assert_array_equal(np.asarray(device)[:, :, :, 5], want_in)

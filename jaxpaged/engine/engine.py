@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.config import EngineConfig
+from jaxpaged.config import EngineConfig, strict_json_schemas
 from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
@@ -99,7 +99,9 @@ class LLMEngine:
                                                                                num_host_pages)
         self.spec = Speculator.create(config, self.runner, draft_model, attention_fn, mesh, num_host_pages,
                                       scheduler=self.scheduler, owner=self.processor.owner)
-        self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor)
+        self.structured = StructuredRequests(tokenizer, model_config.vocab_size, self.scheduler, self.processor,
+                                             strict_json=strict_json_schemas(config.structured_outputs_config),
+                                             compile_timeout_s=config.grammar_compile_timeout_s)
         sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.beams = BeamSearches(self.scheduler, tokenizer, sampler.beam_candidates)
         self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]

@@ -3,8 +3,9 @@
     add_request     ─► hold: the spec is validated now (ValueError), compiled on a worker thread;
                        the sequence enters the scheduler as WAITING_FOR_GRAMMAR (planned for nothing)
     before_schedule ─► compiled grammars: Scheduler.grammar_ready (the queue's FIFO from then on);
-                       failed ones: the request ends with finish_reason "abort". With nothing else
-                       to run, waits for one grammar.
+                       failed ones, and ones still compiling compile_timeout_s after their request
+                       arrived: the request ends with finish_reason "abort". With nothing else to
+                       run, waits for one grammar (at most until its timeout).
     sample_args     ─► step_mask: the step's int32 mask, or None when no row needs one (the sampler's
                        unmasked variant: an unconstrained step pays nothing); rows of greedy or
                        plain-temperature requests draw first and are checked after (matchers.py)
@@ -19,7 +20,9 @@ sampling of step k + 1, beside the host's work and the device's forward pass. ll
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 
 from jaxpaged.engine.features import StepFeature
 from jaxpaged.planner.sequence import SequenceStatus
@@ -30,10 +33,14 @@ logger = logging.getLogger("jaxpaged")
 class StructuredRequests(StepFeature):
     name = "structured"
 
-    def __init__(self, tokenizer, vocab_size: int, scheduler, processor):
+    def __init__(self, tokenizer, vocab_size: int, scheduler, processor, *, strict_json: bool = True,
+                 compile_timeout_s: float = 30.0):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.strict_json = strict_json  # objects admit only the keys they name (config.strict_json_schemas)
         self.scheduler, self.processor = scheduler, processor
-        self.compiling: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence)
+        self.compiling: dict[str, tuple] = {}  # request_id -> (Future of the template, sequence, its spec, deadline)
+        self.compile_timeout_s = compile_timeout_s  # EngineConfig.grammar_compile_timeout_s
+        self.num_compile_timeouts = 0
         self.compiler = self.state = None  # built on first use
 
     def _start(self) -> None:
@@ -47,7 +54,7 @@ class StructuredRequests(StepFeature):
                 f"this engine's tokenizer is a {type(self.tokenizer).__name__}"
             )
         eos = self.tokenizer.eos_token_id
-        self.compiler = GrammarCompiler(make_ll_tokenizer(backend, self.vocab_size, eos))
+        self.compiler = GrammarCompiler(make_ll_tokenizer(backend, self.vocab_size, eos), strict_json=self.strict_json)
         self.state = StructuredState(self.vocab_size, eos)
 
     def __len__(self) -> int:
@@ -62,7 +69,7 @@ class StructuredRequests(StepFeature):
         future = self.compiler.submit(spec)
         seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add(seq)
-        self.compiling[request_id] = (future, seq)
+        self.compiling[request_id] = (future, seq, spec, time.monotonic() + self.compile_timeout_s)
 
     def before_schedule(self, scheduler) -> list:
         """Sequences whose grammar compiled join the scheduler's queue; with nothing else to plan,
@@ -70,11 +77,23 @@ class StructuredRequests(StepFeature):
         (finish "abort")."""
         if not self.compiling:
             return []
-        if not scheduler.num_schedulable:
-            next(iter(self.compiling.values()))[0].exception()  # blocks until it is compiled (or failed)
+        if not scheduler.num_schedulable:  # blocks until one is compiled, failed or out of time
+            future, _, _, deadline = next(iter(self.compiling.values()))
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                pass
         failed = []
-        for request_id, (future, seq) in list(self.compiling.items()):
+        now = time.monotonic()
+        for request_id, (future, seq, spec, deadline) in list(self.compiling.items()):
             if not future.done():
+                if now >= deadline:
+                    del self.compiling[request_id]
+                    self.compiler.forget(spec, future)  # a later request with this spec compiles it anew
+                    self.num_compile_timeouts += 1
+                    logger.warning("request %s: its grammar (%s) did not compile within grammar_compile_timeout_s="
+                                   "%s; the request is aborted", request_id, spec.kind, self.compile_timeout_s)
+                    failed.append(self._fail(request_id, seq))
                 continue
             del self.compiling[request_id]
             try:

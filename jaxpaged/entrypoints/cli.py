@@ -116,6 +116,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH_OR_ID, '
                         '"num_speculative_tokens": 3}\' (optional "disable_by_batch_size": N)')
+    e.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
+                   help='vLLM\'s flag: JSON schemas are strict by default (as vLLM\'s xgrammar: an object takes only '
+                        'the keys it names unless additionalProperties says otherwise); \'{"backend": "guidance"}\' '
+                        'lets objects take extra keys unless "disable_additional_properties": true')
 
 
 def _json_object(text: str) -> dict:
@@ -141,6 +145,7 @@ def engine_args(args) -> dict:
         speculative_config=args.speculative_config, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
         quantization=args.quantization, gguf_activations=args.gguf_activations,
+        structured_outputs_config=args.structured_outputs_config,
     )
 
 

@@ -68,6 +68,7 @@ class LLM:
         self._beam_results: dict[str, BeamSearchOutput] = {}  # finished searches, until their call takes them
         self._gate = GenerationGate()  # pause_generation / resume_generation (entrypoints/rl_control.py)
         self._staged = StagedWeights()  # start_weight_update ... finish_weight_update
+        self._closed = False  # close(): every later call raises
 
     @property
     def tokenizer(self):
@@ -86,6 +87,27 @@ class LLM:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    def close(self) -> None:
+        """Ends this LLM: requests of its calls still running (a stream left open, another thread's
+        call, which then raises) are aborted, the engine's KV cache and weights leave the device,
+        and every later call raises. Idempotent; `with LLM(...) as llm:` calls it on leaving."""
+        with self._lock:
+            if self._closed:
+                return
+            if not self.engine.stats().get("sleep_level"):
+                self.sleep(level=2, mode="abort")  # ValueError, nothing closed, if others' requests run
+            self._closed = True
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close()); create a new LLM to generate again")
 
     # ---------------------------------------------------------------- generation
 
@@ -191,6 +213,7 @@ class LLM:
         call = _Call(only_finished=True)
         try:
             with self._lock:
+                self._check_open()
                 # Every prompt is validated before any is queued; one refused later is aborted below.
                 for text, token_ids, _ in self._normalize(prompts, None):
                     ids.append(self.engine.add_beam_request(token_ids, params, prompt=text))
@@ -218,6 +241,7 @@ class LLM:
         call = _Call(only_finished)
         try:
             with self._lock:
+                self._check_open()
                 requests = self._normalize(prompts, sampling_params)
                 for text, token_ids, params in requests:
                     request_id = self.engine.add_request(token_ids, params, prompt=text)
@@ -380,6 +404,7 @@ class LLM:
         if tags is not None and (isinstance(tags, str) or not all(t in known for t in tags)):
             raise ValueError(f"tags={tags!r}: pass a list of {known} or None")
         with self._lock:
+            self._check_open()
             self.engine.wake_up()  # awake already: nothing to do
         return True
 

@@ -67,6 +67,7 @@ class GGUFFile:
 # GGUF metadata value types -> struct format of one scalar (8: string, 9: array, handled apart).
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -85,69 +86,98 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist; pass the path of a .gguf file")
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
     raw = memoryview(buf)
+    size = len(raw)
     if bytes(raw[:4]) != b"GGUF":
         raise ValueError(f"{path!r} is not a GGUF file (its first bytes are {bytes(raw[:4])!r}, not b'GGUF')")
-    version, tensor_count, kv_count = struct.unpack_from("<IQQ", raw, 4)
+    # A hostile or corrupt file: every count, length and offset below is checked against the bytes
+    # the file has before anything is read or allocated (ValueError naming the problem).
+    pos = 4
+
+    def corrupt(what: str) -> ValueError:
+        return ValueError(f"{path!r} is a corrupt or truncated GGUF file: {what}; re-download or re-convert it")
+
+    def unpack(fmt: str, what: str) -> tuple:
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise corrupt(f"{what} at byte {pos} needs {n} bytes, the file ends at {size}")
+        values = struct.unpack_from(fmt, raw, pos)
+        pos += n
+        return values
+
+    version, tensor_count, kv_count = unpack("<IQQ", "the header")
     if version not in (2, 3):
         raise ValueError(f"{path!r} is GGUF version {version}; only versions 2 and 3 (little-endian) are supported")
-    pos = 24
+    # Each key/value pair takes at least 13 bytes, each tensor info at least 24: counts past that are lies.
+    if kv_count > (size - pos) // 13 or tensor_count > (size - pos) // 24:
+        raise corrupt(f"{kv_count} metadata fields and {tensor_count} tensors cannot fit in {size} bytes")
 
-    def read_string() -> str:
+    def read_string(what: str) -> str:
         nonlocal pos
-        (length,) = struct.unpack_from("<Q", raw, pos)
-        pos += 8 + length
+        (length,) = unpack("<Q", what)
+        if length > size - pos:
+            raise corrupt(f"{what} of {length} bytes at byte {pos}, past the file's end ({size})")
+        pos += length
         return bytes(raw[pos - length : pos]).decode("utf-8", errors="replace")
 
-    def read_value(value_type: int) -> Any:
+    def read_value(value_type: int, key: str, depth: int = 0) -> Any:
         nonlocal pos
         if value_type == _STRING:
-            return read_string()
+            return read_string(f"the string value of {key!r}")
         if value_type == _ARRAY:
-            item_type, count = struct.unpack_from("<IQ", raw, pos)
-            pos += 12
+            item_type, count = unpack("<IQ", f"the array header of {key!r}")
+            if depth or item_type == _ARRAY:
+                raise corrupt(f"{key!r} is an array of arrays, which GGUF models do not use")
+            item_size = 8 if item_type == _STRING else struct.calcsize("<" + _SCALAR_FORMATS.get(item_type, "B"))
+            if count > (size - pos) // item_size:
+                raise corrupt(f"{key!r} claims {count} items, more than the {size - pos} bytes left hold")
             if item_type in _SCALAR_FORMATS:  # one unpack for the whole array
-                fmt = f"<{count}{_SCALAR_FORMATS[item_type]}"
-                values = list(struct.unpack_from(fmt, raw, pos))
-                pos += struct.calcsize(fmt)
-                return values
-            return [read_value(item_type) for _ in range(count)]
+                return list(unpack(f"<{count}{_SCALAR_FORMATS[item_type]}", f"the values of {key!r}"))
+            return [read_value(item_type, key, depth + 1) for _ in range(count)]
         if value_type not in _SCALAR_FORMATS:
             raise ValueError(f"{path!r}: unknown GGUF metadata value type {value_type} at byte {pos}")
-        fmt = "<" + _SCALAR_FORMATS[value_type]
-        (value,) = struct.unpack_from(fmt, raw, pos)
-        pos += struct.calcsize(fmt)
+        (value,) = unpack("<" + _SCALAR_FORMATS[value_type], f"the value of {key!r}")
         return value
 
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
-        key = read_string()
-        (value_type,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        metadata[key] = read_value(value_type)
+        key = read_string("a metadata key")
+        (value_type,) = unpack("<I", f"the type of {key!r}")
+        metadata[key] = read_value(value_type, key)
 
     infos = []
     for _ in range(tensor_count):
-        name = read_string()
-        (n_dims,) = struct.unpack_from("<I", raw, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", raw, pos + 4)
-        qtype, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
+        name = read_string("a tensor name")
+        (n_dims,) = unpack("<I", f"the rank of tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise corrupt(f"tensor {name!r} has {n_dims} dimensions (GGUF tensors have 1 to {_MAX_DIMS})")
+        dims = unpack(f"<{n_dims}Q", f"the shape of tensor {name!r}")
+        qtype, offset = unpack("<IQ", f"the type and offset of tensor {name!r}")
         infos.append((name, tuple(int(d) for d in dims), qtype, offset))
 
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if not (isinstance(alignment, int) and 1 <= alignment <= 1 << 16 and not alignment & (alignment - 1)):
+        raise corrupt(f"general.alignment={alignment!r} is not a power of two up to 65536")
     data_start = -(-pos // alignment) * alignment
     tensors = []
     for name, dims, qtype, offset in infos:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        try:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise corrupt(f"tensor {name!r} has an unknown data type {qtype}") from None
         row_len = dims[0]  # elements in one row (the fastest dimension)
         if row_len % block_size:
             raise ValueError(f"{path!r}: tensor {name} rows of {row_len} are not whole blocks of {block_size}")
-        num_rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        num_rows = 1
+        for d in dims[1:]:
+            num_rows *= d  # Python ints: no overflow before the size check
         row_bytes = row_len // block_size * type_size
-        begin = data_start + offset
-        data = buf[begin : begin + num_rows * row_bytes].reshape(num_rows, row_bytes)
+        begin, nbytes = data_start + offset, num_rows * row_bytes
+        if begin + nbytes > size:
+            raise corrupt(f"tensor {name!r} ({nbytes} bytes at offset {offset}) ends past the file's end ({size})")
+        data = buf[begin : begin + nbytes].reshape(num_rows, row_bytes)
         tensors.append(GGUFTensor(name, tuple(reversed(dims)), qtype, data))
     return GGUFFile(path, metadata, tensors)
 

@@ -86,6 +86,13 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
 
 def _refuse_unsupported(model_type: str, get) -> None:
     """ValueError naming the first config field whose value jaxpaged does not implement."""
+    quantization = get("quantization_config")
+    if quantization:  # its weights would load without their scales: garbage (block-FP8 did at 7245688)
+        method = (quantization.get("quant_method") if isinstance(quantization, Mapping)
+                  else getattr(quantization, "quant_method", None))
+        raise ValueError(f"quantization_config with quant_method={method!r} is not supported: jaxpaged loads "
+                         "unquantized Hugging Face checkpoints (float32 / bfloat16 / float16 weights) and GGUF "
+                         "files; use the model's unquantized checkpoint, or a .gguf of it")
     act = get("hidden_activation") or get("hidden_act") if model_type in _GEMMA else get("hidden_act", "silu")
     wanted_act = "gelu_pytorch_tanh" if model_type in _GEMMA else "silu"
     if act != wanted_act:

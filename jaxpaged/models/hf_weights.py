@@ -15,6 +15,19 @@ from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.phi3 import unfuse_phi3
 
 
+# Tensors that exist only in quantized checkpoints (block-FP8's scales, GPTQ / AWQ codes): their
+# weights are not the model's values, and jaxpaged implements none of these formats.
+_QUANTIZED_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def _refuse_quantized(state_dict: Mapping) -> None:
+    for name in state_dict:
+        if isinstance(name, str) and name.endswith(_QUANTIZED_SUFFIXES):
+            raise ValueError(f"the checkpoint holds {name!r}, a tensor of a quantized format (FP8 scales, GPTQ or "
+                             "AWQ codes) jaxpaged does not implement: its weights would load as garbage; use the "
+                             "model's unquantized checkpoint, or a .gguf of it")
+
+
 def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | BlockCodes]) -> dict:
     """Converts a Hugging Face state dict (names and (out, in) layout of `nn.Linear`) to params.
 
@@ -24,6 +37,7 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
     """
     c = config
     dtype = jnp.dtype(c.dtype)
+    _refuse_quantized(state_dict)
     state_dict = unfuse_phi3(c, state_dict)
 
     def tensor(name: str) -> np.ndarray:

@@ -178,6 +178,9 @@ def load_safetensors_dir(directory: str) -> dict[str, np.ndarray]:
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
+_MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """One safetensors file as numpy arrays (copied out of the file, so it can be closed).
 
@@ -187,25 +190,41 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         [8 bytes: header length N, little-endian u64][N bytes: JSON header][data ...]
         header[name] = {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}  (into data)
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
+    # A file from a stranger: the header's length is checked against the file before it is read,
+    # and safetensors itself checks every tensor's dtype, shape and offsets (a ValueError either way).
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path!r} is not a safetensors file: {size} bytes, fewer than its 8-byte header length")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER_BYTES):
+            raise ValueError(f"{path!r} is a corrupt safetensors file: its header claims {header_len} bytes, the file "
+                             f"has {size - 8} after the length (and headers are at most "
+                             f"{_MAX_SAFETENSORS_HEADER_BYTES}); re-download it")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as err:  # bad JSON or UTF-8
+            raise ValueError(f"{path!r} is a corrupt safetensors file: its header is not JSON ({err})") from None
     data_start = 8 + header_len
     state_dict = {}
-    with safe_open(path, framework="np") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open handles are not dicts)
-            info = header[name]
-            if info["dtype"] in _ML_DTYPES:
-                import ml_dtypes
+    try:
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not dicts)
+                info = header[name]
+                if info["dtype"] in _ML_DTYPES:
+                    import ml_dtypes
 
-                dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
-                begin, end = info["data_offsets"]
-                raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-                state_dict[name] = raw.view(dtype).reshape(info["shape"])
-            else:
-                state_dict[name] = f.get_tensor(name)
+                    dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
+                    begin, end = info["data_offsets"]  # checked by safe_open against the file and the shape
+                    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+                    state_dict[name] = raw.view(dtype).reshape(info["shape"])
+                else:
+                    state_dict[name] = f.get_tensor(name)
+    except SafetensorError as err:
+        raise ValueError(f"{path!r} is a corrupt safetensors file: {err}; re-download it") from None
     return state_dict
 
 

@@ -29,8 +29,23 @@ _JSON_OBJECT_SCHEMA = {"type": "object"}
 MAX_CACHED_GRAMMARS = 256  # compiled templates kept; the oldest is dropped beyond this
 
 
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar for a spec; raises ValueError for a schema that is not JSON."""
+def closed_objects(schema):
+    """A copy of `schema` in which every object schema that names properties (or patternProperties)
+    and says nothing of additionalProperties gets `"additionalProperties": false`: xgrammar's strict
+    mode, vLLM's default. Nested schemas too (items, $defs, anyOf, ...); the input is not changed."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def grammar_text(spec: StructuredOutputsParams, strict: bool = True) -> str:
+    """The llguidance grammar for a spec; raises ValueError for a schema that is not JSON.
+    `strict`: JSON schemas' objects admit only the keys they name (`closed_objects`)."""
     kind = spec.kind
     if kind == "json" or kind == "json_object":
         schema = spec.json if kind == "json" else _JSON_OBJECT_SCHEMA
@@ -41,6 +56,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON ({e}); pass a JSON schema") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        if strict:
+            schema = closed_objects(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -65,8 +82,9 @@ def make_ll_tokenizer(backend, vocab_size: int, eos_token_id: int | None):
 class GrammarCompiler:
     """Compiles specs into template matchers on a worker thread, once per distinct spec."""
 
-    def __init__(self, ll_tokenizer, num_threads: int = 1):
+    def __init__(self, ll_tokenizer, num_threads: int = 1, *, strict_json: bool = True):
         self.ll_tokenizer = ll_tokenizer
+        self.strict_json = strict_json  # EngineConfig.structured_outputs_config (config.strict_json_schemas)
         self.vocab_size = ll_tokenizer.vocab_size
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="jaxpaged-grammar")
         self._cache: dict[tuple[str, str], concurrent.futures.Future] = {}
@@ -81,7 +99,7 @@ class GrammarCompiler:
             future = self._cache.get(key)
         if future is not None:
             return future
-        grammar = grammar_text(spec)
+        grammar = grammar_text(spec, self.strict_json)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {error.strip()}")
@@ -91,6 +109,14 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 del self._cache[next(iter(self._cache))]
         return future
+
+    def forget(self, spec: StructuredOutputsParams, future: concurrent.futures.Future) -> None:
+        """Drops `spec`'s cache entry if it is `future` (one that took too long: not kept for later
+        requests); the compile itself runs on (a thread cannot be stopped)."""
+        with self._lock:
+            if self._cache.get(spec.key()) is future:
+                del self._cache[spec.key()]
+            future.cancel()  # if it has not started yet
 
     def _compile(self, kind: str, grammar: str):
         """The template matcher (worker thread). Raises ValueError if it fails or can emit nothing."""

@@ -12,10 +12,12 @@ served name) is one `ServerState` on `app.state.server`.
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions, rl_routes
@@ -125,7 +127,7 @@ async def retrieve_model(model_id: str, request: Request):
 
 
 async def _api_error(_request, err: APIError):
-    return error_response(err.status, err.message, err.type_, err.param, err.code)
+    return error_response(err.status, err.message, err.type_, err.param)
 
 
 async def _validation_error(_request, err: RequestValidationError):
@@ -138,7 +140,7 @@ async def _validation_error(_request, err: RequestValidationError):
 
 
 async def _not_found(request, _err):
-    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models", code="not_found")
+    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models")
 
 
 async def _bad_method(request, _err):
@@ -146,9 +148,9 @@ async def _bad_method(request, _err):
 
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20) -> "_Guard":
+              max_body_bytes: int = 1 << 20, drain=None, limits=None) -> "_Guard":
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None)
-    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name)
+    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(404, _not_found)
@@ -156,30 +158,45 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
     for module_router in (router, completions.router, chat.router):
         app.include_router(module_router)
     rl_routes.attach(app)  # vLLM's RL endpoints, with VLLM_SERVER_DEV_MODE=1
-    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, drain=drain)
+
+
+# While the server drains (shutdown.py): probes answer 503 {"status": "draining"}, /metrics as usual,
+# every other path 503 with Retry-After.
+_PROBES = ("/health", "/ping")
 
 
 class _Guard:
-    """ASGI middleware: body size limit (413) and, with an API key, bearer auth on /v1 (401).
+    """ASGI middleware: the drain (503), body size limit (413) and, with an API key, bearer auth on /v1 (401).
 
     Runs before FastAPI reads the body, so an unauthenticated or oversized request costs nothing.
     """
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, drain=None):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.drain = drain  # shutdown.Drain, or None (no graceful shutdown)
+        self._expected_authorization = None if api_key is None else f"Bearer {api_key}".encode("utf-8")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.drain is not None and self.drain.draining and scope["path"] != "/metrics":
+            retry = {"Retry-After": str(self.drain.retry_after_s())}
+            if scope["path"] in _PROBES:
+                refusal = JSONResponse({"status": "draining"}, status_code=503, headers=retry)
+            else:
+                refusal = error_response(503, "the server is shutting down and admits no new request; retry "
+                                              "on another replica", "server_draining", headers=retry)
+            return await refusal(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            # Constant time: how long the comparison takes says nothing of how much of the key matched.
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected_authorization):
                 return await error_response(
                     401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key")(scope, receive, send)
+                    "authentication_error")(scope, receive, send)
         too_large = error_response(
-            413, f"request body is larger than {self.max_body_bytes} bytes; send a shorter prompt",
-            code="request_too_large")
+            413, f"request body is larger than {self.max_body_bytes} bytes; send a shorter prompt")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await too_large(scope, receive, send)

@@ -11,12 +11,20 @@ client that went away) frees its pages before the next step is planned.
 Admission control: at most `max_num_seqs + max_waiting_requests` requests are in flight (submitted
 and not yet finished, aborted or rejected); past that `submit` raises `ServerOverloaded` (HTTP 503)
 instead of growing an unbounded backlog.
+
+Deadline (`--request-timeout`): a request still in flight that long after its arrival is aborted
+the same way, between two steps, and its pages freed.
+
+Drain (graceful shutdown, shutdown.py): `drain(deadline)` waits for the requests in flight, then
+aborts the rest on the engine thread; each of those gets a last output with finish_reason "abort",
+so its handler ends the response as for any finished request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from jaxpaged.engine.outputs import RequestOutput
+from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
 from jaxpaged.planner.request import SamplingParams
 
 logger = logging.getLogger("jaxpaged.serve")
@@ -60,6 +68,14 @@ class _Run:
 
 
 @dataclass
+class _AbortAll:
+    """Abort every request in flight (the drain's deadline); `done` is set once they are retired."""
+
+    done: threading.Event
+    num_aborted: list[int]  # filled by the engine thread
+
+
+@dataclass
 class _Timing:
     """Per-request clock, kept by the engine thread for the latency histograms."""
 
@@ -77,6 +93,9 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.last_output: RequestOutput | None = None  # engine thread: the last output pushed (for an abort)
+        self.num_samples = 1  # engine thread: the request's n
+        self.prompt_token_ids: list[int] = []
 
     def push(self, item) -> None:  # engine thread
         try:
@@ -114,8 +133,12 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, engine, *, max_waiting_requests: int = 64, metrics=None):
+    def __init__(self, engine, *, max_waiting_requests: int = 64, metrics=None, request_timeout_s: float = 0.0):
+        if not request_timeout_s >= 0:
+            raise ValueError(f"request_timeout={request_timeout_s!r} must be >= 0 seconds (0: no deadline)")
         self.engine = engine
+        self.request_timeout_s = request_timeout_s  # 0: none; else in flight this long after arrival -> aborted
+        self.num_timed_out = 0  # requests aborted at their deadline
         self.metrics = metrics
         self.capacity = engine.config.max_num_seqs + max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,6 +207,18 @@ class EngineBridge:
         for command in held:
             self._add(command)
 
+    def drain(self, deadline: float, hurry: threading.Event, *, abort_wait_s: float = 5.0) -> int:
+        """Waits until no request is in flight, `deadline` (time.monotonic()) passes or `hurry` is set;
+        then aborts the rest (each stream ends with finish_reason "abort"). Returns how many."""
+        while self.num_in_flight and time.monotonic() < deadline and not hurry.is_set():
+            hurry.wait(0.05)
+        if not self.num_in_flight:
+            return 0
+        command = _AbortAll(threading.Event(), [])
+        self._inbox.put(command)
+        command.done.wait(abort_wait_s)
+        return command.num_aborted[0] if command.num_aborted else 0
+
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
@@ -209,6 +244,8 @@ class EngineBridge:
         now = time.perf_counter()
         for output in outputs:
             self._deliver(output, now)
+        if self.request_timeout_s:
+            self._expire(now)
         if self.metrics is not None:
             self.metrics.step_done(now - t0)
             self.metrics.publish(engine, force=not engine.has_unfinished_requests())
@@ -228,6 +265,9 @@ class EngineBridge:
                     command.future.set_result(command.fn(self))
                 except Exception as err:  # noqa: BLE001 - the handler that sent it answers
                     command.future.set_exception(err)
+            elif isinstance(command, _AbortAll):
+                command.num_aborted.append(self._abort_all())
+                command.done.set()
             elif command.request_id in self._streams:  # an abort of a request still running
                 self.engine.abort_request(command.request_id)
                 self._retire(command.request_id, None)
@@ -247,6 +287,7 @@ class EngineBridge:
             command.stream.push(err)
             return
         self._streams[command.request_id] = command.stream
+        command.stream.num_samples, command.stream.prompt_token_ids = command.params.n, command.prompt_token_ids
         self._timings[command.request_id] = _Timing(arrival=time.perf_counter())
         if self.metrics is not None:
             self.metrics.add_prompt_tokens(len(command.prompt_token_ids))
@@ -257,6 +298,7 @@ class EngineBridge:
         if stream is None:
             return  # aborted in the meantime
         stream.push(output)
+        stream.last_output = output
         timing = self._timings[output.request_id]
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)
         if num_new and timing.first_token is None:
@@ -273,6 +315,29 @@ class EngineBridge:
                                           output.outputs[0].finish_reason if output.outputs else None)
             self._retire(output.request_id, None)
 
+    def _expire(self, now: float) -> None:
+        """Aborts every request past its deadline (each stream ends with finish_reason "abort")."""
+        late = [request_id for request_id, timing in self._timings.items()
+                if now - timing.arrival > self.request_timeout_s]
+        for request_id in late:
+            self.engine.abort_request(request_id)
+            self._streams[request_id].push(_aborted_output(request_id, self._streams[request_id]))
+            self._retire(request_id, None)
+        self.num_timed_out += len(late)
+
+    def _abort_all(self) -> int:
+        """Aborts every request in flight; each stream gets a last output, finish_reason "abort"."""
+        held, self.held = self.held, []  # arrived while paused (/pause): admitted only to end like the rest
+        for command in held:
+            self._add(command)
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            stream = self._streams[request_id]
+            stream.push(_aborted_output(request_id, stream))
+            self._retire(request_id, None)
+        return len(request_ids)
+
     def _retire(self, request_id: str, error: BaseException | None) -> None:
         stream = self._streams.pop(request_id)
         self._timings.pop(request_id, None)
@@ -283,3 +348,16 @@ class EngineBridge:
     def _release(self) -> None:
         with self._lock:
             self._num_in_flight -= 1
+
+
+def _aborted_output(request_id: str, stream: RequestStream) -> RequestOutput:
+    """The final output of a request aborted by the drain: what it had, every unfinished sample
+    finished with "abort" and nothing new in its deltas."""
+    last = stream.last_output
+    if last is None:  # nothing generated yet
+        return RequestOutput(request_id, None, stream.prompt_token_ids,
+                             [CompletionOutput(j, "", [], "abort") for j in range(stream.num_samples)])
+    outputs = [c if c.finish_reason is not None else CompletionOutput(c.index, c.text, list(c.token_ids), "abort",
+                                                                      c.logprobs)
+               for c in last.outputs]
+    return dataclasses.replace(last, outputs=outputs)

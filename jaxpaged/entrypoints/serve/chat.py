@@ -15,6 +15,7 @@ from jaxpaged.entrypoints.serve.common import (
 )
 from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
 from jaxpaged.entrypoints.serve.logprobs_format import chat_logprobs
+from jaxpaged.entrypoints.serve.limits import RequestLimits, check_request_limits
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from jaxpaged.entrypoints.serve.tool_stream import ToolCallStream
 from jaxpaged.entrypoints.serve.tools import parse_tool_calls, render_messages, structured_spec, tool_mode
@@ -27,6 +28,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, body.model)
     check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
+    check_request_limits(body, state.limits or RequestLimits())
     tokenizer = state.tokenizer
     mode, tool_name = tool_mode(body)
     try:

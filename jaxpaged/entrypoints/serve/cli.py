@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
 from jaxpaged.entrypoints.cli import add_engine_args, engine_args
 
@@ -31,6 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=64,
                    help="requests that may wait beyond the running batch; past it: HTTP 503")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="vLLM's flag: on SIGTERM / SIGINT stop admitting (503 with Retry-After; /health says "
+                        "draining), let requests in flight finish for up to SECONDS, abort the rest, exit 0 "
+                        "(default 0: no drain, uvicorn's own shutdown)")
+    s.add_argument("--max-stop-strings", type=int, default=64, help="stop strings one request may give")
+    s.add_argument("--max-stop-string-length", type=int, default=1024, metavar="CHARS",
+                   help="characters of one stop string")
+    s.add_argument("--max-structured-spec-bytes", type=int, default=64 << 10, metavar="BYTES",
+                   help="JSON size of a request's structured_outputs, response_format or tools (compiled to a grammar)")
+    s.add_argument("--max-chat-template-kwargs-bytes", type=int, default=16 << 10, metavar="BYTES",
+                   help="JSON size of a request's chat_template_kwargs")
+    s.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="a request still running SECONDS after it arrived is aborted (finish_reason abort) and "
+                        "its KV pages freed (default 0: no deadline)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -67,6 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
+    if not args.request_timeout >= 0:
+        raise SystemExit(f"--request-timeout {args.request_timeout} must be >= 0 seconds (0: no deadline)")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds (0: no drain)")
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    try:
+        limits = RequestLimits(args.max_stop_strings, args.max_stop_string_length, args.max_structured_spec_bytes,
+                               args.max_chat_template_kwargs_bytes)
+    except ValueError as err:
+        raise SystemExit(f"--{str(err).split('=')[0].replace('_', '-')}: {err}") from None
     configure_logging(args.log_level)
 
     import uvicorn
@@ -74,21 +100,42 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.build import build_engine
     from jaxpaged.entrypoints.serve import build_server
+    from jaxpaged.entrypoints.serve.shutdown import Drain, DrainingServer
+    from jaxpaged.entrypoints.serve.startup import StartupGate
 
-    try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
-        engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
-    except (ValueError, OSError) as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
-    name = args.served_model_name or served_name(args.model)
-    app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
-                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes)
-    logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
-    bridge.start()
+    drain = Drain(args.shutdown_timeout)
+    gate = StartupGate()  # /health 503 until the engine below is built and warm (startup.py)
+    config = uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = DrainingServer(config, drain=drain, bridge=None)
+    failed: list[str] = []
+
+    def start_engine() -> None:
+        try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
+            engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
+        except Exception as err:  # noqa: BLE001 - any failure to start: the server stops, exit status 2
+            failed.append(" ".join(str(err).split()) or repr(err))
+            server.should_exit = True
+            return
+        name = args.served_model_name or served_name(args.model)
+        app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
+                                   max_waiting_requests=args.max_waiting_requests,
+                                   max_body_bytes=args.max_body_bytes, drain=drain,
+                                   request_timeout_s=args.request_timeout, limits=limits)
+        logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
+        bridge.start()
+        server.bridge = bridge
+        gate.open(app)
+
+    threading.Thread(target=start_engine, name="jaxpaged-startup", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
-        bridge.shutdown()
+        if server.bridge is not None:
+            server.bridge.shutdown()
+    if failed:
+        print("error: " + failed[0], file=sys.stderr)
+        return 2
     return 0
 
 

@@ -29,6 +29,7 @@ class ServerState:
     bridge: EngineBridge
     metrics: object  # ServerMetrics
     served_model_name: str
+    limits: object = None  # limits.RequestLimits: what one request may ask (None: the defaults)
 
     @property
     def tokenizer(self):
@@ -44,22 +45,21 @@ def server_state(request: Request) -> ServerState:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type_, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type_, self.param = status, message, type_, param
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    """Every error response the server sends is built here."""
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+                   param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """Every error response the server sends is built here; its `code` is the HTTP status, as vLLM's."""
+    return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.served_model_name:
         raise APIError(404, f"model {model!r} is not served here; use {state.served_model_name!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
+                       param="model")
 
 
 def check_unsupported(body, fields: dict) -> None:
@@ -140,7 +140,7 @@ async def start(state: ServerState, token_ids: list[int], params: SamplingParams
     try:
         stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt)
     except ServerOverloaded as err:
-        raise APIError(503, str(err), "server_overloaded", code="queue_full") from None
+        raise APIError(503, str(err), "server_overloaded") from None
     try:
         await stream.accepted()
     except ValueError as err:  # the engine refused it (bad token ids, can never fit, an invalid grammar)

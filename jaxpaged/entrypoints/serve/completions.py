@@ -20,6 +20,7 @@ from jaxpaged.entrypoints.serve.common import (
     server_state, sse, start, truncated_prompt,
 )
 from jaxpaged.entrypoints.serve.logprobs_format import completion_logprobs
+from jaxpaged.entrypoints.serve.limits import RequestLimits, check_request_limits
 from jaxpaged.entrypoints.serve.protocol import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
 from jaxpaged.entrypoints.serve.tools import structured_spec
 
@@ -48,6 +49,7 @@ async def completions(body: CompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, body.model)
     check_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
+    check_request_limits(body, state.limits or RequestLimits())
     tokenizer = state.tokenizer
     prompts = [(text, truncated_prompt(ids, body, state))
                for text, ids in _prompts(tokenizer, body.prompt, body.add_special_tokens)]

@@ -8,14 +8,16 @@ OpenAI are ignored, as OpenAI's and vLLM's servers ignore them.
 
 Every error, whatever raised it, leaves the server as one JSON body built by `error_body`:
 
-    {"error": {"message": "...what to change...", "type": "...", "param": "field" | null, "code": ... | null}}
+    {"error": {"message": "...what to change...", "type": "...", "param": "field" | null, "code": <HTTP status>}}
+
+(`code` is the HTTP status as an int, as vLLM sends it.)
 
 | status | type | when |
 | --- | --- | --- |
 | 400 | invalid_request_error | malformed JSON, missing or mistyped fields, bad sampling values, prompt or max_tokens past max_model_len |
 | 401 | authentication_error | `--api-key` set and no `Authorization: Bearer KEY` |
-| 404 | invalid_request_error (code model_not_found) | `model` names no served model |
-| 413 | invalid_request_error (code request_too_large) | body over `--max-body-bytes` |
+| 404 | invalid_request_error | `model` names no served model, or no such route |
+| 413 | invalid_request_error | body over `--max-body-bytes` |
 | 503 | server_overloaded | the waiting queue is full; retry later |
 """
 
@@ -28,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxpaged.entrypoints.chat_prompts import flat_message
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(message: str, type_: str, param: str | None, code: int) -> dict:
     """The one shape of every error response (OpenAI's)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -1,0 +1,47 @@
+"""Quantized Hugging Face checkpoints jaxpaged does not implement are refused by name (issue 53
+item 5): a block-FP8 checkpoint (float8 weights with `weight_scale_inv`, quantization_config
+quant_method "fp8") used to load without a word and generate garbage."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM
+from tiny_checkpoint import write_tiny_checkpoint
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_a_config_with_quantization_config_is_refused_naming_its_method(checkpoint, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "fp8")
+    shutil.copytree(checkpoint, path)
+    config_path = os.path.join(path, "config.json")
+    config = json.load(open(config_path))
+    json.dump({**config, "quantization_config": FP8}, open(config_path, "w"))
+    with pytest.raises(ValueError, match=r"quantization_config with quant_method='fp8' is not supported"):
+        LLM(path, max_model_len=64, num_pages=16, warmup=False)
+    assert LLM(checkpoint, max_model_len=64, num_pages=16, warmup=False).generate(["a"])  # the plain one loads
+
+
+@pytest.mark.parametrize("suffix", ["weight_scale_inv", "weight_scale", "qweight", "scales"])
+def test_state_dicts_with_quantization_tensors_are_refused_naming_the_tensor(checkpoint, suffix):
+    from safetensors.numpy import load_file
+
+    from jaxpaged.models import ModelConfig
+    from jaxpaged.models.hf_weights import params_from_hf
+
+    config = ModelConfig.from_hf(json.load(open(os.path.join(checkpoint, "config.json"))), dtype="float32")
+    state_dict = load_file(os.path.join(checkpoint, "model.safetensors"))
+    params_from_hf(config, state_dict)  # loads as it is
+    name = f"model.layers.0.mlp.down_proj.{suffix}"
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        params_from_hf(config, {**state_dict, name: np.ones((1, 1), np.float32)})

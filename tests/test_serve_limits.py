@@ -1,0 +1,131 @@
+"""Bounds on what one request may cost (issue 53 item 3): the per-request deadline
+(`--request-timeout`) aborts a request and frees its pages; tiny random model, a real server on
+127.0.0.1 in a thread."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_fixtures import running_server
+from test_llm_inputs import tiny_llm
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = tiny_llm(max_model_len=256, num_pages=128)
+    from jaxpaged import SamplingParams  # compile the steps a lone request takes before the clock matters
+    llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True))
+    engine = llm.engine
+    with running_server(engine, served_model_name=MODEL, request_timeout_s=1.0) as (base, bridge):
+        yield base, bridge, engine
+
+
+def test_a_request_past_its_deadline_is_aborted_and_frees_its_pages(served):
+    base, bridge, engine = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    before = bridge.num_timed_out
+    started = time.monotonic()
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=230, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    elapsed = time.monotonic() - started
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["abort"] and chunks[-1].usage.completion_tokens < 230
+    assert elapsed < 30 and bridge.num_timed_out == before + 1
+    whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=230, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "abort"  # a whole response is cut at its deadline too
+    # A short request finishes normally; nothing is held afterwards.
+    short = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0.0)
+    assert short.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_used_pages"] == 0 and bridge.num_in_flight == 0
+
+
+def test_request_timeout_must_not_be_negative():
+    from jaxpaged.entrypoints.serve.bridge import EngineBridge
+
+    with pytest.raises(ValueError, match="request_timeout"):
+        EngineBridge(tiny_llm().engine, request_timeout_s=-1.0)
+
+
+@pytest.fixture(scope="module")
+def limited():
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    engine = tiny_llm(max_model_len=256, num_pages=128).engine
+    limits = RequestLimits(max_stop_strings=2, max_stop_string_length=8, max_structured_spec_bytes=200,
+                           max_chat_template_kwargs_bytes=50)
+    with running_server(engine, served_model_name=MODEL, limits=limits) as (base, bridge):
+        yield base, bridge, engine
+
+
+BIG_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(20)}}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, param, flag", [
+    ("/v1/completions", {"prompt": "a", "stop": ["x", "y", "z"]}, "stop", "--max-stop-strings"),
+    ("/v1/completions", {"prompt": "a", "stop": "a stop string far too long"}, "stop", "--max-stop-string-length"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"json": BIG_SCHEMA}}, "structured_outputs",
+     "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": BIG_SCHEMA}}},
+     "response_format", "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}]},
+     "tools", "--max-structured-spec-bytes"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": "y" * 100}}, "chat_template_kwargs",
+     "--max-chat-template-kwargs-bytes"),
+])
+def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, param, flag):
+    base, bridge, engine = limited
+    steps = engine.stats()["num_steps"]
+    r = httpx.post(base + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and flag in error["message"] and error["code"] == 400
+    assert bridge.num_in_flight == 0 and engine.stats()["num_steps"] == steps  # the engine never saw it
+    # Within the limits the same kind of request is served.
+    ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": ["x", "y"]},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_limits_must_be_positive_ints():
+    from jaxpaged.entrypoints.serve.limits import RequestLimits
+
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="max_stop_strings"):
+            RequestLimits(max_stop_strings=bad)
+
+
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    """Every /v1 request's Authorization header goes through hmac.compare_digest (time independent
+    of how much of the key matched); right key 200, wrong ones (same length, prefix, none) 401."""
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    import jaxpaged.entrypoints.serve.app as app_module
+    from jaxpaged.entrypoints.serve import build_server
+
+    compared, real = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", compare_digest)
+    app, _ = build_server(tiny_llm().engine, served_model_name=MODEL, api_key="s3cret-key")
+    with TestClient(app) as http:
+        assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+        for wrong in ("Bearer s3cret-kex", "Bearer s3cret", "s3cret-key", ""):
+            r = http.get("/v1/models", headers={"Authorization": wrong} if wrong else {})
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, wrong
+    assert len(compared) == 5 and all(b == b"Bearer s3cret-key" for _, b in compared)
