@@ -5,6 +5,7 @@ an OpenAI error body, and an abort gives its slot back once the engine thread ha
 """
 
 import asyncio
+import threading
 import time
 import types
 
@@ -98,3 +99,26 @@ def test_cli_defaults_serve_the_bundled_model_locally_and_take_the_engine_flags(
     assert served_name(args.model) == "tiny"
     kwargs = engine_args(args)
     assert kwargs["max_num_seqs"] == 4 and kwargs["page_size"] == 32 and kwargs["enable_prefix_caching"] is False
+
+
+def test_a_drain_ends_the_requests_a_pause_held_back():
+    # /pause holds new requests unadded; a SIGTERM drain that then runs out of time must end them
+    # too (finish_reason "abort", their slot given back), or their clients would wait forever.
+    engine = NeverFinishingEngine()
+    bridge = EngineBridge(engine, max_waiting_requests=1)
+    bridge.start()
+
+    async def scenario():
+        await asyncio.to_thread(lambda: bridge.run_on_engine(lambda b: setattr(b, "paused", True)).result(5))
+        stream = bridge.submit([1, 2, 3], SamplingParams(max_tokens=4))
+        await asyncio.to_thread(_wait, lambda: len(bridge.held) == 1)
+        aborted = await asyncio.to_thread(bridge.drain, time.monotonic(), threading.Event())
+        await asyncio.wait_for(stream.accepted(), 5)
+        return aborted, await asyncio.wait_for(stream.__anext__(), 5)
+
+    try:
+        aborted, output = asyncio.run(scenario())
+    finally:
+        bridge.shutdown()
+    assert aborted == 1 and [c.finish_reason for c in output.outputs] == ["abort"]
+    assert bridge.held == [] and bridge.num_in_flight == 0 and engine.requests == {}
