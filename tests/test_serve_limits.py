@@ -21,6 +21,13 @@ def served():
     from jaxpaged import SamplingParams  # compile the steps a lone request takes before the clock matters
     llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True))
     engine = llm.engine
+    step = engine.step
+
+    def slow_step():  # >= 10 ms a step: 230 tokens outlast the 1 s deadline on any machine, idle or loaded
+        time.sleep(0.01)
+        return step()
+
+    engine.step = slow_step
     with running_server(engine, served_model_name=MODEL, request_timeout_s=1.0) as (base, bridge):
         yield base, bridge, engine
 
