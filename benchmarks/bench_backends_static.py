@@ -20,7 +20,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment
+from benchmarks.common import environment, h100_child_rows
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FIELDS = ("launches", "hbm_bytes", "bytes_to_ideal", "floor_ms", "temp_bytes")
@@ -68,15 +68,10 @@ def main(argv=None) -> int:
         child(args)
         return 0
     import jax
-    from jaxpaged.static_profile.target import run_in_h100_python
 
     os.makedirs(args.out, exist_ok=True)
-    child_out = os.path.join(args.out, ".backends_static.child.json")
-    run_in_h100_python(["-m", "benchmarks.bench_backends_static", *(["--quick"] if args.quick else []),
-                        "--child-out", child_out])
-    with open(child_out) as f:
-        rows = json.load(f)
-    os.remove(child_out)
+    rows = h100_child_rows("benchmarks.bench_backends_static", ["--quick"] if args.quick else [], args.out,
+                           "backends_static")
     result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 program; nothing ran on a GPU",
               "mosaic_at_least_triton_everywhere": all(r["mosaic_at_least_triton"] for r in rows), "rows": rows}
     if not args.quick:

@@ -30,7 +30,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment
+from benchmarks.common import environment, h100_child_rows
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 AIC_DIR = os.path.join(os.path.dirname(RESULTS_DIR), os.pardir, ".aic")
@@ -218,18 +218,12 @@ def main(argv=None) -> int:
     if args.child_out:
         child(args)
         return 0
-    from jaxpaged.static_profile.target import run_in_h100_python
-
     os.makedirs(args.out, exist_ok=True)
     if args.spec_decode:
-        return spec_decode_main(args, run_in_h100_python)
+        return spec_decode_main(args)
     name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
-    child_out = os.path.join(args.out, f".{name}.child.json")
-    run_in_h100_python(["-m", "benchmarks.bench_h100_static", *(["--quick"] if args.quick else []),
-                        *(["--families"] if args.families else []), "--child-out", child_out])
-    with open(child_out) as f:
-        rows = json.load(f)
-    os.remove(child_out)
+    rows = h100_child_rows("benchmarks.bench_h100_static",
+                           [*(["--quick"] if args.quick else []), *(["--families"] if args.families else [])], args.out, name)
     predictions = vllm_predictions(rows)
     for r in rows:
         # The prediction is of one H100's decode step (aiconfigurator's h100_sxm tables).
@@ -257,13 +251,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def spec_decode_main(args, run_in_h100_python) -> int:
-    child_out = os.path.join(args.out, ".h100_spec_decode.child.json")
-    run_in_h100_python(["-m", "benchmarks.bench_h100_static", "--spec-decode", "--k", str(args.k),
-                        "--child-out", child_out])
-    with open(child_out) as f:
-        rows = json.load(f)
-    os.remove(child_out)
+def spec_decode_main(args) -> int:
+    rows = h100_child_rows("benchmarks.bench_h100_static", ["--spec-decode", "--k", str(args.k)], args.out,
+                           "h100_spec_decode")
     table = spec_decode_table(rows, args.k)
     result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 programs (HBM bytes of the "
               "step, plus the float32 logits the sampler / verifier reads); nothing ran on a GPU", "table": table,

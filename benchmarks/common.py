@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -116,3 +117,17 @@ def plot_runs(runs: list[Run], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def h100_child_rows(module: str, flags: list[str], out_dir: str, name: str) -> list:
+    """The rows `python -m module *flags --child-out F` writes, run in the H100 toolchain's Python
+    (jaxpaged/static_profile/target.py: only that process sees the CUDA plugin); F, a scratch file
+    `.<name>.child.json` under out_dir, is removed once read."""
+    from jaxpaged.static_profile.target import run_in_h100_python
+
+    child_out = os.path.join(out_dir, f".{name}.child.json")
+    run_in_h100_python(["-m", module, *flags, "--child-out", child_out])
+    with open(child_out) as f:
+        rows = json.load(f)
+    os.remove(child_out)
+    return rows
