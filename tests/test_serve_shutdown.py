@@ -112,12 +112,19 @@ def test_sigterm_drains_streams_in_flight_refuses_new_requests_and_exits_0(tmp_p
 
 @pytest.fixture
 def drained_server():
-    """An in-process DrainingServer (shutdown_timeout 1 s) over a tiny engine, in a thread."""
+    """An in-process DrainingServer (shutdown_timeout 1 s) over a tiny engine that takes >= 20 ms a step, in a thread."""
     from jaxpaged.entrypoints.serve import build_server
     from jaxpaged.entrypoints.serve.shutdown import Drain, DrainingServer
     from test_llm_inputs import tiny_llm
 
     engine = tiny_llm(max_model_len=256, num_pages=128).engine
+    step = engine.step
+
+    def slow_step():  # >= 20 ms a step: 200 tokens outlast the 1 s drain on any machine, idle or loaded
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
     drain = Drain(1.0)
     app, bridge = build_server(engine, served_model_name=MODEL, drain=drain)
     bridge.start()
