@@ -122,10 +122,117 @@ def test_abort_requests_without_pausing(served, client):
     assert status == 200 and body == {"status": "aborted", "aborted": 1}
     stream.thread.join(60)
     assert stream.finish_reason == "abort" and get(served, "/is_paused") == {"is_paused": False}
-    status, body = post(served, "/abort_requests", json={"request_ids": ["cmpl-1"]})
-    assert status == 400 and "request_ids" in body["error"]["message"]
+    status, body = post(served, "/abort_requests", json={"request_ids": 7})
+    assert status == 400 and "request_ids" in str(body)
     status, body = post(served, "/pause", params={"mode": "later"})
     assert status == 400 and "mode" in body["error"]["message"]
+
+
+class Chosen:
+    """A stream named by the client (vLLM's id: the X-Request-Id header or the body's request_id):
+    a completion, or a chat completion when `chat`. Records its tokens and finish reason."""
+
+    def __init__(self, client, prompt, max_tokens, *, request_id=None, header_id=None, chat=False):
+        self.num_tokens, self.finish_reason, self.error, self.id = 0, None, None, None
+        kwargs = dict(model=MODEL, max_tokens=max_tokens, stream=True, temperature=0.0,
+                      extra_body={"ignore_eos": True, **({"request_id": request_id} if request_id else {})},
+                      extra_headers={"X-Request-Id": header_id} if header_id else None)
+        # Tokens counted by their logprobs entries: a chunk goes out for every token when they are asked for
+        create = ((lambda: client.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                                          logprobs=True, **kwargs))
+                  if chat else (lambda: client.completions.create(prompt=prompt, logprobs=0, **kwargs)))
+        self.thread = threading.Thread(target=self._run, args=(create, chat))
+        self.thread.start()
+
+    def _run(self, create, chat):
+        try:
+            for chunk in create():
+                self.id = chunk.id
+                for choice in chunk.choices:
+                    if choice.logprobs is not None:
+                        self.num_tokens += len(choice.logprobs.content if chat else choice.logprobs.tokens)
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except Exception as err:  # surfaced by the test
+            self.error = err
+
+    def wait_for_tokens(self, n, timeout=120):
+        deadline = time.monotonic() + timeout
+        while self.num_tokens < n:
+            assert time.monotonic() < deadline and self.thread.is_alive(), (self.error, self.num_tokens)
+            time.sleep(0.01)
+
+
+def test_abort_requests_ends_the_chosen_streams_and_frees_their_pages_while_another_streams(served, client,
+                                                                                              monkeypatch):
+    bridge = served["bridge"]
+    engine = served["llm"].engine
+    step = engine.step
+
+    def slow_step():  # >= 30 ms a step: 80 tokens take >= 2.4 s on any machine, so all three are mid-stream
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    # Prompts differ in their first page, so no page is shared through the prefix cache.
+    first = Chosen(client, "alpha one", 80, request_id="first")  # vLLM's external id: cmpl-first-0
+    second = Chosen(client, "bravo two", 80, header_id="second", chat=True)  # chatcmpl-second (the header)
+    third = Chosen(client, "charlie three", 80, request_id="third")
+    for stream in (first, second, third):
+        stream.wait_for_tokens(2)
+
+    def pages():  # on the engine thread, between two steps: used pages, and each running request's own
+        return bridge.run_on_engine(lambda b: (b.engine.stats()["num_used_pages"],
+                                               [len(set(seq.block_table)) for seq in b.engine.scheduler.running])
+                                    ).result(60)
+
+    used, own = pages()
+    assert len(own) == 3 and used == sum(own)
+    status, body = post(served, "/abort_requests", json={"request_ids": ["cmpl-first-0", "chatcmpl-second",
+                                                                         "cmpl-nobody"]})
+    assert status == 200 and body == {"status": "aborted", "aborted": 3}  # vLLM counts the ids sent
+    used, own = pages()
+    assert len(own) == 1 and used == own[0]  # the two aborted requests' pages are free
+    first.thread.join(60)
+    second.thread.join(60)
+    assert (first.error, first.finish_reason, first.id) == (None, "abort", "cmpl-first")
+    assert (second.error, second.finish_reason, second.id) == (None, "abort", "chatcmpl-second")
+    assert first.num_tokens < 80 and second.num_tokens < 80
+    at_abort = third.num_tokens
+    third.thread.join(120)
+    assert third.error is None and third.finish_reason == "length" and third.num_tokens == 80 > at_abort
+    assert engine.num_unfinished_requests == 0 and get(served, "/is_paused") == {"is_paused": False}
+
+
+def test_abort_requests_by_response_id_ends_every_prompt_of_a_completion(served, client, monkeypatch):
+    step = served["llm"].engine.step
+
+    def slow_step():
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(served["llm"].engine, "step", slow_step)
+    chunks, done = [], threading.Event()
+
+    def run():
+        for chunk in client.completions.create(model=MODEL, prompt=["delta four", "echo five"], max_tokens=80,
+                                               stream=True, temperature=0.0,
+                                               extra_body={"ignore_eos": True, "request_id": "pair"}):
+            chunks.append(chunk)
+        done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not chunks:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    assert post(served, "/abort_requests", json={"request_ids": "cmpl-pair"}) == (
+        200, {"status": "aborted", "aborted": 1})
+    thread.join(60)
+    assert done.is_set()
+    reasons = {choice.index: choice.finish_reason for chunk in chunks for choice in chunk.choices
+               if choice.finish_reason}
+    assert reasons == {0: "abort", 1: "abort"} and served["llm"].engine.num_unfinished_requests == 0
 
 
 def test_endpoints_need_dev_mode(served, monkeypatch):

@@ -15,6 +15,12 @@ instead of growing an unbounded backlog.
 Deadline (`--request-timeout`): a request still in flight that long after its arrival is aborted
 the same way, between two steps, and its pages freed.
 
+Chosen aborts (/abort_requests, serve/rl_routes.py): each request is also known by its external ids,
+vLLM's: `chatcmpl-<base>` for a chat completion, `cmpl-<base>-<i>` for a completion's i-th prompt and
+`cmpl-<base>` for all of a completion's prompts (<base>: the X-Request-Id header, else the body's
+request_id, else random). `abort_external(ids)` ends those requests as the drain does; unknown ids
+are ignored, as vLLM ignores them.
+
 Drain (graceful shutdown, shutdown.py): `drain(deadline)` waits for the requests in flight, then
 aborts the rest on the engine thread; each of those gets a last output with finish_reason "abort",
 so its handler ends the response as for any finished request.
@@ -52,6 +58,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     stream: RequestStream
+    external_ids: tuple[str, ...] = ()  # the ids /abort_requests may name it by
 
 
 @dataclass
@@ -96,6 +103,7 @@ class RequestStream:
         self.last_output: RequestOutput | None = None  # engine thread: the last output pushed (for an abort)
         self.num_samples = 1  # engine thread: the request's n
         self.prompt_token_ids: list[int] = []
+        self.external_ids: tuple[str, ...] = ()  # engine thread: set when admitted
 
     def push(self, item) -> None:  # engine thread
         try:
@@ -148,6 +156,7 @@ class EngineBridge:
         # Engine thread only:
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}
+        self._by_external: dict[str, set[str]] = {}  # external id -> the bridge's ids of its requests
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         # /pause (serve/rl_routes.py): while paused nothing steps; requests that arrive wait here, unadded.
@@ -171,7 +180,7 @@ class EngineBridge:
             return self._num_in_flight
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, external_ids: tuple[str, ...] = ()) -> RequestStream:
         """Queues a request for the engine thread; raises ServerOverloaded when the queue is full."""
         with self._lock:
             if self._num_in_flight >= self.capacity:
@@ -182,7 +191,7 @@ class EngineBridge:
             self._num_in_flight += 1
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, stream))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, stream, tuple(external_ids)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -206,6 +215,19 @@ class EngineBridge:
         held, self.held = self.held, []
         for command in held:
             self._add(command)
+
+    def abort_external(self, external_ids) -> None:
+        """Aborts the requests known by any of `external_ids`, held ones included (/abort_requests);
+        each stream ends with finish_reason "abort"."""
+        wanted = set(external_ids)
+        held, kept = [], []
+        for command in self.held:
+            (held if wanted & set(command.external_ids) else kept).append(command)
+        self.held = kept
+        for command in held:  # admitted only to end like the rest
+            self._add(command)
+        self._abort_now(sorted({request_id for external_id in wanted
+                                for request_id in self._by_external.get(external_id, ())}))
 
     def drain(self, deadline: float, hurry: threading.Event, *, abort_wait_s: float = 5.0) -> int:
         """Waits until no request is in flight, `deadline` (time.monotonic()) passes or `hurry` is set;
@@ -287,7 +309,10 @@ class EngineBridge:
             command.stream.push(err)
             return
         self._streams[command.request_id] = command.stream
+        for external_id in command.external_ids:
+            self._by_external.setdefault(external_id, set()).add(command.request_id)
         command.stream.num_samples, command.stream.prompt_token_ids = command.params.n, command.prompt_token_ids
+        command.stream.external_ids = command.external_ids
         self._timings[command.request_id] = _Timing(arrival=time.perf_counter())
         if self.metrics is not None:
             self.metrics.add_prompt_tokens(len(command.prompt_token_ids))
@@ -330,7 +355,10 @@ class EngineBridge:
         held, self.held = self.held, []  # arrived while paused (/pause): admitted only to end like the rest
         for command in held:
             self._add(command)
-        request_ids = list(self._streams)
+        return self._abort_now(list(self._streams))
+
+    def _abort_now(self, request_ids: list[str]) -> int:
+        """Aborts these requests (pages freed now); each stream gets a last output, finish_reason "abort"."""
         for request_id in request_ids:
             self.engine.abort_request(request_id)
             stream = self._streams[request_id]
@@ -341,6 +369,12 @@ class EngineBridge:
     def _retire(self, request_id: str, error: BaseException | None) -> None:
         stream = self._streams.pop(request_id)
         self._timings.pop(request_id, None)
+        for external_id in stream.external_ids:
+            known = self._by_external.get(external_id)
+            if known is not None:
+                known.discard(request_id)
+                if not known:
+                    del self._by_external[external_id]
         if error is not None:
             stream.push(error)
         self._release()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve import rl_routes
 from jaxpaged.entrypoints.serve.common import (
-    APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
+    APIError, EngineStreamResponse, base_request_id, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt, usage,
 )
 from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
@@ -58,8 +57,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                              prompt_param="messages", structured_outputs=structured_spec(body, mode, tool_name))
     calls_tools = mode in ("auto", "required", "named")
     tool_how = (mode, tool_name, body.parallel_tool_calls)
-    stream = await start(state, token_ids, params, body.cache_salt)
-    rid, created, model = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), state.served_model_name
+    rid, created, model = f"chatcmpl-{base_request_id(request, body.request_id)}", int(time.time()), state.served_model_name
+    stream = await start(state, token_ids, params, body.cache_salt, external_ids=(rid,))
     ids_of = (lambda ids: {"token_ids": list(ids)}) if body.return_token_ids else (lambda ids: {})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

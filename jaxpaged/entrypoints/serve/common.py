@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -135,10 +136,16 @@ def sampling_params(state: ServerState, body, num_prompt_tokens: int, max_tokens
         raise APIError(400, str(err), param=field if field.isidentifier() else None) from None
 
 
+def base_request_id(request: Request, body_request_id: str | None) -> str:
+    """vLLM's: the X-Request-Id header, else the body's request_id, else random. The response's id is
+    "chatcmpl-" or "cmpl-" and this; /abort_requests names requests by it."""
+    return request.headers.get("X-Request-Id") or body_request_id or uuid.uuid4().hex
+
+
 async def start(state: ServerState, token_ids: list[int], params: SamplingParams,
-                cache_salt: str | None) -> RequestStream:
+                cache_salt: str | None, external_ids: tuple[str, ...] = ()) -> RequestStream:
     try:
-        stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt)
+        stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt, external_ids=external_ids)
     except ServerOverloaded as err:
         raise APIError(503, str(err), "server_overloaded") from None
     try:

@@ -9,14 +9,13 @@ only) returns the prompt alone: how lm-eval scores loglikelihoods.
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from jaxpaged.entrypoints.serve import rl_routes
 from jaxpaged.entrypoints.serve.common import (
-    APIError, EngineStreamResponse, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
+    APIError, EngineStreamResponse, base_request_id, check_model, check_unsupported, collect, deltas_to_send, sampling_params,
     server_state, sse, start, truncated_prompt,
 )
 from jaxpaged.entrypoints.serve.logprobs_format import completion_logprobs
@@ -62,18 +61,19 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "max_tokens=0 cannot be streamed; set stream=false", param="stream")
     prompt_only = body.max_tokens == 0  # one token is generated and dropped
     want_prompt_logprobs = body.logprobs if body.echo else None
+    rid, created, model = f"cmpl-{base_request_id(request, body.request_id)}", int(time.time()), state.served_model_name
     streams = []
     try:
-        for _, token_ids in prompts:
+        for p, (_, token_ids) in enumerate(prompts):
             params = sampling_params(state, body, len(token_ids), 1 if prompt_only else body.max_tokens,
                                      logprobs=body.logprobs, prompt_param="prompt",
                                      prompt_logprobs=want_prompt_logprobs, structured_outputs=structured_spec(body))
-            streams.append(await start(state, token_ids, params, body.cache_salt))
+            # vLLM's external id of prompt p is "<rid>-<p>"; the response's id names all its prompts
+            streams.append(await start(state, token_ids, params, body.cache_salt, external_ids=(f"{rid}-{p}", rid)))
     except BaseException:
         for stream in streams:
             stream.close()
         raise
-    rid, created, model = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), state.served_model_name
 
     def ids_of(p: int, token_ids, first: bool) -> dict:  # vLLM's return_token_ids
         if not body.return_token_ids:

@@ -4,8 +4,14 @@
                                                          requests that arrive meanwhile wait, unadded
     POST /resume                                         held requests are added, stepping resumes
     GET  /is_paused                                      {"is_paused": bool}
-    POST /abort_requests {}                              every request finishes now with finish_reason
-                                                         "abort"; no pause (request_ids: refused, 400)
+    POST /abort_requests {"request_ids": [...]}          those requests finish now with finish_reason
+                                                         "abort", no pause; {} or [] aborts every one.
+                                                         Ids are vLLM's external ids (bridge.py):
+                                                         "chatcmpl-<id>", "cmpl-<id>-<prompt>", or
+                                                         "cmpl-<id>" for all of a response's prompts;
+                                                         unknown ids are ignored. {"status": "aborted",
+                                                         "aborted": how many ids were sent (vLLM's
+                                                         count), or how many requests for {}}
     POST /update_weight_version {"new_version": "..."}   relabels the current weights
     GET  /weight_info                                    {"weight_version": "..."}
 
@@ -77,14 +83,15 @@ async def is_paused(request: Request):
 
 class AbortRequests(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    request_ids: list[str] | None = None
+    request_ids: list[str] | str | None = None  # one id or a list, as vLLM's engine.abort takes
 
 
 @router.post("/abort_requests")
 async def abort_requests(body: AbortRequests, request: Request):
-    if body.request_ids:
-        raise APIError(400, "aborting chosen request_ids is not supported yet (the engine's ids are not the "
-                            "responses' ids); send {} to abort every request", param="request_ids")
+    request_ids = [body.request_ids] if isinstance(body.request_ids, str) else body.request_ids
+    if request_ids:
+        await _on_engine(request, lambda bridge: bridge.abort_external(request_ids))
+        return {"status": "aborted", "aborted": len(request_ids)}
     count = await _on_engine(request, lambda bridge: bridge.engine.abort_all_requests())
     return {"status": "aborted", "aborted": count}
 
