@@ -24,6 +24,7 @@ from jaxpaged.models.hf_weights import params_from_weights
 from jaxpaged.entrypoints.chat_prompts import chat_prompts
 from jaxpaged.entrypoints.prompts import Prompts, normalize_prompts
 from jaxpaged.entrypoints.rl_control import GenerationGate, StagedWeights, check_pause_mode
+from jaxpaged.entrypoints.weight_transfer import TransferReceiver, is_transfer_info, params_from_leaves, staged_chunk
 from jaxpaged.planner.request import SamplingParams
 
 
@@ -68,6 +69,7 @@ class LLM:
         self._beam_results: dict[str, BeamSearchOutput] = {}  # finished searches, until their call takes them
         self._gate = GenerationGate()  # pause_generation / resume_generation (entrypoints/rl_control.py)
         self._staged = StagedWeights()  # start_weight_update ... finish_weight_update
+        self._transfer = TransferReceiver()  # init_weight_transfer_engine: weights pulled from a trainer process
         self._closed = False  # close(): every later call raises
 
     @property
@@ -450,13 +452,26 @@ class LLM:
     def is_paused(self) -> bool:
         return self._gate.paused
 
+    def init_weight_transfer_engine(self, request) -> None:
+        """Connects to a trainer process's `TrainerWeightTransfer` (entrypoints/weight_transfer.py, backend
+        "jax_transfer"): `{"init_info": {"trainer_address": "host:port"}}`; its offers then arrive
+        through `update_weights`, pulled without disk or pickle."""
+        self._transfer.init(request)
+
     def start_weight_update(self) -> None:
         """Opens a weight update whose parts `update_weights` stages and `finish_weight_update` applies."""
         self._staged.start()
 
     def update_weights(self, request) -> None:
         """Stages part of the update: `{"update_info": {"params": tree}}` (jaxpaged's tree, as `params`) or
-        `{"update_info": {"weights": {hf_name: array}}}` (Hugging Face names; chunks merge until finish)."""
+        `{"update_info": {"weights": {hf_name: array}}}` (Hugging Face names; chunks merge until finish), or
+        a trainer's offer `{"update_info": {"uuid", "names", "dtype_names", "shapes", "kind"}}` after
+        `init_weight_transfer_engine`: its arrays are pulled here (generation goes on meanwhile), then staged."""
+        info = request.get("update_info") if isinstance(request, dict) else getattr(request, "update_info", None)
+        if is_transfer_info(info):
+            if not self._staged.active:
+                raise ValueError("no weight update is started; call start_weight_update() first")
+            request = staged_chunk(*self._transfer.pull(info))
         self._staged.add(request)
 
     def finish_weight_update(self, weight_version: int | str | None = None) -> None:
@@ -464,6 +479,8 @@ class LLM:
         in_flight="keep"; pause first to choose otherwise); tokens sampled from now on carry
         `weight_version` (None: the current version + 1, or the same label if it is a str)."""
         kind, value = self._staged.finish()
+        if kind == "leaves":
+            kind, value = "params", params_from_leaves(self.engine.params, value)
         if kind == "params":
             self.update_params(value, version=weight_version)
         else:

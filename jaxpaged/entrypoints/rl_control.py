@@ -6,9 +6,11 @@ staged in chunks (`LLM.pause_generation`, `start_weight_update` ... `finish_weig
         "wait"   requests already in the engine run to their end first (their calls return)
         "keep"   requests stay where they are, K/V kept; they continue after resume_generation
     start_weight_update()        opens a staged update
-    update_weights(request)      {"update_info": {"params": tree}} (jaxpaged's parameter tree) or
+    update_weights(request)      {"update_info": {"params": tree}} (jaxpaged's parameter tree),
                                  {"update_info": {"weights": {hf_name: array} or [(name, array)]}}
-                                 (Hugging Face names, chunks merged); nothing is applied yet
+                                 (Hugging Face names, chunks merged) or {"update_info": {"leaves":
+                                 {tree path: array}}} (chunks merged; what a jax_transfer pull of kind
+                                 "params" stages, entrypoints/weight_transfer.py); nothing is applied yet
     finish_weight_update(weight_version=)   applies what was staged between two steps (update_params,
                                  in_flight="keep"): kept requests continue under the new weights
 
@@ -64,35 +66,45 @@ class StagedWeights:
         self.active = False
         self.params = None  # a whole jaxpaged tree, or None
         self.weights: dict = {}  # Hugging Face name -> array, merged over chunks
+        self.leaves: dict = {}  # jaxpaged tree path (jax.tree_util.keystr) -> array, merged over chunks
 
     def start(self) -> None:
         if self.active:
             raise ValueError("a weight update is already started; call finish_weight_update() before starting another")
-        self.active, self.params, self.weights = True, None, {}
+        self.active, self.params, self.weights, self.leaves = True, None, {}, {}
 
     def add(self, request) -> None:
         if not self.active:
             raise ValueError("no weight update is started; call start_weight_update() first")
         info = request.get("update_info") if isinstance(request, Mapping) else getattr(request, "update_info", None)
-        if not isinstance(info, Mapping) or not ({"params", "weights"} & info.keys()):
-            raise ValueError("update_weights takes {'update_info': {'params': tree}} (jaxpaged's parameter tree) or "
-                             "{'update_info': {'weights': {name: array} or [(name, array), ...]}} (Hugging Face names)")
+        if not isinstance(info, Mapping) or not ({"params", "weights", "leaves"} & info.keys()):
+            raise ValueError("update_weights takes {'update_info': {'params': tree}} (jaxpaged's parameter tree), "
+                             "{'update_info': {'weights': {name: array} or [(name, array), ...]}} (Hugging Face "
+                             "names) or a jax_transfer offer (entrypoints/weight_transfer.py)")
+        kinds = [k for k in ("params", "weights", "leaves") if k in info]
+        mixed = [k for k, staged in (("params", self.params is not None), ("weights", bool(self.weights)),
+                                     ("leaves", bool(self.leaves))) if staged and k not in kinds]
+        if len(kinds) > 1 or mixed:
+            raise ValueError(f"this update mixes {sorted(set(kinds + mixed))}; send one kind per update: a 'params' "
+                             "tree, Hugging Face 'weights' chunks, or jaxpaged tree-path chunks")
         if "params" in info:
-            if self.weights:
-                raise ValueError("this update already has Hugging Face weights; send 'weights' chunks or one 'params' tree")
             self.params = info["params"]
-        if "weights" in info:
-            if self.params is not None:
-                raise ValueError("this update already has a 'params' tree; send 'weights' chunks or one 'params' tree")
-            chunk = info["weights"]
-            self.weights.update(chunk.items() if isinstance(chunk, Mapping) else chunk)
+        for key, merged in (("weights", self.weights), ("leaves", self.leaves)):
+            if key in info:
+                chunk = info[key]
+                merged.update(chunk.items() if isinstance(chunk, Mapping) else chunk)
 
     def finish(self) -> tuple[str, object]:
-        """("params", tree) or ("weights", {name: array}); the update is closed either way."""
+        """("params", tree), ("weights", {name: array}) or ("leaves", {path: array}); the update is closed
+        either way."""
         if not self.active:
             raise ValueError("no weight update is started; call start_weight_update() first")
-        params, weights = self.params, self.weights
-        self.active, self.params, self.weights = False, None, {}
-        if params is None and not weights:
-            raise ValueError("finish_weight_update() with nothing staged; call update_weights(...) first")
-        return ("params", params) if params is not None else ("weights", weights)
+        params, weights, leaves = self.params, self.weights, self.leaves
+        self.active, self.params, self.weights, self.leaves = False, None, {}, {}
+        if params is not None:
+            return "params", params
+        if weights:
+            return "weights", weights
+        if leaves:
+            return "leaves", leaves
+        raise ValueError("finish_weight_update() with nothing staged; call update_weights(...) first")
