@@ -15,7 +15,7 @@ import pytest
 from tiny_checkpoint import write_tiny_checkpoint
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.rl import TrainerWeightTransfer, leaves_by_path
+from jaxpaged.rl import HTTPWeightSyncClient, TrainerWeightTransfer, leaves_by_path
 from serve_fixtures import running_server
 from weight_trainer import changed, checkpoint_weights
 
@@ -59,6 +59,12 @@ def test_a_trainer_process_pushes_weights_into_a_running_server(checkpoint, monk
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     with running_server(llm.engine, served_model_name=MODEL) as (base, bridge):
         assert served_greedy_tokens(base)[0] == before
+        client = HTTPWeightSyncClient(base)
+        with pytest.raises(RuntimeError, match="HTTP 400.*start_weight_update"):
+            client.update_weights({"update_info": {"uuid": 1, "names": ["x"], "dtype_names": ["float32"],
+                                                   "shapes": [[2]]}})
+        with pytest.raises(RuntimeError, match="HTTP 400.*'nccl' is not supported"):
+            client.init_weight_transfer_engine({"init_info": {"trainer_address": "127.0.0.1:1", "backend": "nccl"}})
         trainer = subprocess.run(
             [sys.executable, "-m", "tests.weight_trainer", checkpoint, base, "trained-1"],
             capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
