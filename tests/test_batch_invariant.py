@@ -193,3 +193,41 @@ def test_settings_that_cannot_be_invariant_are_refused(monkeypatch):
         EngineConfig(kv_cache_dtype="int8").resolved(on_gpu=False, model_max_len=128)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     assert EngineConfig().resolved(on_gpu=False, model_max_len=128).batch_invariant is False
+
+
+def test_gpu_is_refused_saying_what_is_not_invariant():
+    from jaxpaged.device.batch_invariant import check_batch_invariant
+
+    with pytest.raises(ValueError, match="GEMM .* by the number of rows"):
+        check_batch_invariant(TINY, platform="gpu", matmul_kernels=frozenset(), one_attention_path=True,
+                              kv_cache_dtype="auto", page_size=8, sharded=False)
+
+
+def test_the_pallas_ragged_kernel_gives_a_row_the_same_bits_in_any_batch():
+    """The attention a GPU batch-invariant mode would run in every step (device/batch_invariant.py):
+    one decode row of the Pallas ragged kernel (interpret mode), alone and beside other sequences'
+    chunks of several lengths, is the same bits."""
+    from pallas_kernels.ragged import ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    num_kv_heads, num_heads, head_dim, page_size, num_pages, width = 2, 4, 16, 4, 64, 16
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)), jnp.float32)
+                        for _ in range(2))
+    row = rng.standard_normal((1, num_heads, head_dim)).astype(np.float32)
+
+    def first_row(others):  # others: (seq_len, q_len) of the sequences after the decode row (seq_len 37)
+        lens = [(37, 1), *others]
+        q = np.concatenate([row] + [rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32)
+                                    for _, q_len in others])
+        q = np.concatenate([q, np.zeros((-len(q) % 16, num_heads, head_dim), np.float32)])  # a bucket's padding
+        tables = np.array([[(s * width + i) % (num_pages - 1) + 1 for i in range(width)] for s in range(len(lens))],
+                          np.int32)
+        starts = np.concatenate([[0], np.cumsum([q_len for _, q_len in lens])]).astype(np.int32)
+        out = ragged_paged_attention(jnp.asarray(q), k_pages, v_pages, jnp.asarray(tables),
+                                     jnp.asarray(np.array([s for s, _ in lens], np.int32)), jnp.asarray(starts),
+                                     scale=head_dim ** -0.5, interpret=True)
+        return np.asarray(out[0])
+
+    alone = first_row([])
+    np.testing.assert_array_equal(first_row([(20, 5), (50, 1), (9, 9), (61, 3)]), alone)
+    np.testing.assert_array_equal(first_row([(64, 1)] * 7), alone)

@@ -20,9 +20,21 @@ by the step's shape. On the CPU path that holds when
 so a token computed in a decode step, in a prompt chunk (any chunking), recomputed after preemption,
 or served from the prefix cache, is the same bits in every bucket, batch and replica. What does not
 meet those conditions is refused here, with what to change, rather than run varying:
-GPUs (cuBLAS and the Pallas decode plan choose split sizes and tiles by the batch), bfloat16, a
+GPUs (see below), bfloat16, a
 quantized KV cache or GGUF codes, tensor parallelism, MoE (`ragged_dot` sums by group sizes),
 attention soft-capping (the kernels do not take it), widths the kernels do not take.
+
+On a GPU, what is ready and what is not (interpret mode on the CPU, f32; no GPU run):
+    attention   the Pallas ragged kernel (pallas_kernels/ragged.py) in every step: a row's output is
+                the same bits in any batch and chunk mix (fixed key blocks from page 0; a test);
+                the decode kernel is not: its splits come from the batch (decode_plan.py), and even
+                at a fixed split count the combine's sum over splits changed a row between batch 1
+                and 64 (measured, 1 ulp)
+    GEMMs       not ready: XLA:GPU chooses cuBLAS or Triton and their tiles and split-K by the row
+                count; a GEMM with tiles fixed whatever the rows (a Pallas matmul, K in fixed
+                blocks) would have to run every projection and the LM head
+    the rest    the ordered sums (ops/ordered_sum.py) are elementwise ops, unchecked under
+                XLA:GPU's fusion; bfloat16 weights and pages are refused on every platform
 """
 
 from __future__ import annotations
@@ -54,8 +66,9 @@ def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels:
         raise ValueError(f"batch_invariant=True: {what}")
 
     if platform != "cpu":
-        refuse(f"implemented on the CPU path only (on {platform!r} the GEMMs and attention split by the batch); "
-               "run on the CPU or leave it off")
+        refuse(f"implemented on the CPU path only; on {platform!r} XLA picks each projection's and the LM head's "
+               "GEMM (library, tiles, split-K) by the number of rows, so a token's sums change with the batch, "
+               "and the Pallas decode kernel plans its context splits from the batch. Run on the CPU or leave it off")
     if sharded:
         refuse("tensor parallelism sums partial products across devices; use tensor_parallel_size=1 "
                "(data_parallel_size replicas are fine)")
