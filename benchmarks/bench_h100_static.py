@@ -3,6 +3,7 @@
     python -m benchmarks.bench_h100_static            # the matrix below, ~20-30 min on 2 cores
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
+    python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -94,6 +95,15 @@ def cases(quick: bool, families: bool = False) -> list[dict]:
     return c + family_cases()
 
 
+def batch_invariant_cases() -> list[dict]:
+    """Qwen3-0.6B decode steps, context 1024, batch 1 / 64 / 256: the default (the Pallas decode kernel,
+    its splits planned from the batch) beside the attention batch_invariant=True would run on a GPU (the
+    Pallas ragged kernel in every step, device/batch_invariant.py). The GEMMs are XLA's in both: what a
+    GPU mode still lacks, so this is the attention's share of its cost only."""
+    return [dict(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=1024,
+                 invariant_attention=inv) for b in (1, 64, 256) for inv in (False, True)]
+
+
 def spec_decode_cases(k: int) -> list[dict]:
     """Speculative decoding: each decode step beside the verification step of k proposals per sequence
     (1 + k tokens each, logits at all of them), Qwen3-0.6B, pallas, context 1024."""
@@ -128,7 +138,9 @@ def child(args) -> None:
     from jaxpaged.static_profile.step_profile import StepCase, profile
 
     rows = []
-    for spec in spec_decode_cases(args.k) if args.spec_decode else cases(args.quick, args.families):
+    specs = (spec_decode_cases(args.k) if args.spec_decode else batch_invariant_cases() if args.batch_invariant
+             else cases(args.quick, args.families))
+    for spec in specs:
         case = StepCase(**spec)
         try:
             row = profile(case)
@@ -213,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--spec-decode", action="store_true",
                         help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
     parser.add_argument("--k", type=int, default=3, help="with --spec-decode: proposals per sequence")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode steps with batch_invariant's GPU attention (ragged in every step) beside the default")
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_out:
@@ -221,6 +235,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.spec_decode:
         return spec_decode_main(args)
+    if args.batch_invariant:
+        return batch_invariant_main(args)
     name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
     rows = h100_child_rows("benchmarks.bench_h100_static",
                            [*(["--quick"] if args.quick else []), *(["--families"] if args.families else [])], args.out, name)
@@ -248,6 +264,23 @@ def main(argv=None) -> int:
     for r in rows:
         print(_row_line(r), f"vllm_pred_ms={r['vllm_predicted_ms']}", "" if r["fits_h100"] else
               "(over an H100's 80 GB: not real there)" if r["fits_h200"] else "(over 80 and 141 GB: not real)")
+    return 0
+
+
+def batch_invariant_main(args) -> int:
+    rows = h100_child_rows("benchmarks.bench_h100_static", ["--batch-invariant"], args.out, "h100_static_batch_invariant")
+    keys = ("num_seqs", "invariant_attention", "launches", "bytes_to_ideal", "hbm_bytes", "ideal_bytes", "floor_ms",
+            "launch_floor_ms")
+    table = [{k: r.get(k) for k in keys} | ({"error": r["error"]} if "error" in r else {}) for r in rows]
+    result = {"environment": environment(), "label": "ESTIMATES from the compiled H100 programs; nothing ran on a GPU. "
+              "invariant_attention: the Pallas ragged kernel in every step (batch_invariant's GPU attention); the "
+              "GEMMs are XLA's in both rows (not batch-invariant: batch_invariant stays refused on GPUs)",
+              "table": table, "rows": rows}
+    with open(os.path.join(args.out, "h100_static_batch_invariant.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n(estimates) Qwen3-0.6B decode, context 1024: default vs batch_invariant's attention")
+    for t in table:
+        print(t)
     return 0
 
 

@@ -201,6 +201,12 @@ def test_gpu_is_refused_saying_what_is_not_invariant():
     with pytest.raises(ValueError, match="GEMM .* by the number of rows"):
         check_batch_invariant(TINY, platform="gpu", matmul_kernels=frozenset(), one_attention_path=True,
                               kv_cache_dtype="auto", page_size=8, sharded=False)
+    # The GPU's attention (the static profile compiles it: bench_h100_static --batch-invariant) is
+    # the ragged kernel in every step; on the CPU it would break parity with the trainer's forward.
+    gpu_attention = attention_fn("pallas", platform="cuda", batch_invariant=True)
+    assert gpu_attention.one_path and not getattr(gpu_attention, "has_decode_kernel", False)
+    with pytest.raises(ValueError, match="on the CPU use 'chunked'"):
+        attention_fn("pallas", batch_invariant=True)
 
 
 def test_the_pallas_ragged_kernel_gives_a_row_the_same_bits_in_any_batch():

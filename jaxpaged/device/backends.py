@@ -46,7 +46,7 @@ def attention_fn(backend: str, *, platform: str | None = None, batch_invariant: 
     if batch_invariant:
         from jaxpaged.device.batch_invariant import invariant_attention_fn
 
-        return invariant_attention_fn(backend)
+        return invariant_attention_fn(backend, platform)
     fn = _attention_fn(backend)
     if platform is None or backend not in ("pallas", "mosaic"):
         return fn

@@ -44,8 +44,17 @@ import jax.numpy as jnp
 from jaxpaged.models.config import ModelConfig
 
 
-def invariant_attention_fn(backend: str):
-    """The attention backend of batch-invariant mode: on the CPU, the ragged kernel in every step."""
+def invariant_attention_fn(backend: str, platform: str | None = None):
+    """The attention backend of batch-invariant mode: on the CPU, the ragged kernel in every step.
+    "pallas" with platform "cuda"/"gpu": the Pallas ragged kernel in every step (decode-only steps
+    included), the attention a GPU mode would run; only the static profile compiles it, since the
+    runner refuses batch_invariant on a GPU (the GEMMs, above)."""
+    if backend == "pallas":
+        if platform not in ("cuda", "gpu"):
+            raise ValueError("batch_invariant=True with attention_backend='pallas' is the GPU's attention, compiled "
+                             "for a GPU (platform='cuda'); on the CPU use 'chunked' (the trainer's forward, "
+                             "jaxpaged.rl.token_logprobs, runs the CPU's ragged kernel)")
+        return _pallas_ragged_every_step()
     if backend != "chunked":
         raise ValueError(f"batch_invariant=True runs the CPU's ragged attention kernel in every step; "
                          f"attention_backend={backend!r} is not batch-invariant: use 'chunked' (or 'auto' on a CPU)")
@@ -57,6 +66,20 @@ def invariant_attention_fn(backend: str):
         raise ValueError("batch_invariant=True needs the CPU ragged attention kernel (ops/cpu/ragged_attention.cc): "
                          "a C++ compiler (set CXX) and JAXPAGED_CPU_KERNELS allowing ragged_attention")
     return cpu_attention.with_cpu_kernels(chunked_paged_attention_from_buffer, kernels, one_path=True)
+
+
+def _pallas_ragged_every_step():
+    from pallas_kernels.ragged import ragged_paged_attention_from_buffer
+
+    def attention(q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
+                  sliding_window=None):
+        return ragged_paged_attention_from_buffer(q, kv_pages, block_tables, seq_lens, query_start_loc,
+                                                  layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
+                                                  sliding_window=sliding_window, interpret=False)
+
+    attention.reads_whole_kv_buffer = True  # the model passes the whole buffer and a layer index
+    attention.one_path = True  # no decode kernel: the model never passes decode_only
+    return attention
 
 
 def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels: frozenset, one_attention_path: bool,

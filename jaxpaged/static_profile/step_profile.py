@@ -75,6 +75,9 @@ class StepCase:
     max_num_seqs: int | None = None  # the runner's max_num_seqs (its decode buckets); None: max(num_seqs, 2)
     chip: str = "h100"  # the compile target: "h100" | "h200" (target.TARGETS)
     tp: int = 1  # tensor parallel: a mesh of this many virtual chips; every byte figure is then per device
+    # the attention batch_invariant=True would run on a GPU (device/batch_invariant.py): the Pallas ragged
+    # kernel in every step, decode steps included; the GEMMs stay XLA's (not invariant: refused at run time)
+    invariant_attention: bool = False
 
     @property
     def decode(self) -> bool:
@@ -100,7 +103,8 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     runner = ModelRunner(  # decode: the runner's own decode buckets for max_num_seqs
         config, params, num_pages=case.num_seqs * pages_per_seq + 1, page_size=PAGE_SIZE,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max(num_tokens, max_num_seqs),
-        max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
+        max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda",
+                                                                             batch_invariant=case.invariant_attention),
         buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
         kv_cache_dtype=case.kv_cache_dtype, mesh=mesh,
     )
