@@ -65,6 +65,17 @@ def test_a_trainer_process_pushes_weights_into_a_running_server(checkpoint, monk
                                                    "shapes": [[2]]}})
         with pytest.raises(RuntimeError, match="HTTP 400.*'nccl' is not supported"):
             client.init_weight_transfer_engine({"init_info": {"trainer_address": "127.0.0.1:1", "backend": "nccl"}})
+        # A pull that never gets its bytes (nobody offered this uuid): 502 after timeout_s, nothing staged,
+        # and the engine serves on.
+        stray = TrainerWeightTransfer("127.0.0.1:0")
+        client.init_weight_transfer_engine({"init_info": {**stray.init_info(), "timeout_s": 1}})
+        client.start_weight_update()
+        with pytest.raises(RuntimeError, match="HTTP 502.*no bytes within timeout_s=1"):
+            client.update_weights({"update_info": {"uuid": 7, "names": ["x"], "dtype_names": ["float32"],
+                                                   "shapes": [[2]]}})
+        with pytest.raises(RuntimeError, match="HTTP 400.*nothing staged"):
+            client.finish_weight_update()
+        assert served_greedy_tokens(base)[0] == before
         trainer = subprocess.run(
             [sys.executable, "-m", "tests.weight_trainer", checkpoint, base, "trained-1"],
             capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -118,6 +129,9 @@ def test_refusals_name_what_to_do(checkpoint):
                                             "shapes": [[2]]}})
     with pytest.raises(ValueError, match="not a dtype name"):
         llm.update_weights({"update_info": {"uuid": 1, "names": ["a"], "dtype_names": ["float99"], "shapes": [[2]]}})
+    offered = sender.offer({"a": jnp.ones((3,))})
+    with pytest.raises(RuntimeError, match="failed"):  # other shapes than offered: the pull fails, fast
+        llm.update_weights({"update_info": {**offered, "shapes": [[4]]}})
     leaves = leaves_by_path(llm.params)
     some = dict(list(leaves.items())[:2])
     llm.update_weights({"update_info": sender.offer(some, kind="params")})

@@ -23,9 +23,9 @@ goes on while bytes move; only `finish_weight_update` touches the engine, betwee
 
 from __future__ import annotations
 
-import datetime
 import json
 import secrets
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -143,21 +143,48 @@ class TransferReceiver:
         self.connection = self.server.connect(address)
         self.trainer_address, self.timeout_s = address, float(timeout_s)
 
+    def _reconnect(self) -> None:
+        """A pull that failed or timed out may still be pending on the connection: fail it (jaxlib's
+        `_poison_connection`, where it exists, frees its buffers) and open a fresh connection."""
+        poison = getattr(self.connection, "_poison_connection", None)
+        if poison is not None:
+            poison()
+        self.connection = self.server.connect(self.trainer_address)
+
     def pull(self, info) -> tuple[str, dict[str, jax.Array]]:
         """(kind, {name: array}) of one offer; blocks until the bytes are here (or timeout_s)."""
         uuid, kind, names, specs = _check_update_info(info)
         if self.connection is None:
             raise ValueError("no weight transfer is initialised; call init_weight_transfer_engine("
                              "{'init_info': {'trainer_address': ...}}) first")
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-        try:
-            arrays = self.connection.pull(uuid, specs, timeout=deadline)
-            jax.block_until_ready(arrays)
-        except Exception as err:  # the trainer is gone, never offered this uuid, or offered other shapes
-            raise RuntimeError(f"pulling update {uuid} from {self.trainer_address} failed: {err}; check the trainer "
-                               "offered it (TrainerWeightTransfer.offer) and is still running") from err
+        arrays = self.connection.pull(uuid, specs)  # returns at once; the bytes land later
+        error = _wait_ready(arrays, self.timeout_s)
+        if error is not None:  # the trainer is gone, never offered this uuid, or offered other shapes
+            self._reconnect()
+            raise RuntimeError(f"pulling update {uuid} from {self.trainer_address} failed: {error}; check the trainer "
+                               "offered it (TrainerWeightTransfer.offer: these names, shapes and dtypes) and is "
+                               "still running")
         self.num_bytes_pulled += sum(a.nbytes for a in arrays)
         return kind, dict(zip(names, arrays))
+
+
+def _wait_ready(arrays, timeout_s: float) -> str | None:
+    """None once every array's bytes are here; else what went wrong (an error, or the timeout). The
+    library's own pull timeout does not fail a pull of a uuid nobody offers (jax 0.10), so the wait
+    runs on a helper thread with this deadline."""
+    done, result = threading.Event(), []
+
+    def wait():
+        try:
+            jax.block_until_ready(arrays)
+        except Exception as err:  # noqa: BLE001 - reported to the caller
+            result.append(f"{type(err).__name__}: {err}")
+        done.set()
+
+    threading.Thread(target=wait, name="jaxpaged-weight-pull", daemon=True).start()
+    if not done.wait(timeout_s):
+        return f"no bytes within timeout_s={timeout_s:g} s"
+    return result[0] if result else None
 
 
 def staged_chunk(kind: str, arrays: dict) -> dict:
