@@ -25,6 +25,13 @@ PROMPT = "The weights of a policy"
 def served(tmp_path_factory):
     llm = LLM(write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny"))), max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=16, page_size=4, num_pages=96, warmup=False)
+    step = llm.engine.step
+
+    def slow_step():  # >= 30 ms a step on any machine: a 40-token stream lasts >= 1.2 s, so each test's
+        time.sleep(0.03)  # /pause or /abort_requests reaches it mid-stream however fast the engine is
+        return step()
+
+    llm.engine.step = slow_step
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_SERVER_DEV_MODE", "1")  # read when the app is built
         with running_server(llm.engine, served_model_name=MODEL) as (base, bridge):
@@ -162,17 +169,9 @@ class Chosen:
             time.sleep(0.01)
 
 
-def test_abort_requests_ends_the_chosen_streams_and_frees_their_pages_while_another_streams(served, client,
-                                                                                              monkeypatch):
+def test_abort_requests_ends_the_chosen_streams_and_frees_their_pages_while_another_streams(served, client):
     bridge = served["bridge"]
-    engine = served["llm"].engine
-    step = engine.step
-
-    def slow_step():  # >= 30 ms a step: 80 tokens take >= 2.4 s on any machine, so all three are mid-stream
-        time.sleep(0.03)
-        return step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
+    engine = served["llm"].engine  # its step takes >= 30 ms: 80 tokens last >= 2.4 s, all three are mid-stream
     # Prompts differ in their first page, so no page is shared through the prefix cache.
     first = Chosen(client, "alpha one", 80, request_id="first")  # vLLM's external id: cmpl-first-0
     second = Chosen(client, "bravo two", 80, header_id="second", chat=True)  # chatcmpl-second (the header)
@@ -203,14 +202,7 @@ def test_abort_requests_ends_the_chosen_streams_and_frees_their_pages_while_anot
     assert engine.num_unfinished_requests == 0 and get(served, "/is_paused") == {"is_paused": False}
 
 
-def test_abort_requests_by_response_id_ends_every_prompt_of_a_completion(served, client, monkeypatch):
-    step = served["llm"].engine.step
-
-    def slow_step():
-        time.sleep(0.03)
-        return step()
-
-    monkeypatch.setattr(served["llm"].engine, "step", slow_step)
+def test_abort_requests_by_response_id_ends_every_prompt_of_a_completion(served, client):
     chunks, done = [], threading.Event()
 
     def run():
