@@ -139,3 +139,21 @@ def test_refusals_name_what_to_do(checkpoint):
         llm.finish_weight_update()
     assert llm.get_weight_version() == "0"
     assert greedy_tokens(llm)  # the engine serves on
+
+
+def test_a_process_exits_cleanly_right_after_a_pull_timed_out():
+    """A timed-out pull is failed and settled before `update_weights` raises: a runtime thread still
+    blocked on it when the process exits would abort it (status 134)."""
+    script = (
+        "from jaxpaged.entrypoints.weight_transfer import TransferReceiver, TrainerWeightTransfer\n"
+        "sender = TrainerWeightTransfer()\n"
+        "receiver = TransferReceiver()\n"
+        "receiver.init({'init_info': {**sender.init_info(), 'timeout_s': 1}})\n"
+        "try:\n"
+        "    receiver.pull({'uuid': 1, 'names': ['a'], 'dtype_names': ['float32'], 'shapes': [[2]]})\n"
+        "except RuntimeError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0 and "refused: pulling update 1" in done.stdout, (done.returncode, done.stderr[-2000:])

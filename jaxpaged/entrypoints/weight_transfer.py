@@ -37,6 +37,7 @@ import numpy as np
 BACKEND = "jax_transfer"
 KINDS = ("weights", "params")  # Hugging Face names | jaxpaged tree paths
 DEFAULT_PULL_TIMEOUT_S = 300.0
+_SETTLE_S = 10.0  # how long a poisoned pull may take to fail
 
 
 def _transfer():
@@ -143,13 +144,12 @@ class TransferReceiver:
         self.connection = self.server.connect(address)
         self.trainer_address, self.timeout_s = address, float(timeout_s)
 
-    def _reconnect(self) -> None:
-        """A pull that failed or timed out may still be pending on the connection: fail it (jaxlib's
-        `_poison_connection`, where it exists, frees its buffers) and open a fresh connection."""
+    def _poison(self) -> None:
+        """Fails the pulls still pending on the connection (jaxlib's `_poison_connection`, where it
+        exists), so their buffers are freed and nothing waits on them when the process exits."""
         poison = getattr(self.connection, "_poison_connection", None)
         if poison is not None:
             poison()
-        self.connection = self.server.connect(self.trainer_address)
 
     def pull(self, info) -> tuple[str, dict[str, jax.Array]]:
         """(kind, {name: array}) of one offer; blocks until the bytes are here (or timeout_s)."""
@@ -158,9 +158,9 @@ class TransferReceiver:
             raise ValueError("no weight transfer is initialised; call init_weight_transfer_engine("
                              "{'init_info': {'trainer_address': ...}}) first")
         arrays = self.connection.pull(uuid, specs)  # returns at once; the bytes land later
-        error = _wait_ready(arrays, self.timeout_s)
+        error = _wait_ready(arrays, self.timeout_s, on_timeout=self._poison)
         if error is not None:  # the trainer is gone, never offered this uuid, or offered other shapes
-            self._reconnect()
+            self.connection = self.server.connect(self.trainer_address)
             raise RuntimeError(f"pulling update {uuid} from {self.trainer_address} failed: {error}; check the trainer "
                                "offered it (TrainerWeightTransfer.offer: these names, shapes and dtypes) and is "
                                "still running")
@@ -168,10 +168,11 @@ class TransferReceiver:
         return kind, dict(zip(names, arrays))
 
 
-def _wait_ready(arrays, timeout_s: float) -> str | None:
+def _wait_ready(arrays, timeout_s: float, on_timeout) -> str | None:
     """None once every array's bytes are here; else what went wrong (an error, or the timeout). The
     library's own pull timeout does not fail a pull of a uuid nobody offers (jax 0.10), so the wait
-    runs on a helper thread with this deadline."""
+    runs on a helper thread with this deadline; past it `on_timeout()` must fail the pull, and the
+    helper is waited for (a thread left blocked in the runtime aborts the process at exit)."""
     done, result = threading.Event(), []
 
     def wait():
@@ -183,6 +184,8 @@ def _wait_ready(arrays, timeout_s: float) -> str | None:
 
     threading.Thread(target=wait, name="jaxpaged-weight-pull", daemon=True).start()
     if not done.wait(timeout_s):
+        on_timeout()
+        done.wait(_SETTLE_S)
         return f"no bytes within timeout_s={timeout_s:g} s"
     return result[0] if result else None
 
