@@ -47,7 +47,8 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     auto_backend = config.attention_backend == "auto"
     model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization)
-    model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations)
+    model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations,
+                                       fp8_activations=config.fp8_activations or ("fp8" if on_gpu() else "float"))
     eos_ids = tuple(t for t in eos_ids if t != tokenizer.eos_token_id)  # the tokenizer's own eos stops anyway
     if any(t >= model_config.vocab_size for t in eos_ids):
         raise ValueError(f"generation_config.json's eos_token_id lists {list(eos_ids)}, outside the vocabulary "

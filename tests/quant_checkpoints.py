@@ -1,0 +1,163 @@
+"""Quantized Hugging Face checkpoints written from a tiny random Llama, and their float32 oracles.
+
+Each writer saves config.json (with its `quantization_config`), model.safetensors and the tokenizer, and
+returns the float32 weights the format's own dequantization gives: numpy here for fp8, AWQ and GPTQ
+(written independently of jaxpaged/models/hf_quant.py), compressed-tensors' own decompression for its
+formats. `hf_model` loads those weights into transformers' LlamaForCausalLM in float32: the oracle.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from tiny_checkpoint import write_tiny_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# hidden 256, intermediate 320: block-FP8's 128-blocks are whole along hidden, partial along 320 columns.
+SHAPE = dict(vocab_size=320, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+FP8_MAX = 448.0
+
+
+def base_checkpoint(directory: str, **shape) -> tuple[str, dict]:
+    """A float32 tiny Llama (tests/tiny_checkpoint.py's tokenizer) and its state dict as numpy."""
+    from safetensors.numpy import load_file
+
+    write_tiny_checkpoint(directory, **{**SHAPE, **shape})
+    return directory, load_file(os.path.join(directory, "model.safetensors"))
+
+
+def is_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(tuple(f"{n}.weight" for n in LINEARS))
+
+
+def save(directory: str, tensors: dict, quantization_config: dict) -> None:
+    from safetensors.numpy import save_file
+
+    os.remove(os.path.join(directory, "model.safetensors"))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+    path = os.path.join(directory, "config.json")
+    config = json.load(open(path))
+    json.dump({**config, "quantization_config": quantization_config}, open(path, "w"))
+
+
+def fp8(x: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def write_fp8(directory: str, granularity: str, activation_scheme: str = "dynamic",
+              input_maxima: dict | None = None) -> tuple[str, dict]:
+    """An HF `fp8` checkpoint: granularity "tensor" (weight_scale []), "channel" (weight_scale_inv [out, 1])
+    or "block" (weight_scale_inv [ceil(out/128), ceil(in/128)], weight_block_size [128, 128]). Static:
+    input_scale = input_maxima[module] / 448. Returns (directory, dequantized float32 state dict)."""
+    directory, state = base_checkpoint(directory)
+    tensors, oracle = {}, {}
+    for name, w in state.items():
+        if not is_linear(name):
+            tensors[name] = oracle[name] = w
+            continue
+        prefix = name[: -len(".weight")]
+        out, cols = w.shape
+        if granularity == "tensor":
+            scale = np.float32(np.abs(w).max() / FP8_MAX)
+            q = fp8(w / scale)
+            tensors[prefix + ".weight_scale"], expanded = np.asarray(scale, np.float32), scale
+        elif granularity == "channel":
+            scale = (np.abs(w).max(axis=1, keepdims=True) / FP8_MAX).astype(np.float32)
+            q = fp8(w / scale)
+            tensors[prefix + ".weight_scale_inv"], expanded = scale, scale
+        else:
+            b = 128
+            scale = np.zeros((-(-out // b), -(-cols // b)), np.float32)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    scale[i, j] = np.abs(w[i * b:(i + 1) * b, j * b:(j + 1) * b]).max() / FP8_MAX
+            expanded = np.repeat(np.repeat(scale, b, 0)[:out], b, 1)[:, :cols]
+            q = fp8(w / expanded)
+            tensors[prefix + ".weight_scale_inv"] = scale
+        tensors[name] = q
+        if activation_scheme == "static":
+            tensors[prefix + ".input_scale"] = np.asarray(input_maxima[prefix] / FP8_MAX, np.float32)
+        oracle[name] = q.astype(np.float32) * expanded
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": activation_scheme,
+              "modules_to_not_convert": ["lm_head"]}
+    if granularity == "block":
+        config["weight_block_size"] = [128, 128]
+    save(directory, tensors, config)
+    return directory, oracle
+
+
+def input_maxima(state: dict, prompts: list[list[int]]) -> dict:
+    """max |x| into each linear layer of the float model `state` over `prompts` (static activation scales)."""
+    import torch
+
+    model, maxima = hf_model(state), {}
+
+    def hook(prefix):
+        def record(module, args):
+            maxima[prefix] = max(maxima.get(prefix, 0.0), float(args[0].abs().max()))
+        return record
+
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and name.endswith(LINEARS):
+            module.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    return maxima
+
+
+def hf_model(state: dict, activation_quant: dict | None = None):
+    """transformers' LlamaForCausalLM in float32 with `state`'s weights (SHAPE). `activation_quant`
+    {module prefix: ("dynamic", group) | ("static", scale)}: that linear's input is quantized to
+    float8_e4m3fn first (per token, per token and `group` in-features, or by the static scale) and
+    dequantized: the W8A8 oracle (the product of two dequantized operands)."""
+    import torch
+    import transformers
+
+    shape = {**SHAPE, "hidden_size": state["model.embed_tokens.weight"].shape[1],
+             "intermediate_size": state["model.layers.0.mlp.up_proj.weight"].shape[0],
+             "vocab_size": state["model.embed_tokens.weight"].shape[0]}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).float().eval()
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()})
+    for name, module in model.named_modules():
+        if activation_quant and name in activation_quant:
+            module.register_forward_pre_hook(_fake_quant(*activation_quant[name]))
+    return model
+
+
+def _fake_quant(kind, value):
+    import torch
+
+    def quantize(module, args):
+        x = args[0].float()
+        if kind == "static":
+            s = torch.tensor(value, dtype=torch.float32)
+            q = (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+        else:
+            groups = x.reshape(*x.shape[:-1], -1, value or x.shape[-1])
+            s = (groups.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+            q = ((groups / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).reshape(x.shape)
+        return (q,)
+
+    return quantize
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_token_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """log p(tokens[i] | prompt + tokens[:i]) under `model`, teacher-forced."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
