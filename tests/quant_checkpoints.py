@@ -161,3 +161,58 @@ def hf_token_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+
+
+def write_compressed_tensors(directory: str, weights: dict, fmt: str, input_activations: dict | None = None,
+                             calibration: dict | None = None) -> tuple[str, dict]:
+    """A compressed-tensors checkpoint written by compressed-tensors itself: `weights` are its
+    QuantizationArgs fields (e.g. num_bits 4, type "int", symmetric, strategy "group", group_size 32),
+    scales and zero points computed from each weight's min / max (`calculate_qparams`), the format one
+    of its compressors ("pack-quantized", "float-quantized"). Static input activations take
+    `calibration[module] / 448`. Returns (directory, the weights compressed-tensors' own decompression gives)."""
+    import torch
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    directory, state = base_checkpoint(directory)
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    args = QuantizationArgs(**weights)
+    acts = QuantizationArgs(**input_activations) if input_activations else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not hasattr(module, "weight_scale"):
+                continue
+            w = module.weight
+            if args.strategy == "group":
+                w = w.reshape(w.shape[0], -1, args.group_size)
+            elif args.strategy == "block":
+                b0, b1 = args.block_structure
+                w = w.reshape(w.shape[0] // b0, b0, w.shape[1] // b1, b1).transpose(1, 2)
+                w = w.reshape(w.shape[0], w.shape[1], -1)
+            elif args.strategy == "tensor":
+                w = w.reshape(1, 1, -1)
+            else:  # channel
+                w = w.reshape(w.shape[0], 1, -1)
+            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            if hasattr(module, "input_scale"):
+                module.input_scale.copy_(torch.tensor(calibration[name] / FP8_MAX).reshape(module.input_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    quantization_config = compressor.quantization_config.model_dump(mode="json")
+    compressor.decompress_model(model)  # the oracle: compressed-tensors' own dequantization
+    oracle = {k: v.float().numpy() for k, v in model.state_dict().items() if k in state}
+    os.remove(os.path.join(directory, "model.safetensors"))
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    path = os.path.join(directory, "config.json")
+    json.dump({**json.load(open(path)), "quantization_config": quantization_config}, open(path, "w"))
+    return directory, oracle

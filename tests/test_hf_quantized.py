@@ -8,14 +8,16 @@ the weights each format's own dequantization gives (tests/quant_checkpoints.py).
   static input_scale). Float32 activations are further off (up to 2 nats on this random model's tokens).
 """
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
 from quant_checkpoints import (LINEARS, base_checkpoint, hf_greedy, hf_model, hf_token_logprobs, input_maxima,
-                               write_fp8)
+                               write_compressed_tensors, write_fp8)
 
 PROMPTS = [[5, 17, 99, 3, 200, 41], [250, 12, 7, 7, 88, 160, 33, 2, 9]]
 ENGINE = dict(max_model_len=64, num_pages=32, warmup=False)
@@ -90,3 +92,39 @@ def test_fp8_matmul_equals_its_plain_reference(activations, input_scale, groups)
     scale = rng.uniform(0.001, 0.01, size=(groups, 48)).astype(np.float32)
     got = fp8_matmul(jnp.asarray(x), w, jnp.asarray(scale), input_scale, activations=activations)
     np.testing.assert_allclose(got, reference(x, w, scale, input_scale, activations=activations), rtol=1e-5, atol=1e-5)
+
+
+CT_SCHEMES = {  # compressed-tensors QuantizationArgs, format: what each checkpoint holds
+    "w4a16-asym-g32": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32), "pack-quantized", None),
+    "w4a16-sym-g64": (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64), "pack-quantized", None),
+    "w8a16-sym-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized", None),
+    "fp8-dynamic": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized",
+                    dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)),
+}
+
+
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
+def test_compressed_tensors_checkpoint_stays_packed_and_its_greedy_tokens_equal_hf_on_its_own_decompression(
+        tmp_path, scheme):
+    from jaxpaged.models.hf_quant import quantized_state_dict
+    from jaxpaged.models.loading import load_safetensors_dir
+
+    weights, fmt, acts = CT_SCHEMES[scheme]
+    path, oracle = write_compressed_tensors(str(tmp_path / scheme), weights, fmt, acts)
+    # hf_quant's reading of each weight is compressed-tensors' decompression (scale * q + min: one rounding apart)
+    config = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    state = quantized_state_dict(config, load_safetensors_dir(path))
+    for name, expected in oracle.items():
+        if name.endswith(tuple(f"{n}.weight" for n in LINEARS)):
+            np.testing.assert_allclose(state[name].dequantize(), expected, rtol=1e-6, atol=1e-7, err_msg=name)
+    llm = LLM(path, **ENGINE)
+    kept = leaves(llm)
+    for name in LINEARS:  # packed: 4-bit codes two per byte, 8-bit one, FP8 float8; no float copy
+        assert name not in kept
+        if weights["type"] == "float":
+            assert kept[name + "_fp8"].dtype == np.dtype("float8_e4m3fn")
+        else:
+            assert kept[name + "_codes"].dtype == np.uint8 and kept[name + "_codes"].shape[2] == weights["num_bits"] * 4
+    hf = hf_model(oracle)
+    for prompt, out in zip(PROMPTS, run(llm)):
+        assert list(out.token_ids) == hf_greedy(hf, prompt, 10)
