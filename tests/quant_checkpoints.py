@@ -216,3 +216,82 @@ def write_compressed_tensors(directory: str, weights: dict, fmt: str, input_acti
     path = os.path.join(directory, "config.json")
     json.dump({**json.load(open(path)), "quantization_config": quantization_config}, open(path, "w"))
     return directory, oracle
+
+
+def _quantize_groups(w: np.ndarray, g_idx: np.ndarray, groups: int, symmetric: bool):
+    """4-bit codes q [out, in], scales and zeros [out, groups] with w ~ scales * (q - zeros), each
+    in-feature k in group g_idx[k] (scales rounded to float16, as the formats store them)."""
+    out = w.shape[0]
+    scales, zeros = np.zeros((out, groups), np.float32), np.zeros((out, groups), np.int64)
+    for g in range(groups):
+        part = w[:, g_idx == g]
+        if symmetric:
+            scales[:, g] = np.abs(part).max(axis=1) / 7.5
+            zeros[:, g] = 8
+        else:
+            lo, hi = np.minimum(part.min(axis=1), 0), np.maximum(part.max(axis=1), 0)
+            scales[:, g] = (hi - lo) / 15
+            zeros[:, g] = np.clip(np.round(-lo / scales[:, g]), 0, 15)
+    scales = scales.astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(w / scales[:, g_idx]) + zeros[:, g_idx], 0, 15).astype(np.int64)
+    return q, scales, zeros
+
+
+def _pack_nibbles(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """[rows, 8n] 4-bit values -> int32 [rows, n]: word c's nibble i (bits 4i) holds column 8c + order[i]."""
+    rows, cols = values.shape
+    words = np.zeros((rows, cols // 8), np.uint32)
+    for i, column in enumerate(order):
+        words |= (values[:, column::8].astype(np.uint32) & 15) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def write_awq(directory: str, group: int = 64) -> tuple[str, dict]:
+    """An AutoAWQ GEMM checkpoint (asymmetric 4 bits, `group` in-features a scale): qweight [in, out/8] and
+    qzeros [in/g, out/8] int32 with AWQ's column order 0 2 4 6 1 3 5 7, scales float16 [in/g, out]."""
+    directory, state = base_checkpoint(directory)
+    tensors, oracle = {}, {}
+    for name, w in state.items():
+        if not is_linear(name):
+            tensors[name] = oracle[name] = w
+            continue
+        prefix, cols = name[: -len(".weight")], w.shape[1]
+        q, scales, zeros = _quantize_groups(w, np.arange(cols) // group, cols // group, symmetric=False)
+        tensors[prefix + ".qweight"] = _pack_nibbles(q.T, (0, 2, 4, 6, 1, 3, 5, 7))
+        tensors[prefix + ".qzeros"] = _pack_nibbles(zeros.T, (0, 2, 4, 6, 1, 3, 5, 7))
+        tensors[prefix + ".scales"] = scales.T.astype(np.float16)
+        oracle[name] = (scales[:, np.arange(cols) // group] * (q - zeros[:, np.arange(cols) // group])).astype(np.float32)
+    save(directory, tensors, {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                              "version": "gemm", "modules_to_not_convert": None})
+    return directory, oracle
+
+
+def write_gptq(directory: str, group: int = 64, desc_act: bool = False, symmetric: bool = True) -> tuple[str, dict]:
+    """A GPTQ (v1) checkpoint: qweight int32 [in/8, out] (in-feature 8i + j in word i's bits 4j), qzeros
+    int32 [groups, out/8] holding z - 1, scales float16 [groups, out], g_idx [in]; desc_act: g_idx a
+    permutation of the groups (act-order)."""
+    directory, state = base_checkpoint(directory)
+    rng = np.random.default_rng(1)
+    tensors, oracle = {}, {}
+    for name, w in state.items():
+        if not is_linear(name):
+            tensors[name] = oracle[name] = w
+            continue
+        prefix, cols = name[: -len(".weight")], w.shape[1]
+        g_idx = np.arange(cols) // group
+        if desc_act:
+            g_idx = g_idx[rng.permutation(cols)]
+        q, scales, zeros = _quantize_groups(w, g_idx, cols // group, symmetric)
+        tensors[prefix + ".qweight"] = _pack_rows(q.T)
+        tensors[prefix + ".qzeros"] = _pack_nibbles((zeros.T - 1) & 15)
+        tensors[prefix + ".scales"] = scales.T.astype(np.float16)
+        tensors[prefix + ".g_idx"] = g_idx.astype(np.int32)
+        oracle[name] = (scales[:, g_idx] * (q - zeros[:, g_idx])).astype(np.float32)
+    save(directory, tensors, {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+                              "sym": symmetric, "checkpoint_format": "gptq"})
+    return directory, oracle
+
+
+def _pack_rows(values: np.ndarray) -> np.ndarray:
+    """[8n, cols] 4-bit values -> int32 [n, cols]: word i's bits 4j hold row 8i + j (GPTQ's qweight)."""
+    return _pack_nibbles(values.T).T.copy()

@@ -11,13 +11,14 @@ the weights each format's own dequantization gives (tests/quant_checkpoints.py).
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
 from quant_checkpoints import (LINEARS, base_checkpoint, hf_greedy, hf_model, hf_token_logprobs, input_maxima,
-                               write_compressed_tensors, write_fp8)
+                               write_awq, write_compressed_tensors, write_fp8, write_gptq)
 
 PROMPTS = [[5, 17, 99, 3, 200, 41], [250, 12, 7, 7, 88, 160, 33, 2, 9]]
 ENGINE = dict(max_model_len=64, num_pages=32, warmup=False)
@@ -128,3 +129,50 @@ def test_compressed_tensors_checkpoint_stays_packed_and_its_greedy_tokens_equal_
     hf = hf_model(oracle)
     for prompt, out in zip(PROMPTS, run(llm)):
         assert list(out.token_ids) == hf_greedy(hf, prompt, 10)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-asym", "gptq-desc-act"])
+def test_awq_and_gptq_checkpoints_greedy_tokens_equal_hf_on_the_dequantized_weights(tmp_path, fmt):
+    path, oracle = (write_awq(str(tmp_path / fmt)) if fmt == "awq" else
+                    write_gptq(str(tmp_path / fmt), desc_act=fmt.endswith("desc-act"), symmetric=not fmt.endswith("asym")))
+    llm = LLM(path, **ENGINE)
+    kept = leaves(llm)
+    for name in LINEARS:
+        if fmt.endswith("desc-act"):  # act-order groups share no 32-row blocks: float32 weights, the same values
+            assert kept[name].dtype == np.float32
+        else:  # 4-bit codes, two per byte
+            assert name not in kept and kept[name + "_codes"].dtype == np.uint8 and kept[name + "_codes"].shape[2] == 16
+    hf = hf_model(oracle)
+    for prompt, out in zip(PROMPTS, run(llm)):
+        assert list(out.token_ids) == hf_greedy(hf, prompt, 10)
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
+    ({"quant_method": "gptq", "bits": 8}, "bits=8"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 32}}}},
+     "num_bits=2"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}, "input_activations"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
+     "nvfp4-pack-quantized"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+])
+def test_schemes_not_implemented_are_refused_by_name(config, named):
+    from jaxpaged.models import ModelConfig
+
+    hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "quantization_config": config}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ModelConfig.from_hf(hf)
+
+
+def test_a_quantization_argument_that_is_not_the_checkpoints_method_is_refused(tmp_path):
+    path, _ = write_gptq(str(tmp_path / "gptq"))
+    with pytest.raises(ValueError, match="quantization='awq', but .* is a 'gptq' checkpoint"):
+        LLM(path, quantization="awq", **ENGINE)
