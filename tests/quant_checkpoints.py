@@ -295,3 +295,14 @@ def write_gptq(directory: str, group: int = 64, desc_act: bool = False, symmetri
 def _pack_rows(values: np.ndarray) -> np.ndarray:
     """[8n, cols] 4-bit values -> int32 [n, cols]: word i's bits 4j hold row 8i + j (GPTQ's qweight)."""
     return _pack_nibbles(values.T).T.copy()
+
+
+def write_float(directory: str, state: dict) -> str:
+    """The tiny checkpoint with `state`'s float32 weights and no quantization_config: a dequantized twin."""
+    from safetensors.numpy import save_file
+
+    directory, _ = base_checkpoint(directory, hidden_size=state["model.embed_tokens.weight"].shape[1],
+                                   intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0])
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in state.items()},
+              os.path.join(directory, "model.safetensors"))
+    return directory
