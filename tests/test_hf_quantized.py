@@ -194,3 +194,14 @@ def test_quantized_weights_combine_with_a_quantized_kv_cache(tmp_path, fmt, kv_c
         assert list(ours.token_ids) == list(theirs.token_ids)
         np.testing.assert_allclose([e[t].logprob for e, t in zip(ours.logprobs, ours.token_ids)],
                                    [e[t].logprob for e, t in zip(theirs.logprobs, theirs.token_ids)], atol=0.05)
+
+
+def test_quantized_weights_with_tensor_parallelism_are_refused_by_name(tmp_path, monkeypatch):
+    import jaxpaged.engine.build as build
+    from jaxpaged.models.hf_quant import quantized_leaves
+
+    path, _ = write_fp8(str(tmp_path / "fp8"), "tensor")
+    monkeypatch.setattr(build, "replica_meshes", lambda dp, tp: [None])  # no second device needed to be refused
+    with pytest.raises(ValueError, match=r"keeps quantized weights \(k_proj_fp8, ...\).*tensor_parallel_size=1"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert quantized_leaves({"params": {"layers": {"attn": {"q_proj": np.zeros(1)}}}}) == []

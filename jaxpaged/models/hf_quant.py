@@ -182,6 +182,14 @@ def fp8_leaves(name: str, layers: list[Fp8Matrix]) -> dict[str, np.ndarray]:
     return leaves
 
 
+def quantized_leaves(params) -> list[str]:
+    """The names of `params`' leaves that hold packed weights (GGUF-layout codes, FP8 values), in tree order."""
+    import jax
+
+    names = [str(getattr(path[-1], "key", "")) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return [n for n in names if n.endswith(("_codes", "_panels", "_fp8"))]
+
+
 def group_codes(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> BlockCodes | np.ndarray:
     """w = scales * (codes - zeros) over groups of in-features, HF layout: codes [out, in] (unsigned),
     scales and zeros [out, in / g]. As GGUF block codes when g and in are multiples of 32, else the
