@@ -205,3 +205,19 @@ def test_quantized_weights_with_tensor_parallelism_are_refused_by_name(tmp_path,
     with pytest.raises(ValueError, match=r"keeps quantized weights \(k_proj_fp8, ...\).*tensor_parallel_size=1"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
     assert quantized_leaves({"params": {"layers": {"attn": {"q_proj": np.zeros(1)}}}}) == []
+
+
+def test_the_static_profiles_fp8_tree_is_the_tree_a_checkpoint_loads_as(tmp_path):
+    """benchmarks/bench_h100_static --quantized profiles abstract FP8 leaves (static_profile.step_profile
+    quantized_shapes): the names, shapes and dtypes a per-channel fp8 checkpoint really loads as."""
+    import jax
+
+    from jaxpaged.models.llama import param_shapes
+    from jaxpaged.models.weights import load_model
+    from jaxpaged.static_profile.step_profile import quantized_shapes
+
+    config, params, _ = load_model(write_fp8(str(tmp_path / "fp8"), "channel")[0], "float32")
+    profiled = quantized_shapes(param_shapes(config), "fp8-channel")
+    shape = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: (jax.tree_util.keystr(p), x.shape, x.dtype), tree)
+    assert sorted(jax.tree.leaves(shape(profiled), is_leaf=lambda x: isinstance(x, tuple))) == sorted(
+        jax.tree.leaves(shape(params), is_leaf=lambda x: isinstance(x, tuple)))
