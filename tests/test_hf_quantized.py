@@ -221,3 +221,16 @@ def test_the_static_profiles_fp8_tree_is_the_tree_a_checkpoint_loads_as(tmp_path
     shape = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: (jax.tree_util.keystr(p), x.shape, x.dtype), tree)
     assert sorted(jax.tree.leaves(shape(profiled), is_leaf=lambda x: isinstance(x, tuple))) == sorted(
         jax.tree.leaves(shape(params), is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def test_fp8_weights_through_the_gpus_serving_structure_and_in_bfloat16(tmp_path):
+    """A GPU serves one weight buffer per layer (per_layer_weights) in bfloat16: the FP8 leaves go through the
+    per-layer split (tokens equal Hugging Face's on the dequantized weights) and dequantize to bfloat16 (the
+    tokens of the dequantized float twin in bfloat16, which holds the same bfloat16 weights)."""
+    path, oracle = write_fp8(str(tmp_path / "block"), "block")
+    hf = hf_model(oracle)
+    per_layer = LLM(path, per_layer_weights=True, **ENGINE)
+    for prompt, out in zip(PROMPTS, run(per_layer)):
+        assert list(out.token_ids) == hf_greedy(hf, prompt, 10)
+    twin = [list(o.token_ids) for o in run(LLM(write_float(str(tmp_path / "twin"), oracle), dtype="bfloat16", **ENGINE))]
+    assert [list(o.token_ids) for o in run(LLM(path, dtype="bfloat16", **ENGINE))] == twin
