@@ -119,9 +119,11 @@ class EngineConfig:
     override_generation_config: dict | None = None
     # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
     max_logprobs: int = 20
-    # vLLM's engine argument. None: weights in `dtype`. "gguf" (a .gguf model): layer projections
+    # vLLM's engine argument. None: weights in `dtype`, or as a Hugging Face checkpoint's quantization_config
+    # keeps them. "gguf" (a .gguf model): layer projections
     # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes (0.75 bytes per weight for Q4, 1.25 for Q8_0), dequantized
-    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py).
+    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py). "fp8",
+    # "compressed-tensors", "awq", "gptq": the checkpoint's own method, kept packed (jaxpaged/models/hf_quant.py).
     quantization: str | None = None
     # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
     # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
