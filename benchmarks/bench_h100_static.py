@@ -4,6 +4,7 @@
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
     python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
+    python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block weights
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -70,14 +71,24 @@ def h200_cases() -> list[dict]:
     return [dict(c, chip="h200") for c in quick_cases() + smallest_bucket_cases()[:1]]
 
 
+def quantized_cases() -> list[dict]:
+    """Qwen3-8B decode steps (context 2048) with bf16 weights and with FP8 ones (per channel, 128x128 blocks;
+    W8A8), batch 1 and 64: bytes against the ideal, which counts the weights as the step holds them."""
+    one = lambda w, b: dict(model="qwen3-8b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=2048,
+                            weights=w)
+    return [one(w, b) for w in ("auto", "fp8-channel", "fp8-block") for b in (1, 64)]
+
+
 def quick_cases() -> list[dict]:
     return [dict(model="qwen3-0.6b", backend=b, kv_cache_dtype="auto", num_seqs=256, context=1024)
             for b in ("pallas", "mosaic")]
 
 
-def cases(quick: bool, families: bool = False) -> list[dict]:
+def cases(quick: bool, families: bool = False, quantized: bool = False) -> list[dict]:
     if families:
         return family_cases()
+    if quantized:
+        return quantized_cases()
     c = quick_cases()
     decode = lambda model, backend, kv, b, ctx: dict(model=model, backend=backend, kv_cache_dtype=kv, num_seqs=b,
                                                      context=ctx)
@@ -139,7 +150,7 @@ def child(args) -> None:
 
     rows = []
     specs = (spec_decode_cases(args.k) if args.spec_decode else batch_invariant_cases() if args.batch_invariant
-             else cases(args.quick, args.families))
+             else cases(args.quick, args.families, args.quantized))
     for spec in specs:
         case = StepCase(**spec)
         try:
@@ -158,7 +169,8 @@ def _row_line(r: dict) -> str:
     kind = "decode" if not r["num_tokens"] else f"mixed {r['num_tokens']}"
     spill = max((k["spill_store_bytes"] for k in r.get("kernels", [])), default=0)
     f = r["floors"]
-    return (f"{r['model']:<12} {r['chip']}{'' if r['tp'] == 1 else ' tp' + str(r['tp'])} {r['backend']:<6} "
+    weights = "" if r.get("weights", "auto") == "auto" else f" w={r['weights']}"
+    return (f"{r['model']:<12} {r['chip']}{'' if r['tp'] == 1 else ' tp' + str(r['tp'])}{weights} {r['backend']:<6} "
             f"{r['kv_cache_dtype']:<6} {kind:<10} b={r['num_seqs']:<4} max_seqs={r['max_num_seqs'] or '-':<4} "
             f"ctx={r['context']:<5} L={r['num_layers']:<3} launches={r['launches']:<5} copies={r['copies']:<4} "
             f"copyGB={r['copy_bytes'] / 1e9:6.2f} x_ideal={r['bytes_to_ideal']:5.2f} "
@@ -221,6 +233,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
     parser.add_argument("--families", action="store_true", help="the Mixtral and Gemma 2 decode steps only")
+    parser.add_argument("--quantized", action="store_true",
+                        help="Qwen3-8B decode steps with bf16 and FP8 (per channel, block) weights, batch 1 and 64")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--spec-decode", action="store_true",
                         help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
@@ -237,9 +251,11 @@ def main(argv=None) -> int:
         return spec_decode_main(args)
     if args.batch_invariant:
         return batch_invariant_main(args)
-    name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
+    name = ("h100_static_quick" if args.quick else "h100_static_families" if args.families else
+            "h100_static_quantized" if args.quantized else "h100_static")
     rows = h100_child_rows("benchmarks.bench_h100_static",
-                           [*(["--quick"] if args.quick else []), *(["--families"] if args.families else [])], args.out, name)
+                           [*(["--quick"] if args.quick else []), *(["--families"] if args.families else []),
+                            *(["--quantized"] if args.quantized else [])], args.out, name)
     predictions = vllm_predictions(rows)
     for r in rows:
         # The prediction is of one H100's decode step (aiconfigurator's h100_sxm tables).
@@ -258,7 +274,7 @@ def main(argv=None) -> int:
               "per_launch_s": PER_LAUNCH_S, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if not (args.quick or args.families):
+    if not (args.quick or args.families or args.quantized):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:

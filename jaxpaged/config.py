@@ -12,7 +12,10 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "chunked", "reference", "pallas", "mosaic")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
-QUANTIZATIONS = (None, "gguf")  # weights as given, or a .gguf's block codes kept (models/gguf_blocks.py)
+# Weights as given, a .gguf's block codes kept (models/gguf_blocks.py), or a Hugging Face checkpoint's own
+# quantization_config method (models/hf_quant.py; None reads it from the checkpoint, as vLLM does).
+QUANTIZATIONS = (None, "gguf", "fp8", "compressed-tensors", "awq", "gptq")
+FP8_ACTIVATIONS = ("float", "fp8")  # FP8 weights times float activations (W8A16) or FP8 ones (W8A8)
 # quantization="gguf": the activations the codes multiply, float32 or Q8_1 blocks (ops/gguf_panels.py)
 GGUF_ACTIVATIONS = ("float32", "q8_1")
 # structured_outputs_config's keys (vLLM's engine argument). Its "backend" names vLLM's choices; jaxpaged
@@ -116,9 +119,11 @@ class EngineConfig:
     override_generation_config: dict | None = None
     # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
     max_logprobs: int = 20
-    # vLLM's engine argument. None: weights in `dtype`. "gguf" (a .gguf model): layer projections
+    # vLLM's engine argument. None: weights in `dtype`, or as a Hugging Face checkpoint's quantization_config
+    # keeps them. "gguf" (a .gguf model): layer projections
     # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes (0.75 bytes per weight for Q4, 1.25 for Q8_0), dequantized
-    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py).
+    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py). "fp8",
+    # "compressed-tensors", "awq", "gptq": the checkpoint's own method, kept packed (jaxpaged/models/hf_quant.py).
     quantization: str | None = None
     # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
     # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
@@ -126,6 +131,11 @@ class EngineConfig:
     # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
     # float32's tokens.
     gguf_activations: str = "float32"
+    # FP8 weights of a quantized checkpoint (quant_method fp8 or compressed-tensors FP8): "float" multiplies
+    # them dequantized by float activations (W8A16), "fp8" quantizes the activations to FP8 too (W8A8, as
+    # vLLM on a GPU: the checkpoint's static input_scale, else per token or per token and 128-block).
+    # None: "fp8" on a GPU, "float" on a CPU (jaxpaged/ops/fp8_matmul.py).
+    fp8_activations: str | None = None
     # A request's tokens and logprobs bit for bit the same whatever else runs with it (batch, bucket,
     # chunking, prefix hits, preemption, replica), and equal to jaxpaged.rl.token_logprobs (an RL
     # trainer's forward). None: on when VLLM_BATCH_INVARIANT=1 (vLLM's switch). CPU path only
@@ -151,8 +161,10 @@ class EngineConfig:
             raise ValueError(f"override_generation_config={self.override_generation_config!r} must be a dict of "
                              "Hugging Face generation keys, e.g. {'temperature': 0.5, 'max_new_tokens': 64}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r}: jaxpaged supports only 'gguf' (a .gguf model's "
-                             "own Q4_0 / Q4_1 / Q8_0 blocks) or None")
+            raise ValueError(f"quantization={self.quantization!r}: jaxpaged supports {QUANTIZATIONS[1:]} (a .gguf "
+                             "model's own blocks, or the method of a checkpoint's quantization_config) or None")
+        if self.fp8_activations not in (None, *FP8_ACTIVATIONS):
+            raise ValueError(f"fp8_activations={self.fp8_activations!r} must be one of {FP8_ACTIVATIONS} or None")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations={self.gguf_activations!r} must be one of {GGUF_ACTIVATIONS}")
         if self.gguf_activations != "float32" and self.quantization != "gguf":

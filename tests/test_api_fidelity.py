@@ -165,8 +165,9 @@ def test_vllm_engine_arguments_are_renamed_accepted_or_refused_by_name(caplog):
     assert "enforce_eager=True has no effect" in logged and "swap_space=4 has no effect" in logged
     EngineConfig(**args)  # all of it is a valid config
     assert engine_args_from_vllm(None, dict(swap_space=1, preemption_mode="swap"))["swap_space_bytes"] == 1 << 30
-    with pytest.raises(ValueError, match="quantization='awq': jaxpaged supports only 'gguf'"):
-        EngineConfig(**engine_args_from_vllm("m", dict(quantization="awq")))  # "gguf" passes: tests/test_gguf_blocks.py
+    with pytest.raises(ValueError, match="quantization='bitsandbytes': jaxpaged supports"):
+        EngineConfig(**engine_args_from_vllm("m", dict(quantization="bitsandbytes")))
+    EngineConfig(**engine_args_from_vllm("m", dict(quantization="awq")))  # vLLM's method names pass (tests/test_hf_quantized.py)
     for bad, match in ((dict(tokenizer="other/tok"), "tokenizer='other/tok'"),
                        (dict(block_size=8, page_size=8), "same setting"),
                        (dict(max_logprobs=50), "max_logprobs=50")):

@@ -263,8 +263,8 @@ def test_bfloat16_engine_with_codes_serves_the_bfloat16_float_engines_tokens():
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="supports only 'gguf'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization='bitsandbytes': jaxpaged supports"):
+        EngineConfig(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)
     assert engine_args_from_vllm(None, {"quantization": "gguf"}) == {"quantization": "gguf"}  # vLLM's name

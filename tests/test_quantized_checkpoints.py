@@ -1,6 +1,7 @@
 """Quantized Hugging Face checkpoints jaxpaged does not implement are refused by name (issue 53
-item 5): a block-FP8 checkpoint (float8 weights with `weight_scale_inv`, quantization_config
-quant_method "fp8") used to load without a word and generate garbage."""
+item 5): a block-FP8 checkpoint used to load without a word and generate garbage. fp8,
+compressed-tensors, AWQ and GPTQ are read now (tests/test_hf_quantized.py); other methods, and raw
+quantization tensors handed to params_from_hf without their quantization_config, are refused."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 from jaxpaged import LLM
 from tiny_checkpoint import write_tiny_checkpoint
 
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+BNB = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,12 @@ def checkpoint(tmp_path_factory):
 def test_a_config_with_quantization_config_is_refused_naming_its_method(checkpoint, tmp_path):
     import shutil
 
-    path = str(tmp_path / "fp8")
+    path = str(tmp_path / "bnb")
     shutil.copytree(checkpoint, path)
     config_path = os.path.join(path, "config.json")
     config = json.load(open(config_path))
-    json.dump({**config, "quantization_config": FP8}, open(config_path, "w"))
-    with pytest.raises(ValueError, match=r"quantization_config with quant_method='fp8' is not supported"):
+    json.dump({**config, "quantization_config": BNB}, open(config_path, "w"))
+    with pytest.raises(ValueError, match=r"quantization_config with quant_method='bitsandbytes' is not supported"):
         LLM(path, max_model_len=64, num_pages=16, warmup=False)
     assert LLM(checkpoint, max_model_len=64, num_pages=16, warmup=False).generate(["a"])  # the plain one loads
 

@@ -4,8 +4,9 @@ start `LLM`, the CLI or the server the way a user does: from a model path."""
 import os
 
 
-def write_tiny_checkpoint(directory: str) -> str:
-    """Writes a 2-layer Llama (GQA 4/2, vocab 320) and a byte-level tokenizer with a chat template."""
+def write_tiny_checkpoint(directory: str, **shape) -> str:
+    """Writes a 2-layer Llama (GQA 4/2, vocab 320) and a byte-level tokenizer with a chat template;
+    `shape`: LlamaConfig fields that replace the tiny ones (e.g. hidden_size)."""
     import tokenizers
     import torch
     import transformers
@@ -19,10 +20,10 @@ def write_tiny_checkpoint(directory: str) -> str:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", bos_token="<bos>")
     fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
     fast.save_pretrained(directory)
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=fast.eos_token_id,
-        bos_token_id=fast.bos_token_id, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(**{
+        **dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+        **shape, "eos_token_id": fast.eos_token_id, "bos_token_id": fast.bos_token_id})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float().eval()
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: random values catch a mix-up

@@ -85,6 +85,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     **{f"{name}_{part}": ("gguf_blocks", "gguf_out") for name in PROJECTIONS for part in ("scales", "mins")},
     # A tied embedding kept as codes: [vocab / 16, hidden or hidden / 32, 16] panels, replicated too.
     **{f"{EMBEDDING}{suffix}": ("gguf_blocks", "gguf_block", "gguf_out") for suffix in SUFFIXES},
+    # FP8 projections of a quantized Hugging Face checkpoint (models/hf_quant.py): [in, out] values, [G, out]
+    # scales, a scalar input scale; replicated (build_engine refuses tensor_parallel_size > 1 with them).
+    **{f"{name}{suffix}": ("gguf_blocks", "gguf_out") for name in PROJECTIONS for suffix in ("_fp8", "_fp8_scale")},
+    **{f"{name}_input_scale": () for name in PROJECTIONS},
 }
 # A quantized cache's scales [layers, kv, kv_heads, pages, page_slots] take the same names minus the
 # last: split on kv_heads like their pages (every spec below is cut to the leaf's rank).

@@ -17,6 +17,7 @@ from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.models.hf_quant import quantized_leaves
 from jaxpaged.models.loading import generation_config_file, generation_eos_ids, sampling_defaults
 from jaxpaged.models.weights import load_model
 from jaxpaged.planner.request import SamplingParams
@@ -47,7 +48,11 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     auto_backend = config.attention_backend == "auto"
     model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization)
-    model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations)
+    if config.tensor_parallel_size > 1 and quantized_leaves(params):  # packed leaves are not sharded yet
+        raise ValueError(f"{model!r} keeps quantized weights ({quantized_leaves(params)[0]}, ...), which are not sharded "
+                         "yet: use tensor_parallel_size=1 (data_parallel_size replicates them), or the unquantized model")
+    model_config = dataclasses.replace(model_config, gguf_activations=config.gguf_activations,
+                                       fp8_activations=config.fp8_activations or ("fp8" if on_gpu() else "float"))
     eos_ids = tuple(t for t in eos_ids if t != tokenizer.eos_token_id)  # the tokenizer's own eos stops anyway
     if any(t >= model_config.vocab_size for t in eos_ids):
         raise ValueError(f"generation_config.json's eos_token_id lists {list(eos_ids)}, outside the vocabulary "

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-from jaxpaged.config import (ATTENTION_BACKENDS, GGUF_ACTIVATIONS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES,
-                             PREEMPTION_MODES, QUANTIZATIONS)
+from jaxpaged.config import (ATTENTION_BACKENDS, FP8_ACTIVATIONS, GGUF_ACTIVATIONS, KV_CACHE_DTYPE_ALIASES,
+                             KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS)
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -87,7 +87,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cache in the same memory)")
     e.add_argument("--quantization", "-q", choices=[q for q in QUANTIZATIONS if q], default=None,
                    help="gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 projections as their block codes, dequantized "
-                        "layer by layer in each step to the same float values (0.75 bytes per weight read for Q4, 1.25 for Q8_0)")
+                        "layer by layer in each step to the same float values (0.75 bytes per weight read for Q4, 1.25 for Q8_0); "
+                        "fp8, compressed-tensors, awq, gptq: a Hugging Face checkpoint's own method (read from its "
+                        "quantization_config when left out)")
+    e.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default=None,
+                   help="FP8 checkpoints: float = W8A16 (the CPU's default), fp8 = W8A8 (the GPU's)")
     e.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="float32",
                    help="with -q gguf on the CPU: float32 activations (float32's tokens), or q8_1: each activation "
                         "row quantized to Q8_1 blocks and integer products summed (GGUF's own arithmetic, as vLLM's "
@@ -144,7 +148,7 @@ def engine_args(args) -> dict:
         logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
-        quantization=args.quantization, gguf_activations=args.gguf_activations,
+        quantization=args.quantization, gguf_activations=args.gguf_activations, fp8_activations=args.fp8_activations,
         structured_outputs_config=args.structured_outputs_config,
     )
 

@@ -7,7 +7,7 @@
 import dataclasses
 from typing import Any
 
-from jaxpaged.config import GGUF_ACTIVATIONS
+from jaxpaged.config import FP8_ACTIVATIONS, GGUF_ACTIVATIONS
 from jaxpaged.models.hf_config import config_from_hf
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling
 
@@ -36,6 +36,9 @@ class ModelConfig:
     # GGUF codes served as panels (EngineConfig.gguf_activations): their x in float32, or quantized to
     # Q8_1 blocks with integer sums ("q8_1", GGUF's own arithmetic: ops/gguf_panels.py).
     gguf_activations: str = "float32"
+    # FP8 weights of a quantized checkpoint (EngineConfig.fp8_activations; ops/fp8_matmul.py): "float"
+    # multiplies them dequantized by float activations (W8A16), "fp8" quantizes the activations too (W8A8).
+    fp8_activations: str = "float"
     # Sliding window (Mistral, Phi-3, Gemma 2/3): a token at position p attends keys p-window+1..p.
     # `layer_types` names each layer "sliding_attention" or "full_attention"; None: every layer
     # is sliding when `sliding_window` is set, else full.
@@ -71,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations={self.gguf_activations!r} must be one of {GGUF_ACTIVATIONS}")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations={self.fp8_activations!r} must be one of {FP8_ACTIVATIONS}")
         if dtype not in _DTYPES:
             raise ValueError(f"{dtype=} is not supported; use one of {_DTYPES}")
         if self.sliding_window is not None and self.sliding_window <= 0:

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.ops import gguf_panels
+from jaxpaged.ops import fp8_matmul, gguf_panels
 from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either layout (used in the step)
 
 BLOCK = 32
@@ -64,6 +64,8 @@ EMBEDDING = "embedding"
 PANEL_SUFFIXES = ("_panels", "_panel_scales", "_panel_mins")
 KEPT_LEAVES = frozenset([*(name + suffix for name in (*PROJECTIONS, EMBEDDING) for suffix in SUFFIXES),
                          *(name + suffix for name in PROJECTIONS for suffix in PANEL_SUFFIXES)])
+# FP8 projections of a quantized Hugging Face checkpoint (models/hf_quant.py): float8 values, float32 scales.
+FP8_LEAVES = frozenset(name + suffix for name in PROJECTIONS for suffix in fp8_matmul.SUFFIXES)
 # Whether runners with the gguf_panels kernel serve the projections as panels (else GGUF's layout, read
 # by gguf_matmul). Read when an engine is built: benchmarks compare the two in one process.
 SERVE_PANELS = True
@@ -213,7 +215,7 @@ def from_panels(params):
 
 
 def is_kept_leaf(name: str) -> bool:
-    return name in KEPT_LEAVES
+    return name in KEPT_LEAVES or name in FP8_LEAVES
 
 
 def leaf_name(path) -> str:
@@ -222,11 +224,13 @@ def leaf_name(path) -> str:
 
 
 def leaf_dtype(path, dtype):
-    """The dtype the parameter leaf at `path` is stored in: codes uint8, scales and mins float32,
-    every other leaf `dtype`."""
+    """The dtype the parameter leaf at `path` is stored in: codes uint8, FP8 weights float8_e4m3fn, scales
+    and mins float32, every other leaf `dtype`."""
     name = leaf_name(path)
     if not is_kept_leaf(name):
         return dtype
+    if name.endswith("_fp8"):
+        return np.dtype(jnp.float8_e4m3fn)
     return np.dtype(np.uint8) if name.endswith("_codes") else np.dtype(np.float32)
 
 
@@ -267,8 +271,22 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     zero rows appended and the product sliced back. On a GPU a one-row dot with K * (N + 1) under 10M
     (every projection of a small model) is strength-reduced into multiply + reduce; where the multiply
     cannot join the reduce (its vector is silu(gate) * up, or a norm) it writes a weight-sized product
-    and reads it back (3x the weight's bytes); two rows make it a GEMM (jaxpaged/static_profile)."""
+    and reads it back (3x the weight's bytes); two rows make it a GEMM (jaxpaged/static_profile).
+
+    A weight kept as FP8 (`name_fp8`, models/hf_quant.py) is multiplied by ops/fp8_matmul.py: W8A16, or
+    W8A8 with `fp8_matmul.W8A8` in `kernels` (ModelConfig.fp8_activations "fp8")."""
     own = stack is None
+    if not module.is_initializing() and module.has_variable("params", name + "_fp8"):
+        weight, scale, input_scale = (module.get_variable("params", name + s) if module.has_variable("params", name + s)
+                                      else None for s in fp8_matmul.SUFFIXES)
+        rows = math.prod(shape[:-1]) if matrix else shape[0]
+        flat = x.reshape(-1, rows)
+        if flat.shape[0] < min_rows:
+            flat = jnp.pad(flat, [(0, min_rows - flat.shape[0]), (0, 0)])
+        y = fp8_matmul.fp8_matmul(flat, weight, scale, input_scale, dtype=dtype,
+                                  activations="fp8" if fp8_matmul.W8A8 in kernels else "float")
+        out_dims = (shape[-1],) if matrix else shape[1:]
+        return y[: math.prod(x.shape[:-1])].reshape(x.shape[:-1] + out_dims)
 
     def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
         if not own:
@@ -345,6 +363,8 @@ def cpu_matmul_kernels(params, platform: str, tp, model_config) -> frozenset:
     (the panels against Q8_1 activations) where gguf_panels runs."""
     codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
+    if model_config.fp8_activations == "fp8":  # FP8 weights multiply FP8 activations (on every platform)
+        q8 = q8 | {fp8_matmul.W8A8}
     if platform != "cpu" or (tp is not None and tp.mesh.size > 1) or jnp.dtype(model_config.dtype) != jnp.float32:
         return q8
     from jaxpaged.ops import dense_matmul, gguf_matmul

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from jaxpaged.models.hf_quant import check_quantization_config
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
@@ -87,12 +88,8 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
 def _refuse_unsupported(model_type: str, get) -> None:
     """ValueError naming the first config field whose value jaxpaged does not implement."""
     quantization = get("quantization_config")
-    if quantization:  # its weights would load without their scales: garbage (block-FP8 did at 7245688)
-        method = (quantization.get("quant_method") if isinstance(quantization, Mapping)
-                  else getattr(quantization, "quant_method", None))
-        raise ValueError(f"quantization_config with quant_method={method!r} is not supported: jaxpaged loads "
-                         "unquantized Hugging Face checkpoints (float32 / bfloat16 / float16 weights) and GGUF "
-                         "files; use the model's unquantized checkpoint, or a .gguf of it")
+    if quantization:  # a method models/hf_quant.py reads, or refused by name (its weights would load as garbage)
+        check_quantization_config(quantization)
     act = get("hidden_activation") or get("hidden_act") if model_type in _GEMMA else get("hidden_act", "silu")
     wanted_act = "gelu_pytorch_tanh" if model_type in _GEMMA else "silu"
     if act != wanted_act:

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import BlockCodes, keeps_embedding, panel_leaves, stacked_leaves
+from jaxpaged.models.hf_quant import Fp8Matrix, fp8_leaves
 from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.phi3 import unfuse_phi3
 
@@ -44,7 +45,9 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
         if name not in state_dict:
             raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
         value = state_dict[name]
-        return value.dequantize() if isinstance(value, BlockCodes) else np.asarray(value, dtype=np.float32)
+        if isinstance(value, (BlockCodes, Fp8Matrix)):
+            return value.dequantize()
+        return np.asarray(value, dtype=np.float32)
 
     def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
@@ -52,10 +55,14 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
 
     def linear(name: str, suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> dict[str, np.ndarray]:
         """{name: stacked float weight}, or its codes' three leaves when every layer kept it as
-        GGUF blocks (quantization="gguf": models/gguf_blocks.py)."""
+        GGUF blocks (quantization="gguf": models/gguf_blocks.py; integer formats of a quantized Hugging
+        Face checkpoint: models/hf_quant.py), or its FP8 leaves when every layer is an FP8 weight it keeps."""
         layers = [state_dict.get(f"model.layers.{i}.{suffix}") for i in range(c.num_layers)]
         if all(isinstance(w, BlockCodes) for w in layers):
             return stacked_leaves(name, layers)
+        if (all(isinstance(w, Fp8Matrix) and w.block == layers[0].block for w in layers)
+                and len({w.input_scale is None for w in layers}) == 1):
+            return fp8_leaves(name, layers)
         return {name: stacked(suffix, convert)}
 
     dim, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim

@@ -18,7 +18,7 @@ import logging
 
 import jax.numpy as jnp
 
-from jaxpaged.models import checkpoint, gguf_blocks, loading
+from jaxpaged.models import checkpoint, gguf_blocks, hf_quant, loading
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.hf_weights import params_from_hf
 
@@ -36,17 +36,27 @@ def load_model(model: str | None, dtype: str, quantization: str | None = None):
     if keep_blocks and files.source.kind != "gguf":
         raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks, but {files.source_id!r} is not a .gguf "
                          "file; pass a .gguf model or leave quantization None")
+    hf_quantization = (files.hf_config.get("quantization_config") or None) if files.source.kind != "gguf" else None
+    method = hf_quant.method_of(hf_quantization)
+    if quantization not in (None, "gguf", method):
+        raise ValueError(f"quantization={quantization!r}, but {files.source_id!r} is "
+                         + (f"a {method!r} checkpoint" if method else "not quantized")
+                         + "; leave quantization None (it is read from the checkpoint's quantization_config)")
     config = ModelConfig.from_hf(files.hf_config, dtype=dtype)
 
     def convert():
         logger.info("converting %s to %s parameters%s (cached for the next start)", files.source_id, dtype,
-                    " with GGUF block codes" if keep_blocks else "")
-        return params_from_hf(config, loading.load_model_files(model, keep_blocks=keep_blocks).state_dict)
+                    " with GGUF block codes" if keep_blocks else f" with {method} weights kept" if method else "")
+        state_dict = loading.load_model_files(model, keep_blocks=keep_blocks).state_dict
+        if hf_quantization:
+            state_dict = hf_quant.quantized_state_dict(hf_quantization, state_dict)
+        return params_from_hf(config, state_dict)
 
     # A cache that cannot be read or written costs a conversion, never a failed start. gguf-blocks-v3:
     # 4-bit codes packed two per byte, a tied embedding kept as codes (models/gguf_blocks.py).
     params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert,
-                                         format_tag=_FORMAT + ("-gguf-blocks-v3" if keep_blocks else ""))
+                                         format_tag=_FORMAT + ("-gguf-blocks-v3" if keep_blocks else "")
+                                         + (f"-{method}-v1" if method else ""))
     if keep_blocks:
         check_kept(params, files.source_id)
     return config, params, files.tokenizer

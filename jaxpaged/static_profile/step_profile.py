@@ -37,6 +37,7 @@ from jaxpaged.device.backends import attention_fn
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_input import pack_step_input
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.gguf_blocks import PROJECTIONS
 from jaxpaged.models.llama import param_shapes
 from jaxpaged.ops.kv_quant import bytes_per_token_head
 
@@ -44,6 +45,8 @@ PAGE_SIZE = 16
 MODELS = {  # shapes only: weights are abstract
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128),
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
@@ -78,6 +81,9 @@ class StepCase:
     # the attention batch_invariant=True would run on a GPU (device/batch_invariant.py): the Pallas ragged
     # kernel in every step, decode steps included; the GEMMs stay XLA's (not invariant: refused at run time)
     invariant_attention: bool = False
+    # Layer projections as a quantized checkpoint keeps them (models/hf_quant.py): "auto" (the model dtype),
+    # "fp8-channel" (float8 + a scale per output channel) or "fp8-block" (128x128 blocks); FP8 runs W8A8.
+    weights: str = "auto"
 
     @property
     def decode(self) -> bool:
@@ -86,6 +92,8 @@ class StepCase:
 
 def model_config(case: StepCase) -> ModelConfig:
     shape = dict(MODELS[case.model], dtype="bfloat16", max_position_embeddings=1 << 20)
+    if case.weights.startswith("fp8"):
+        shape["fp8_activations"] = "fp8"
     if case.num_layers is not None:
         shape["num_layers"] = case.num_layers
     return ModelConfig(**shape)
@@ -96,7 +104,8 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     config = model_config(case)
     mesh = chip_mesh(case.chip, case.tp) if case.tp > 1 else None  # the runner lays params out over it
     sharding = chip_sharding(case.chip) if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), param_shapes(config))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                          quantized_shapes(param_shapes(config), case.weights))
     pages_per_seq = math.ceil(case.context / PAGE_SIZE)
     num_tokens = case.num_seqs if case.decode else case.num_tokens
     max_num_seqs = case.max_num_seqs or max(case.num_seqs, 2)
@@ -128,6 +137,29 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         if out.dump_dir:
             shutil.rmtree(out.dump_dir, ignore_errors=True)
     return figures
+
+
+def quantized_shapes(shapes, weights: str):
+    """`param_shapes` with each layer projection as FP8 leaves (`name_fp8` [L, in, out] float8_e4m3fn,
+    `name_fp8_scale` [L, G, out] float32: G = 1 per channel, in / 128 for blocks); "auto": unchanged."""
+    if weights == "auto":
+        return shapes
+    if weights not in ("fp8-channel", "fp8-block"):
+        raise ValueError(f"weights={weights!r}: 'auto', 'fp8-channel' or 'fp8-block'")
+    layers = dict(shapes["params"]["layers"])
+    for module in ("attn", "mlp"):
+        leaves = dict(layers[module])
+        for name in PROJECTIONS:
+            if name not in leaves:
+                continue
+            shape = leaves.pop(name).shape  # [L, in..., out...]: o_proj's in is (heads, head_dim)
+            k = math.prod(shape[1:3]) if name == "o_proj" else shape[1]
+            n = math.prod(shape[1:]) // k
+            groups = 1 if weights == "fp8-channel" else k // 128
+            leaves[name + "_fp8"] = jax.ShapeDtypeStruct((shape[0], k, n), jnp.float8_e4m3fn)
+            leaves[name + "_fp8_scale"] = jax.ShapeDtypeStruct((shape[0], groups, n), jnp.float32)
+        layers[module] = leaves
+    return {**shapes, "params": {**shapes["params"], "layers": layers}}
 
 
 def _device_bytes(tree) -> int:
@@ -165,7 +197,11 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
              + live_kv_per_layer * config.num_layers + io)
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size // case.tp  # split by vocabulary under tensor parallelism
-    matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
+    # (FP8 weights: their elements counted as bf16 ones would be, their scales not at all.)
+    flat = jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
+    fp8_bytes = _device_bytes([x for _, x in flat if x.dtype == jnp.float8_e4m3fn])
+    scale_bytes = _device_bytes([x for path, x in flat if jax.tree_util.keystr(path).endswith(("_fp8_scale']", "_input_scale']"))])
+    matmul_params = (weight_bytes + fp8_bytes - scale_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
         1 if config.tie_word_embeddings else 2)
     useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
     useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
