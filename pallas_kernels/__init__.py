@@ -42,13 +42,18 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    sliding_window: int | None = None, decode_only: bool = False, interpret: bool | None = None,
+    sliding_window: int | None = None, decode_only: bool = False, interpret: bool | None = None, sinks=None,
 ):
     """The model's backend: the whole-buffer decode kernel if `decode_only` (static), else the ragged one.
+
+    `sinks` (gpt-oss's per-head attention sinks) are not implemented in these kernels: refused by name.
 
     `decode_only=True` promises what `decode_attention` needs: one query token per sequence and
     `num_tokens == num_seqs` (the step was planned in a decode bucket).
     """
+    if sinks is not None:
+        raise ValueError("attention sinks (gpt-oss) are not implemented in the Pallas (Triton) kernels; use "
+                         "attention_backend='chunked' (or 'reference') for this model")
     if decode_only:
         if q.shape[0] != block_tables.shape[0]:
             raise ValueError(

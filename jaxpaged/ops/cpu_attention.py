@@ -11,8 +11,8 @@
 
 `with_cpu_kernels(fn)` wraps a whole-buffer backend (the CPU default, "chunked"): steps over a float32
 buffer without soft capping run a kernel on the CPU, the decode one in decode-only steps, the ragged
-one in the others; the rest (quantized pools, soft caps, a kernel switched off, other platforms at
-lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
+one in the others; the rest (quantized pools, soft caps, attention sinks, a kernel switched off, other
+platforms at lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
 tests/test_cpu_attention.py), sliding windows included; float32 sums and exp in another order.
 
 The ragged kernel computes each token in an order fixed by its own position: every page up to its
@@ -147,6 +147,11 @@ def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED}), *, one_path: bool = 
                   sliding_window=None, decode_only=False, **kwargs):
         fallback = functools.partial(fn, layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
                                      sliding_window=sliding_window, decode_only=decode_only, **kwargs)
+        if kwargs.get("sinks") is not None:
+            if one_path:  # batch_invariant promises the ragged kernel in every step; it has no sinks
+                raise ValueError("attention sinks (gpt-oss) are not implemented in the CPU ragged attention kernel "
+                                 "that batch_invariant=True runs; leave batch_invariant off for this model")
+            return fallback(q, kv_pages, block_tables, seq_lens, query_start_loc)  # the kernels have no sinks
         which = _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels, one_path)
         if which is None:
             return fallback(q, kv_pages, block_tables, seq_lens, query_start_loc)

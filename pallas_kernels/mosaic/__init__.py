@@ -17,10 +17,13 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    decode_only: bool = False, sliding_window: int | None = None, interpret: bool | None = None,
+    decode_only: bool = False, sliding_window: int | None = None, interpret: bool | None = None, sinks=None,
 ):
     """`attention_backend="mosaic"`: the split-context decode kernel in decode-only steps (static
     `decode_only`: one query token per sequence, `num_tokens == num_seqs`), else the ragged kernel."""
+    if sinks is not None:
+        raise ValueError("attention sinks (gpt-oss) are not implemented in the mosaic kernels; use "
+                         "attention_backend='chunked' (or 'reference') for this model")
     if sliding_window is not None:
         raise ValueError(
             f"{sliding_window=}: the mosaic kernels have no sliding window; use attention_backend='pallas' or 'chunked'"
