@@ -46,14 +46,11 @@ def paged_attention_from_buffer(
 ):
     """The model's backend: the whole-buffer decode kernel if `decode_only` (static), else the ragged one.
 
-    `sinks` (gpt-oss's per-head attention sinks) are not implemented in these kernels: refused by name.
+    `sinks` (gpt-oss): float32 [num_heads], one more logit per head in every softmax, of value 0.
 
     `decode_only=True` promises what `decode_attention` needs: one query token per sequence and
     `num_tokens == num_seqs` (the step was planned in a decode bucket).
     """
-    if sinks is not None:
-        raise ValueError("attention sinks (gpt-oss) are not implemented in the Pallas (Triton) kernels; use "
-                         "attention_backend='chunked' (or 'reference') for this model")
     if decode_only:
         if q.shape[0] != block_tables.shape[0]:
             raise ValueError(
@@ -62,11 +59,11 @@ def paged_attention_from_buffer(
             )
         return decode_attention_from_buffer(
             q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, sinks=sinks,
         )
     return ragged_paged_attention_from_buffer(
         q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, sinks=sinks,
     )
 
 

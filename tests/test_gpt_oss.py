@@ -226,7 +226,6 @@ def test_mxfp4_blocks_without_scales_are_refused(tiny_hf_model):
 
 
 def test_what_is_not_implemented_is_refused_by_name(tiny_hf_model):
-    import pallas_kernels
     import pallas_kernels.mosaic
 
     from jaxpaged.device.sharding import TensorParallel, make_mesh
@@ -243,10 +242,32 @@ def test_what_is_not_implemented_is_refused_by_name(tiny_hf_model):
         ModelConfig.from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
     params = params_from_hf(config, state_dict)
     tokens = list(range(12))
-    for backend in (pallas_kernels.paged_attention_from_buffer, pallas_kernels.mosaic.paged_attention_from_buffer):
-        with pytest.raises(ValueError, match="attention sinks"):
-            _logits(config, params, backend, tokens)
+    with pytest.raises(ValueError, match="attention sinks"):
+        _logits(config, params, pallas_kernels.mosaic.paged_attention_from_buffer, tokens)
     with pytest.raises(ValueError, match="attention sinks"):
         _logits(config, params, backend_attention_fn("chunked", batch_invariant=True), tokens)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         TensorParallel.create(make_mesh(1), config)
+
+
+def test_model_on_the_pallas_backend_equals_hf(tiny_hf_model, hf_logits):
+    """The Pallas kernels (interpreted here) with sinks through the model: the ragged kernel on a prompt past the
+    window (sliding and full layers by lax.cond), then the decode kernel in a decode-only step."""
+    import pallas_kernels
+    from conftest import make_scheduler_output, make_seq
+
+    from jaxpaged.device.runner import ModelRunner
+
+    hf_config, _, state_dict = tiny_hf_model(NAME)
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    runner = ModelRunner(config, params_from_hf(config, state_dict), num_pages=12, page_size=4, max_num_seqs=1,
+                         max_num_batched_tokens=16, max_model_len=32, buckets=(16,), decode_buckets=(1,),
+                         attention_fn=pallas_kernels.paged_attention_from_buffer)
+    token_ids = np.random.default_rng(4).integers(0, 256, size=15)
+    expected = hf_logits(NAME, token_ids)
+    seq = make_seq(token_ids, block_table=[3, 1, 7, 2])
+    prefill = np.asarray(runner.run(make_scheduler_output([seq], [14])))[0]
+    seq.num_computed_tokens = 14
+    decode = np.asarray(runner.run(make_scheduler_output([seq], [1])))[0]  # decode-only: the decode kernel
+    np.testing.assert_allclose(prefill, expected[13], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decode, expected[14], atol=1e-4, rtol=0)
