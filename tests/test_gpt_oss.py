@@ -226,8 +226,6 @@ def test_mxfp4_blocks_without_scales_are_refused(tiny_hf_model):
 
 
 def test_what_is_not_implemented_is_refused_by_name(tiny_hf_model):
-    import pallas_kernels.mosaic
-
     from jaxpaged.device.sharding import TensorParallel, make_mesh
 
     hf_config, _, state_dict = tiny_hf_model(NAME)
@@ -240,12 +238,6 @@ def test_what_is_not_implemented_is_refused_by_name(tiny_hf_model):
         ModelConfig.from_hf({**base, "rope_parameters": {**base["rope_parameters"], "mscale": 1.0}})
     with pytest.raises(ValueError, match="quant_method='fp8'"):
         ModelConfig.from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
-    params = params_from_hf(config, state_dict)
-    tokens = list(range(12))
-    with pytest.raises(ValueError, match="attention sinks"):
-        _logits(config, params, pallas_kernels.mosaic.paged_attention_from_buffer, tokens)
-    with pytest.raises(ValueError, match="attention sinks"):
-        _logits(config, params, backend_attention_fn("chunked", batch_invariant=True), tokens)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         TensorParallel.create(make_mesh(1), config)
 
