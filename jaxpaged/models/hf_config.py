@@ -174,10 +174,11 @@ def _read_rope(get, model_type: str):
     if rope_type == "default":
         return theta, None, local_theta
     if rope_type == "yarn":
-        unread = sorted(set(params) & {"mscale", "mscale_all_dim", "partial_rotary_factor"})
-        if unread:
-            raise ValueError(f"yarn rope_parameters {unread} are not supported; only factor, beta_fast, beta_slow, "
-                             "truncate, attention_factor and original_max_position_embeddings are")
+        unread = sorted(name for name in ("mscale", "mscale_all_dim") if params.get(name))
+        if unread or params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"yarn rope_parameters {unread or ['partial_rotary_factor']} are not supported; only "
+                             "factor, beta_fast, beta_slow, truncate, attention_factor and "
+                             "original_max_position_embeddings are (and partial_rotary_factor 1.0)")
         original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings"))
         factor = float(params.get("factor") or get("max_position_embeddings") / original)
         attention = params.get("attention_factor") or (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
