@@ -263,3 +263,28 @@ def test_model_on_the_pallas_backend_equals_hf(tiny_hf_model, hf_logits):
     decode = np.asarray(runner.run(make_scheduler_output([seq], [1])))[0]  # decode-only: the decode kernel
     np.testing.assert_allclose(prefill, expected[13], atol=1e-4, rtol=0)
     np.testing.assert_allclose(decode, expected[14], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_model_stays_close_to_float32_hf(tiny_hf_model, hf_logits):
+    """The accelerator default: bf16 weights (sinks and biases included), activations and KV pages, float32
+    logits, prefill then decode through the engine's CPU backend. A wrong cast or a dropped part is far
+    outside the tolerance, 2% of the logits' range: bf16 rounding of 8 mantissa bits costs ~0.6% here."""
+    from conftest import make_scheduler_output, make_seq
+
+    from jaxpaged.device.runner import ModelRunner
+
+    hf_config, _, state_dict = tiny_hf_model(NAME)
+    config = ModelConfig.from_hf(hf_config, dtype="bfloat16")
+    runner = ModelRunner(config, params_from_hf(config, state_dict), num_pages=12, page_size=4, max_num_seqs=2,
+                         max_num_batched_tokens=16, max_model_len=32, buckets=(16,),
+                         attention_fn=backend_attention_fn("chunked"))
+    assert runner.kv_pages.dtype == jnp.bfloat16
+    token_ids = np.random.default_rng(2).integers(0, 256, size=15)
+    expected = hf_logits(NAME, token_ids)
+    seq = make_seq(token_ids, block_table=[3, 1, 7, 2])
+    prefill = np.asarray(runner.run(make_scheduler_output([seq], [14])))[0]
+    seq.num_computed_tokens = 14
+    decode = np.asarray(runner.run(make_scheduler_output([seq], [1])))[0]
+    tolerance = 0.02 * np.ptp(expected[13:15])
+    np.testing.assert_allclose(prefill, expected[13], atol=tolerance, rtol=0)
+    np.testing.assert_allclose(decode, expected[14], atol=tolerance, rtol=0)
