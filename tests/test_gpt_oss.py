@@ -4,6 +4,7 @@ sampled tokens' log-probabilities), MXFP4 checkpoints, and the refusals of what 
 (Greedy past the window with prefix cache, chunked prefill and preemption: tests/test_sliding_window.py and
 tests/test_family_preemption.py run "gptoss" too.)"""
 
+import functools
 import json
 import os
 
@@ -27,13 +28,18 @@ from tp_fixtures import SilentTokenizer
 NAME = "gptoss"
 
 
+@functools.cache
+def _forward(config, attention_fn):  # one compiled program per (config, backend) for the module
+    return jax.jit(CausalLM(config, attention_fn).apply)
+
+
 def _logits(config, params, attention_fn, token_ids, page_size=4):
     """One prefill of `token_ids` as one sequence through CausalLM with `attention_fn`: [T, V] float32."""
     n = len(token_ids)
     num_pages = n // page_size + 2
     kv = jnp.zeros((config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim), jnp.float32)
     arange = jnp.arange(n, dtype=jnp.int32)
-    logits, _ = jax.jit(CausalLM(config, attention_fn).apply)(
+    logits, _ = _forward(config, attention_fn)(
         params, kv, jnp.asarray(token_ids, jnp.int32), arange, arange + page_size,  # page 0 is padding
         jnp.arange(1, num_pages, dtype=jnp.int32)[None], jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
         arange)
