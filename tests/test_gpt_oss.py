@@ -4,6 +4,7 @@ sampled tokens' log-probabilities), MXFP4 checkpoints, and the refusals of what 
 (Greedy past the window with prefix cache, chunked prefill and preemption: tests/test_sliding_window.py and
 tests/test_family_preemption.py run "gptoss" too.)"""
 
+import dataclasses
 import functools
 import json
 import os
@@ -61,8 +62,6 @@ def test_logits_equal_hf_past_the_window(backend, tiny_hf_model, hf_logits):
 def test_every_gpt_oss_part_changes_the_logits(tiny_hf_model, hf_logits):
     """The oracle test above can fail for each part: zeroing the sinks, the expert biases or the router bias,
     or dropping YaRN, moves the logits far beyond its tolerance."""
-    import dataclasses
-
     hf_config, _, state_dict = tiny_hf_model(NAME)
     config = ModelConfig.from_hf(hf_config, dtype="float32")
     tokens = np.random.default_rng(0).integers(0, 256, 40).tolist()
@@ -294,3 +293,28 @@ def test_bfloat16_model_stays_close_to_float32_hf(tiny_hf_model, hf_logits):
     tolerance = 0.02 * np.ptp(expected[13:15])
     np.testing.assert_allclose(prefill, expected[13], atol=tolerance, rtol=0)
     np.testing.assert_allclose(decode, expected[14], atol=tolerance, rtol=0)
+
+
+def test_the_released_20b_config_reads_as_the_static_profiles_model():
+    """openai/gpt-oss-20b's config.json (MXFP4 quantization_config, `rope_scaling` in the older key, extra keys
+    of the original release) reads to the shapes the H100 static profile compiles (static_profile MODELS)."""
+    from jaxpaged.static_profile.step_profile import StepCase, model_config
+
+    released = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+        "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+    config = ModelConfig.from_hf(released, dtype="bfloat16")
+    profiled = model_config(StepCase("gpt-oss-20b", "pallas", "auto", 1, 128))
+    assert config == dataclasses.replace(profiled, max_position_embeddings=131072)
+    assert config.layer_windows[:2] == (128, None) and config.rope_scaling.truncate is False
