@@ -264,12 +264,14 @@ def test_decode_packs_the_groups_of_several_kv_heads_per_tile(num_splits, monkey
 def test_decode_attention_sinks(num_splits):
     # gpt-oss: with one split the kernel writes each row's log-sum-exp for the sinks; with three they join the
     # combine as one more split. GQA 4 on one KV head, a padding row.
-    check_decode(page_size=16, head_dim=64, group=4, seq_lens=[17, 0, 150], num_splits=num_splits, num_kv_heads=1,
+    check_decode(page_size=16, head_dim=64, group=4, seq_lens=[17, 0, 80], num_splits=num_splits, num_kv_heads=1,
                  sinks=True, seed=3)
 
 
 def test_ragged_attention_sinks():
-    check_ragged(page_size=32, head_dim=64, group=2, num_kv_heads=1, batch=small_batch(32), sinks=True, seed=4)
+    # a decode row, a prompt one short of a page, a padding sequence, a chunk over 2 key steps
+    check_ragged(page_size=32, head_dim=64, group=2, num_kv_heads=1, batch=([33, 31, 0, 90], [1, 31, 0, 20]),
+                 sinks=True, seed=4)
 
 
 def test_rejects_float32_pages_with_a_message():
