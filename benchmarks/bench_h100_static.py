@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_h100_static            # the matrix below, ~20-30 min on 2 cores
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
-    python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
+    python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers), Gemma-2-9B, gpt-oss-20b decode steps only
     python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
     python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block weights
 
@@ -43,11 +43,13 @@ AIC_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "llama3-8b": "meta-llama/Meta-Lla
 
 def family_cases() -> list[dict]:
     """Decode steps of the other model families: MoE (Mixtral-8x7B at 16 of its 32 layers, which fit an
-    H100) at batch 1 (2 of 8 experts needed) and 64 (all of them), and Gemma 2 (local/global layers)."""
+    H100) at batch 1 (2 of 8 experts needed) and 64 (all of them), Gemma 2 (local/global layers), and
+    gpt-oss-20b (sinks, window 128 / full layers, top-4 of 32 experts) at batch 64."""
     mixtral = lambda b: dict(model="mixtral-8x7b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=2048,
                              num_layers=16)
     return [mixtral(1), mixtral(64),
-            dict(model="gemma2-9b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048)]
+            dict(model="gemma2-9b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048),
+            dict(model="gpt-oss-20b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048)]
 
 
 def smallest_bucket_cases() -> list[dict]:
@@ -232,7 +234,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
-    parser.add_argument("--families", action="store_true", help="the Mixtral and Gemma 2 decode steps only")
+    parser.add_argument("--families", action="store_true", help="the Mixtral, Gemma 2 and gpt-oss decode steps only")
     parser.add_argument("--quantized", action="store_true",
                         help="Qwen3-8B decode steps with bf16 and FP8 (per channel, block) weights, batch 1 and 64")
     parser.add_argument("--out", default=RESULTS_DIR)

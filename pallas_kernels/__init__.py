@@ -42,9 +42,11 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    sliding_window: int | None = None, decode_only: bool = False, interpret: bool | None = None,
+    sliding_window: int | None = None, decode_only: bool = False, interpret: bool | None = None, sinks=None,
 ):
     """The model's backend: the whole-buffer decode kernel if `decode_only` (static), else the ragged one.
+
+    `sinks` (gpt-oss): float32 [num_heads], one more logit per head in every softmax, of value 0.
 
     `decode_only=True` promises what `decode_attention` needs: one query token per sequence and
     `num_tokens == num_seqs` (the step was planned in a decode bucket).
@@ -57,11 +59,11 @@ def paged_attention_from_buffer(
             )
         return decode_attention_from_buffer(
             q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, sinks=sinks,
         )
     return ragged_paged_attention_from_buffer(
         q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx, scale=scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, sinks=sinks,
     )
 
 

@@ -85,6 +85,24 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     return out_next, m_next, l_next
 
 
+def normalise(out, m, l, sink=None):
+    """The output rows out / l of an online softmax's (out, max m, sum l); rows that saw no key (l = 0) are
+    zeros. `sink` [rows] (attention sinks, gpt-oss): one more logit per row, of value 0, joins the sum
+    first, at the common max (MASK_VALUE on padding rows: it adds nothing there that is ever stored)."""
+    if sink is not None:
+        m_new = jnp.maximum(m, sink)
+        correction = jnp.exp(m - m_new)
+        out, l = out * correction[:, None], l * correction + jnp.exp(sink - m_new)
+    return jnp.where(l[:, None] > 0, out / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def grouped_sinks(sinks, num_kv_heads: int, group: int, group_rows: int):
+    """float32 [num_heads] sinks -> [num_kv_heads, group_rows]: query head k * group + g at [k, g], the
+    rows past `group` (padding heads) MASK_VALUE."""
+    grouped = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group)
+    return jnp.pad(grouped, ((0, 0), (0, group_rows - group)), constant_values=MASK_VALUE)
+
+
 def check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap) -> None:
     """Trace-time checks shared by the public functions; errors say what to change.
 

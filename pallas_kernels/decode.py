@@ -48,6 +48,7 @@ from pallas_kernels._common import (
     read_page_rows,
     split_kv_refs,
     next_power_of_2,
+    normalise,
     online_softmax_step,
     page_rows_of_buffer,
     page_rows_of_pools,
@@ -74,11 +75,13 @@ def _decode_kernel(
     #         [None, None, None, R', H] f32 (unnormalised output of this split, its R' = real rows up to
     #         a power of two), m and l [None, None, None, R'] f32 (running max, sum); with one split,
     #         out [None, None, R', H] normalised
+    #         (sinks, one split only: [None, R'] this tile's rows' sinks, before the outs)
     quantized: bool, scale: float, soft_cap: float | None, sliding_window: int | None, num_pages: int,
     pages_per_seq: int, pages_per_compute_block: int, pages_per_split: int, group: int, heads_per_tile: int,
-    num_rows: int,
+    num_rows: int, has_sinks: bool,
 ):
     k_scale_ref, v_scale_ref, outs = split_kv_refs(refs, quantized)
+    sinks_ref, outs = (outs[0], outs[1:]) if has_sinks else (None, outs)
     tile_idx = pl.program_id(0)
     seq_idx = pl.program_id(1)
     split_idx = pl.program_id(2)
@@ -137,8 +140,7 @@ def _decode_kernel(
         out, m, l = (jnp.split(x, num_rows // stored_rows, axis=0)[0] for x in (out, m, l))
     if len(outs) == 1:  # one split: the final output, normalised; empty rows (l = 0) are zeros
         (out_ref,) = outs
-        out = jnp.where(l[:, None] > 0, out / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-        out_ref[...] = out.astype(out_ref.dtype)
+        out_ref[...] = normalise(out, m, l, None if sinks_ref is None else sinks_ref[...]).astype(out_ref.dtype)
         return
     out_ref, m_ref, l_ref = outs
     out_ref[...] = out
@@ -153,6 +155,7 @@ def _decode_pallas_call(
     bases: Int[ArrayLike, "2"],
     block_tables: Int[ArrayLike, "num_seqs padded_pages"],
     seq_lens: Int[ArrayLike, "num_seqs"],
+    sinks: Float[ArrayLike, "num_tiles rows"] | None,  # one split only (more: _combine_splits folds them)
     *, scale: float, soft_cap: float | None, sliding_window: int | None, num_pages: int, pages_per_seq: int,
     pages_per_compute_block: int, num_splits: int, group: int, heads_per_tile: int, tile_rows: int, out_dtype,
     num_warps: int, num_stages: int, interpret: bool,
@@ -164,6 +167,7 @@ def _decode_pallas_call(
         _decode_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         num_pages=num_pages, pages_per_seq=pages_per_seq, pages_per_compute_block=pages_per_compute_block,
         pages_per_split=pages_per_split, group=group, heads_per_tile=heads_per_tile, num_rows=tile_rows,
+        has_sinks=sinks is not None,
     )
 
     def whole(x):
@@ -193,22 +197,28 @@ def _decode_pallas_call(
             pl.BlockSpec((None, block_tables.shape[1]), lambda t, s, c: (s, 0)),
             pl.BlockSpec((None, None, num_rows, head_dim), lambda t, s, c: (s, t, 0, 0)),
             *[whole(x) for x in kv_args],
+            *([] if sinks is None else [pl.BlockSpec((None, num_rows), lambda t, s, c: (t, 0))]),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(seq_lens, bases, block_tables, q, *kv_args)
+    )(seq_lens, bases, block_tables, q, *kv_args, *([] if sinks is None else [sinks]))
 
 
-def _combine_splits(out, m, l):
+def _combine_splits(out, m, l, sinks=None):
     """Second flash-decoding step: rescale each split to the global max and normalise.
 
     out: [S, T, C, R', H], m/l: [S, T, C, R'] (T = KV-head tiles). Splits that saw no key have l = 0
     and m = MASK_VALUE, so their weight exp(m - m_max) is 0 (or they are all empty and the row comes
-    out as zeros).
+    out as zeros). `sinks` [T, R'] (gpt-oss) join as one more split per row: max the sink, sum 1, output 0.
     """
+    if sinks is not None:
+        m = jnp.concatenate([m, jnp.broadcast_to(sinks[None, :, None, :], (m.shape[0], sinks.shape[0], 1, m.shape[3]))],
+                            axis=2)
+        l = jnp.concatenate([l, jnp.ones_like(m[:, :, :1])], axis=2)
+        out = jnp.concatenate([out, jnp.zeros_like(out[:, :, :1])], axis=2)
     m_max = m.max(axis=2, keepdims=True)  # [S, T, 1, R']
     weight = jnp.exp(m - m_max)  # [S, T, C, R']
     l_total = (weight * l).sum(axis=2)  # [S, T, R']
@@ -235,6 +245,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    sinks: Float[ArrayLike, "num_heads"] | None = None,
 ) -> Float[Array, "num_seqs num_heads head_dim"]:
     """Paged attention of one new query token per sequence (a pure decode step), one layer's pools.
 
@@ -254,6 +265,7 @@ def decode_attention(
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
       sliding_window: if set, the query (at position seq_len - 1) sees only the last `sliding_window` keys.
+      sinks: if set (gpt-oss), float32 [num_heads]: one more logit per head in every softmax, of value 0.
       pages_per_compute_block: pages gathered per inner step (block of P * page_size keys).
       num_splits: context splits per sequence (flash-decoding); capped so no split is empty of
         table entries. None: chosen from the batch, the KV heads and the table's width
@@ -272,7 +284,7 @@ def decode_attention(
     check_per_layer_pools(k_pages, v_pages)
     check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
     return _decode_jit(
-        q, k_pages, v_pages, block_tables, seq_lens, None, whole_buffer=False, scale=scale, soft_cap=soft_cap,
+        q, k_pages, v_pages, block_tables, seq_lens, None, sinks, whole_buffer=False, scale=scale, soft_cap=soft_cap,
         sliding_window=sliding_window,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
@@ -295,6 +307,7 @@ def decode_attention_from_buffer(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    sinks: Float[ArrayLike, "num_heads"] | None = None,
 ) -> Float[Array, "num_seqs num_heads head_dim"]:
     """`decode_attention` of layer `layer_idx` (an int32 scalar, may be traced), reading the whole buffer.
 
@@ -307,7 +320,7 @@ def decode_attention_from_buffer(
     del query_start_loc
     check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
     return _decode_jit(
-        q, kv_pages, kv_pages, block_tables, seq_lens, layer_idx, whole_buffer=True, scale=scale,
+        q, kv_pages, kv_pages, block_tables, seq_lens, layer_idx, sinks, whole_buffer=True, scale=scale,
         soft_cap=soft_cap, sliding_window=sliding_window, pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -315,8 +328,8 @@ def decode_attention_from_buffer(
 
 
 @functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", "sliding_window", *_TUNING))
-def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: bool, scale, soft_cap, sliding_window,
-                pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
+def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, sinks, *, whole_buffer: bool, scale, soft_cap,
+                sliding_window, pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
     if whole_buffer:  # k is v is the model's buffer
         k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
         kv_shape = k.shape[2:]
@@ -325,14 +338,14 @@ def _decode_jit(q, k, v, block_tables, seq_lens, layer_idx, *, whole_buffer: boo
         k_rows, v_rows, bases = page_rows_of_pools(k, v)
         kv_shape = k.shape
     return _decode(
-        q, k_rows, v_rows, bases, block_tables, seq_lens, kv_shape=kv_shape, scale=scale, soft_cap=soft_cap,
+        q, k_rows, v_rows, bases, block_tables, seq_lens, sinks, kv_shape=kv_shape, scale=scale, soft_cap=soft_cap,
         sliding_window=sliding_window,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
     )
 
 
-def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale, soft_cap, sliding_window,
+def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, sinks, *, kv_shape, scale, soft_cap, sliding_window,
             pages_per_compute_block, num_splits, num_warps, num_stages, interpret):
     check_common(q, kv_shape, block_tables, seq_lens, scale, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
@@ -373,9 +386,14 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
     q_tiles = q.astype(compute_dtype(q, k_rows)).reshape(num_seqs, num_tiles, real_rows, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, stored_rows - real_rows), (0, 0)))  # [S, K/Hp, R', H]
 
+    # Sinks by tile row: row r of tile t is query head t * R + r (R = real_rows), padding rows MASK_VALUE.
+    sink_tiles = None if sinks is None else jnp.pad(
+        jnp.asarray(sinks, jnp.float32).reshape(num_tiles, real_rows), ((0, 0), (0, stored_rows - real_rows)),
+        constant_values=MASK_VALUE)
     outs = by_target(
         lambda interpret_mode: _decode_pallas_call(
-            q_tiles, k_rows, v_rows, bases, block_tables, seq_lens.astype(jnp.int32), scale=scale,
+            q_tiles, k_rows, v_rows, bases, block_tables, seq_lens.astype(jnp.int32),
+            sink_tiles if num_splits == 1 else None, scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, num_pages=num_pages, pages_per_seq=pages_per_seq,
             pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, group=group,
             heads_per_tile=tile_heads, tile_rows=num_rows, out_dtype=q.dtype, num_warps=num_warps, num_stages=num_stages,
@@ -383,7 +401,7 @@ def _decode(q, k_rows, v_rows, bases, block_tables, seq_lens, *, kv_shape, scale
         ),
         interpret,
     )
-    out = outs[0] if num_splits == 1 else _combine_splits(*outs)  # [S, K / Hp, R', H]
+    out = outs[0] if num_splits == 1 else _combine_splits(*outs, sink_tiles)  # [S, K / Hp, R', H]
     return out[:, :, :real_rows].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 

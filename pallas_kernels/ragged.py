@@ -57,6 +57,8 @@ from pallas_kernels._common import (
     read_page_rows,
     split_kv_refs,
     next_power_of_2,
+    normalise,
+    grouped_sinks,
     online_softmax_step,
     page_rows_of_buffer,
     page_rows_of_pools,
@@ -77,8 +79,10 @@ def _ragged_kernel(
     q_ref,  # [None, T + B, Gp, H]: this KV head's queries (padded by B tokens), sliced by hand
     k_rows_ref,  # [num_rows, page_size, H]: every page row (gathered from)
     v_rows_ref,  # [num_rows, page_size, H]
-    *refs,  # quantized: k, v scale rows [num_rows, page_size]; then out [None, None, B, Gp, H]
+    *refs,  # quantized: k, v scale rows [num_rows, page_size]; sinks: [None, Gp] this KV head's; then out
+    #         [None, None, B, Gp, H]
     quantized: bool,
+    has_sinks: bool,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -86,7 +90,8 @@ def _ragged_kernel(
     pages_per_seq: int,
     pages_per_compute_block: int,
 ):
-    k_scale_ref, v_scale_ref, (out_ref,) = split_kv_refs(refs, quantized)
+    k_scale_ref, v_scale_ref, rest = split_kv_refs(refs, quantized)
+    sinks_ref, out_ref = rest if has_sinks else (None, *rest)
     head_idx = pl.program_id(0)
     block_idx = pl.program_id(1)
     block_q, group_rows, head_dim = out_ref.shape
@@ -138,9 +143,11 @@ def _ragged_kernel(
     first_block = 0
     if sliding_window is not None:  # blocks wholly before the first row's window are skipped
         first_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_k
-    out, _, l = lax.fori_loop(first_block, jnp.maximum(num_blocks, first_block), body, carry)
-    # Rows of tokens past the chunk (or of an empty block) have l = 0: write zeros, never 0/0.
-    out = jnp.where(l[:, None] > 0, out / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    out, m, l = lax.fori_loop(first_block, jnp.maximum(num_blocks, first_block), body, carry)
+    # Row r is query head r % Gp of this KV head: its sink.
+    sink = None if sinks_ref is None else jnp.broadcast_to(sinks_ref[...][None], (block_q, group_rows)).reshape(num_rows)
+    # Rows of tokens past the chunk (or of an empty block) have l = 0 (no sinks): write zeros, never 0/0.
+    out = normalise(out, m, l, sink)
     out_ref[...] = out.reshape(block_q, group_rows, head_dim).astype(out_ref.dtype)
 
 
@@ -154,6 +161,7 @@ def _ragged_pallas_call(
     k_rows,  # [num_rows, page_size, head_dim] array, or QuantizedRows (values + scale rows)
     v_rows,
     bases: Int[ArrayLike, "2"],
+    sinks: Float[ArrayLike, "num_kv_heads rows"] | None,
     *,
     block_q: int,
     scale: float,
@@ -170,7 +178,8 @@ def _ragged_pallas_call(
     num_q_blocks = block_seq_idx.shape[0]
     kv_args = kv_operands(k_rows, v_rows)
     kernel = functools.partial(
-        _ragged_kernel, quantized=len(kv_args) == 4, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        _ragged_kernel, quantized=len(kv_args) == 4, has_sinks=sinks is not None, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
         num_pages=num_pages, pages_per_seq=pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
     )
@@ -190,13 +199,15 @@ def _ragged_pallas_call(
             whole(block_tables),
             pl.BlockSpec((None, padded_tokens, group_rows, head_dim), lambda h, i: (h, 0, 0, 0)),
             *[whole(x) for x in kv_args],
+            *([] if sinks is None else [pl.BlockSpec((None, group_rows), lambda h, i: (h, 0))]),
         ],
         out_specs=pl.BlockSpec((None, None, block_q, group_rows, head_dim), lambda h, i: (h, i, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_q_blocks, block_q, group_rows, head_dim), q.dtype),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, bases, block_tables, q, *kv_args)
+    )(block_seq_idx, block_token_start, query_start_loc, seq_lens, bases, block_tables, q, *kv_args,
+      *([] if sinks is None else [sinks]))
 
 
 _TUNING = ("block_q", "pages_per_compute_block", "num_warps", "num_stages", "interpret")
@@ -218,6 +229,7 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    sinks: Float[ArrayLike, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """Causal paged attention for a flat batch of query chunks of any lengths (DESIGN.md contract).
 
@@ -240,6 +252,7 @@ def ragged_paged_attention(
       scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
       sliding_window: if set, the token at position p sees only keys p - sliding_window + 1 .. p.
+      sinks: if set (gpt-oss), float32 [num_heads]: one more logit per head in every softmax, of value 0.
       block_q: query tokens per program (power of two).
       pages_per_compute_block: pages gathered per inner step (power of two).
       num_warps, num_stages: Triton launch parameters (ignored when interpreting).
@@ -254,7 +267,7 @@ def ragged_paged_attention(
     check_per_layer_pools(k_pages, v_pages)
     check_lengths_if_concrete(seq_lens, block_tables, k_pages.shape[2])
     return _ragged_jit(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, whole_buffer=False, scale=scale,
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, None, sinks, whole_buffer=False, scale=scale,
         soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
         pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -277,6 +290,7 @@ def ragged_paged_attention_from_buffer(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    sinks: Float[ArrayLike, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """`ragged_paged_attention` of layer `layer_idx` (an int32 scalar, may be traced), reading the whole buffer.
 
@@ -287,7 +301,7 @@ def ragged_paged_attention_from_buffer(
     """
     check_lengths_if_concrete(seq_lens, block_tables, kv_pages.shape[4])
     return _ragged_jit(
-        q, kv_pages, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, whole_buffer=True,
+        q, kv_pages, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, sinks, whole_buffer=True,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
         pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -295,7 +309,7 @@ def ragged_paged_attention_from_buffer(
 
 
 @functools.partial(jax.jit, static_argnames=("whole_buffer", "scale", "soft_cap", "sliding_window", *_TUNING))
-def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, whole_buffer: bool, scale,
+def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, sinks, *, whole_buffer: bool, scale,
                 soft_cap, sliding_window, block_q, pages_per_compute_block, num_warps, num_stages, interpret):
     if whole_buffer:  # k is v is the model's buffer
         k_rows, v_rows, bases = page_rows_of_buffer(k, layer_idx)
@@ -352,6 +366,7 @@ def _ragged_jit(q, k, v, block_tables, seq_lens, query_start_loc, layer_idx, *, 
             k_rows,
             v_rows,
             bases,
+            None if sinks is None else grouped_sinks(sinks, num_kv_heads, group, group_rows),
             block_q=block_q,
             scale=scale,
             soft_cap=soft_cap,

@@ -103,7 +103,17 @@ TINY_HF_CONFIGS = {
     # Gemma 3: one local (base 10k) and one global (base 1M) layer, q/k norm, no caps.
     "gemma3": ("gemma3_text", dict(sliding_window=8, head_dim=16, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention", "full_attention"])),
+    # gpt-oss: layer 0 sliding (window 8), layer 1 full; per-head sinks, q/k/v/o bias, top-2 of 4 experts with
+    # router and expert biases and the clamped SwiGLU, YaRN over an original context of 32 (factor 4 to 128, no
+    # truncation: the released models' setting): the ramp falls inside head_dim 16's 8 frequencies.
+    "gptoss": ("gpt_oss", dict(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=8, tie_word_embeddings=False, rope_parameters=dict(
+                                   rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                   truncate=False, original_max_position_embeddings=32))),
 }
+# Redrawn parameters' std beyond 0.1, by a substring of their name: gpt-oss's gate/up projections large enough
+# that the SwiGLU's clamps at +-7 bite, its sinks large enough to take a real share of the softmax.
+PARAM_STD = {"gptoss": {"experts.gate_up_proj": 1.0, "sinks": 1.0}}
 
 
 def tiny_hf_config(name: str):
@@ -134,7 +144,8 @@ def tiny_hf_model():
             with torch.no_grad():
                 for param_name, param in model.named_parameters():
                     offset = 1.0 if "norm" in param_name else 0.0
-                    param.copy_(torch.randn_like(param) * 0.1 + offset)
+                    std = next((v for k, v in PARAM_STD.get(name, {}).items() if k in param_name), 0.1)
+                    param.copy_(torch.randn_like(param) * std + offset)
             state_dict = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
             _HF_CACHE[name] = (hf_config, model, state_dict)
         return _HF_CACHE[name]

@@ -187,6 +187,40 @@ def test_ragged_sliding_window_reads_only_the_window(window):
     np.testing.assert_allclose(got, np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_both_kernels_fold_attention_sinks_as_the_reference(window):
+    """gpt-oss's sinks (one logit per query head, spread so that some outweigh the keys): the decode and the
+    ragged kernel against the reference, a window on top; pages the window leaves out are NaN. The ragged
+    kernel's gradient with respect to the sinks is the reference's (its backward)."""
+    page_size, cases = 4, [(1, 1), (9, 9), (14, 5), (45, 38), (12, 1)]
+    seq_lens, q_lens = zip(*cases)
+    q, kv, tables, lens, starts, _, _ = ragged_problem(page_size, 8, 2, 16, seq_lens, q_lens, seed=5)
+    sinks = jnp.asarray(np.random.default_rng(6).normal(0.0, 3.0, 8), jnp.float32)
+    pools = tuple(map(jnp.asarray, (kv[1, 0], kv[1, 1], tables, lens)))
+    want = reference_paged_attention(jnp.asarray(q), *pools, jnp.asarray(starts), scale=0.25, sliding_window=window,
+                                     sinks=sinks)
+    plain = reference_paged_attention(jnp.asarray(q), *pools, jnp.asarray(starts), scale=0.25, sliding_window=window)
+    assert np.abs(np.asarray(want) - np.asarray(plain)).max() > 0.1  # the sinks matter here
+    q_decode = q[np.append(starts[1:-1] - 1, 0)]  # each sequence's last token (the padding row's: any)
+    want_decode = reference_paged_attention(jnp.asarray(q_decode), *pools, jnp.arange(len(lens) + 1, dtype=jnp.int32),
+                                            scale=0.25, sliding_window=window, sinks=sinks)
+    if window is not None:
+        for i, (n, q_len) in enumerate(cases):  # poison what the first token's window leaves out
+            for pos in range(max(0, n - q_len + 1 - window)):
+                kv[1, :, :, tables[i, pos // page_size], pos % page_size] = np.nan
+    got = ragged(q, kv, tables, lens, starts, scale=0.25, sliding_window=window, sinks=sinks)
+    np.testing.assert_allclose(got, np.asarray(want), atol=2e-6, rtol=1e-5)
+    got_decode = cpu_attention.paged_decode_attention(q_decode, kv, tables, lens, layer_idx=1, scale=0.25,
+                                                      sliding_window=window, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got_decode), np.asarray(want_decode), atol=2e-6, rtol=1e-5)
+    if window is None:
+        loss = lambda fn: jax.grad(lambda s: jnp.sum(fn(s) * jnp.asarray(q)))(sinks)
+        kernel = lambda s: cpu_attention.paged_ragged_attention(jnp.asarray(q), jnp.asarray(kv), *map(
+            jnp.asarray, (tables, lens, starts)), layer_idx=1, scale=0.25, sinks=s)
+        reference = lambda s: reference_paged_attention(jnp.asarray(q), *pools, jnp.asarray(starts), scale=0.25, sinks=s)
+        np.testing.assert_allclose(np.asarray(loss(kernel)), np.asarray(loss(reference)), rtol=1e-5, atol=1e-6)
+
+
 def test_ragged_bad_inputs_are_refused_with_what_to_pass():
     q, kv, tables, lens, starts, _, _ = ragged_problem(4, 4, 2, 16, [5, 9], [5, 2])
     with pytest.raises(ValueError, match="query_start_loc"):

@@ -14,7 +14,7 @@ from jaxpaged.models import ModelConfig, params_from_hf
 from jaxpaged.models.loading import load_safetensors_dir
 
 
-@pytest.mark.parametrize("name", ["mixtral-top2", "qwen3moe-top1", "phi3-window", "gemma3"])
+@pytest.mark.parametrize("name", ["mixtral-top2", "qwen3moe-top1", "phi3-window", "gemma3", "gptoss"])
 def test_saved_directory_loads_to_the_same_params(name, tiny_hf_model, tmp_path):
     hf_config, model, state_dict = tiny_hf_model(name)
     model.save_pretrained(tmp_path, safe_serialization=True)

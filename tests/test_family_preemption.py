@@ -18,7 +18,9 @@ slow = pytest.mark.slow
 
 
 @pytest.mark.parametrize("name,mode", [
-    ("gemma3", "swap"), ("mistral-window", "swap"), pytest.param("mixtral-top2", "recompute", marks=slow),
+    # gpt-oss under recompute: also tests/test_sliding_window.py (default mode, preempted there)
+    ("gemma3", "swap"), ("mistral-window", "swap"), ("gptoss", "swap"), pytest.param("gptoss", "recompute", marks=slow),
+    pytest.param("mixtral-top2", "recompute", marks=slow),
     pytest.param("gemma3", "recompute", marks=slow), pytest.param("qwen3moe-top1", "swap", marks=slow),
     pytest.param("phi3-window", "recompute", marks=slow), pytest.param("qwen3-untied", "swap", marks=slow),
 ])

@@ -167,10 +167,10 @@ def test_params_from_hf_has_the_layout_of_init_params(name, tiny_hf_model):
     layers = converted["params"]["layers"]
     if "mlp" in layers:
         np.testing.assert_array_equal(layers["mlp"]["down_proj"][1], state_dict["model.layers.1.mlp.down_proj.weight"].T)
-    else:  # experts: transformers >= 5 fuses them as [E, D, F]; ours is [E, F, D]
-        np.testing.assert_array_equal(
-            layers["moe"]["expert_down"][1], state_dict["model.layers.1.mlp.experts.down_proj"].transpose(0, 2, 1)
-        )
+    else:  # experts: transformers >= 5 fuses them as [E, D, F] (gpt-oss: [E, F, D]); ours is [E, F, D]
+        down = state_dict["model.layers.1.mlp.experts.down_proj"]
+        np.testing.assert_array_equal(layers["moe"]["expert_down"][1],
+                                      down if config.moe_bias else down.transpose(0, 2, 1))
 
 
 def test_params_from_hf_names_a_missing_tensor(tiny_hf_model):

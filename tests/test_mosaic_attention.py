@@ -66,7 +66,12 @@ def mixed_batch(p: int) -> tuple[list[int], list[int]]:
     return [n for n, _ in batch], [q for _, q in batch]
 
 
-def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True, num_consumers=None):
+def some_sinks(num_heads, seed):
+    """gpt-oss's attention sinks, spread so that some outweigh a row's keys and some do not."""
+    return jnp.asarray(np.random.default_rng(seed + 2).normal(0.0, 3.0, num_heads), jnp.float32)
+
+
+def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True, num_consumers=None, sinks=None):
     return ragged_paged_attention(
         case.q,
         whole_buffer(case),
@@ -78,11 +83,13 @@ def run_ragged(case, *, head_dim, soft_cap=None, layer_idx=LAYER, interpret=True
         soft_cap=soft_cap,
         num_consumers=num_consumers,
         interpret=interpret,
+        sinks=sinks,
     )
 
 
 def check_ragged(
-    *, page_size, head_dim, group, num_kv_heads=2, soft_cap=None, batch=None, seed=0, interpret=True, num_consumers=None
+    *, page_size, head_dim, group, num_kv_heads=2, soft_cap=None, batch=None, seed=0, interpret=True, num_consumers=None,
+    sinks=False,
 ):
     seq_lens, q_lens = batch or mixed_batch(page_size)
     case = make_case(
@@ -96,7 +103,9 @@ def check_ragged(
         dtype=jnp.bfloat16,
         num_padding_tokens=NUM_PADDING_TOKENS,
     )
-    got = run_ragged(case, head_dim=head_dim, soft_cap=soft_cap, interpret=interpret, num_consumers=num_consumers)
+    sink = some_sinks(num_kv_heads * group, seed) if sinks else None
+    got = run_ragged(case, head_dim=head_dim, soft_cap=soft_cap, interpret=interpret, num_consumers=num_consumers,
+                     sinks=sink)
     want = oracle(
         case.q,
         case.oracle_k_pages,
@@ -106,6 +115,7 @@ def check_ragged(
         case.query_start_loc,
         scale=head_dim**-0.5,
         soft_cap=soft_cap,
+        sinks=sink,
     )
     assert got.dtype == case.q.dtype and got.shape == case.q.shape
     check_close(got, want, int(case.query_start_loc[-1]))
@@ -174,7 +184,8 @@ def test_ragged_takes_a_traced_layer_index_inside_a_scan():
     check_close(outs[0], want, int(case.query_start_loc[-1]))
 
 
-def check_decode(*, page_size, head_dim, group, seq_lens, num_splits, num_kv_heads=2, seed=0, interpret=True):
+def check_decode(*, page_size, head_dim, group, seq_lens, num_splits, num_kv_heads=2, seed=0, interpret=True,
+                 sinks=False):
     case = make_case(
         np.random.default_rng(seed),
         seq_lens=seq_lens,
@@ -191,6 +202,7 @@ def check_decode(*, page_size, head_dim, group, seq_lens, num_splits, num_kv_hea
     real = np.flatnonzero(np.asarray(seq_lens) > 0)
     q[real] = case.q
     query_start_loc = np.arange(len(seq_lens) + 1, dtype=np.int32)
+    sink = some_sinks(num_kv_heads * group, seed) if sinks else None
     got = decode_attention(
         q,
         whole_buffer(case),
@@ -200,11 +212,12 @@ def check_decode(*, page_size, head_dim, group, seq_lens, num_splits, num_kv_hea
         scale=head_dim**-0.5,
         num_splits=num_splits,
         interpret=interpret,
+        sinks=sink,
     )
     want = np.asarray(
         oracle(
             q, case.oracle_k_pages, case.oracle_v_pages, case.oracle_block_tables, case.seq_lens,
-            query_start_loc, scale=head_dim**-0.5,
+            query_start_loc, scale=head_dim**-0.5, sinks=sink,
         ),
         np.float32,
     )
@@ -245,6 +258,20 @@ def test_decode_packs_the_groups_of_several_kv_heads_per_tile(num_splits, monkey
     assert decode_plan.heads_per_tile(4, 2, 64, num_seqs=4) == 4
     check_decode(page_size=16, head_dim=64, group=2, num_kv_heads=4, seq_lens=[1, 17, 0, 70],
                  num_splits=num_splits, seed=5)
+
+
+@pytest.mark.parametrize("num_splits", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_decode_attention_sinks(num_splits):
+    # gpt-oss: with one split the kernel writes each row's log-sum-exp for the sinks; with three they join the
+    # combine as one more split. GQA 4 on one KV head, a padding row.
+    check_decode(page_size=16, head_dim=64, group=4, seq_lens=[17, 0, 80], num_splits=num_splits, num_kv_heads=1,
+                 sinks=True, seed=3)
+
+
+def test_ragged_attention_sinks():
+    # a decode row, a prompt one short of a page, a padding sequence, a chunk over 2 key steps
+    check_ragged(page_size=32, head_dim=64, group=2, num_kv_heads=1, batch=([33, 31, 0, 90], [1, 31, 0, 20]),
+                 sinks=True, seed=4)
 
 
 def test_rejects_float32_pages_with_a_message():
@@ -291,6 +318,17 @@ def test_kernels_lower_to_the_mosaic_gpu_custom_call_for_cuda(head_dim, page_siz
     assert "custom_call @mosaic_gpu" in lowered.as_text()
     q = jax.ShapeDtypeStruct((4, num_kv_heads * group, head_dim), jnp.bfloat16)
     lowered = jax.jit(decode).trace(q, kv, tables, lens, layer).lower(lowering_platforms=("cuda",))
+    assert "custom_call @mosaic_gpu" in lowered.as_text()
+    # gpt-oss's sinks: the kernels also write each row's log-sum-exp with one split
+    sinks = jax.ShapeDtypeStruct((num_kv_heads * group,), jnp.float32)
+    ragged_sinks = lambda q, kv, tables, lens, starts, layer, sinks: ragged_paged_attention(
+        q, kv, tables, lens, starts, layer_idx=layer, scale=0.1, interpret=False, sinks=sinks)
+    decode_sinks = lambda q, kv, tables, lens, layer, sinks: decode_attention(
+        q, kv, tables, lens, layer_idx=layer, scale=0.1, num_splits=1, interpret=False, sinks=sinks)
+    lowered = jax.jit(decode_sinks).trace(q, kv, tables, lens, layer, sinks).lower(lowering_platforms=("cuda",))
+    assert "custom_call @mosaic_gpu" in lowered.as_text()
+    q = jax.ShapeDtypeStruct((24, num_kv_heads * group, head_dim), jnp.bfloat16)
+    lowered = jax.jit(ragged_sinks).trace(q, kv, tables, lens, starts, layer, sinks).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 

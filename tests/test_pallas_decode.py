@@ -43,6 +43,7 @@ def check_decode(
     pages_per_compute_block=2,
     seed=0,
     seq_lens=None,
+    sinks=False,
 ):
     seq_lens = decode_lengths(page_size) if seq_lens is None else seq_lens
     q_lens = [1 if n else 0 for n in seq_lens]
@@ -60,6 +61,8 @@ def check_decode(
     q = np.random.default_rng(seed + 1).standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
     q = q.astype(dtype)
     scale = head_dim**-0.5
+    # gpt-oss's sinks, spread wide enough that some outweigh the row's keys and some do not
+    sink = jnp.asarray(np.random.default_rng(seed + 2).normal(0.0, 3.0, num_kv_heads * group), jnp.float32) if sinks else None
     got = decode_attention(
         q,
         case.k_pages,
@@ -71,6 +74,7 @@ def check_decode(
         num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block,
         interpret=True,
+        sinks=sink,
     )
     # The oracle sees each sequence as one query token: query_start_loc = 0, 1, 2, ...
     query_start_loc = np.arange(len(seq_lens) + 1, dtype=np.int32)
@@ -83,6 +87,7 @@ def check_decode(
         query_start_loc,
         scale=scale,
         soft_cap=soft_cap,
+        sinks=sink,
     )
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.dtype == want.dtype and got.shape == q.shape
@@ -123,6 +128,12 @@ def test_decode_split_and_block_sizes_agree(num_splits, pages_per_compute_block)
     )
 
 
+@pytest.mark.parametrize("num_splits,group,dtype", [(1, 3, jnp.float32), (3, 4, jnp.float32), (2, 8, jnp.bfloat16)])
+def test_decode_attention_sinks(num_splits, group, dtype):
+    # gpt-oss: one split folds the sinks in the kernel, more in the combine; GQA 3 pads a tile's rows.
+    check_decode(page_size=16, head_dim=64, group=group, dtype=dtype, num_splits=num_splits, sinks=True)
+
+
 @pytest.fixture
 def one_sm_gpu(monkeypatch):
     """Plan as if the GPU had 1 SM, so that a test's handful of sequences already "fills" it and
@@ -135,8 +146,9 @@ def one_sm_gpu(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("num_kv_heads,group,num_splits", [(8, 2, 1), (8, 2, 3), (4, 1, None), (2, 8, None)])
-def test_decode_packs_the_groups_of_several_kv_heads_per_tile(one_sm_gpu, num_kv_heads, group, num_splits):
+@pytest.mark.parametrize("num_kv_heads,group,num_splits,sinks", [(8, 2, 1, False), (8, 2, 3, False), (4, 1, None, False),
+                                                                  (2, 8, None, False), (4, 1, 1, True)])
+def test_decode_packs_the_groups_of_several_kv_heads_per_tile(one_sm_gpu, num_kv_heads, group, num_splits, sinks):
     # Qwen3's GQA 2 with 8 KV heads: all 8 groups share one 16-row tile (every row real), one KV
     # head's block per loop step; GQA 1 packs 4 heads into 4 of 16 rows; GQA 8 packs 2 heads. One
     # split (the kernel normalises and writes q's dtype) and three (float32 partials, combined).
@@ -144,7 +156,7 @@ def test_decode_packs_the_groups_of_several_kv_heads_per_tile(one_sm_gpu, num_kv
 
     assert heads_per_tile(num_kv_heads, group, 16, num_seqs=6) == min(num_kv_heads, 16 // group)
     check_decode(page_size=16, head_dim=128, group=group, dtype=jnp.bfloat16, num_kv_heads=num_kv_heads,
-                 num_splits=num_splits, seed=num_kv_heads + group)
+                 num_splits=num_splits, seed=num_kv_heads + group, sinks=sinks)
 
 
 def test_decode_chooses_splits_that_fill_the_gpu_within_the_partials_budget():
@@ -306,6 +318,11 @@ def test_decode_lowers_to_triton_for_cuda(group, dtype, num_splits):
                                                       interpret=False)).trace(
             q, pages, pages, block_tables, seq_lens
         ).lower(lowering_platforms=("cuda",))
+        with_sinks = jax.jit(lambda *a: decode_attention(*a[:5], scale=0.125, num_splits=1, interpret=False,
+                                                         sinks=a[5])).trace(
+            q, pages, pages, block_tables, seq_lens, jnp.zeros((2 * group,), jnp.float32)
+        ).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in with_sinks.as_text()
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 

@@ -58,6 +58,7 @@ def check_ragged(
     pages_per_compute_block=2,
     batch=None,
     seed=0,
+    sinks=False,
 ):
     seq_lens, q_lens = batch or mixed_batch(page_size)
     case = make_case(
@@ -72,6 +73,8 @@ def check_ragged(
         num_padding_tokens=NUM_PADDING_TOKENS,
     )
     scale = head_dim**-0.5
+    # gpt-oss's sinks, spread wide enough that some outweigh the row's keys and some do not
+    sink = jnp.asarray(np.random.default_rng(seed + 2).normal(0.0, 3.0, num_kv_heads * group), jnp.float32) if sinks else None
     got = paged_attention(
         case.q,
         case.k_pages,
@@ -84,6 +87,7 @@ def check_ragged(
         block_q=block_q,
         pages_per_compute_block=pages_per_compute_block,
         interpret=True,
+        sinks=sink,
     )
     want = oracle(
         case.q,
@@ -94,6 +98,7 @@ def check_ragged(
         case.query_start_loc,
         scale=scale,
         soft_cap=soft_cap,
+        sinks=sink,
     )
     assert got.dtype == case.q.dtype and got.shape == case.q.shape
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -143,6 +148,12 @@ def test_ragged_pure_decode_and_pure_prefill_batches():
 
 def test_ragged_soft_cap():
     check_ragged(page_size=16, head_dim=64, group=2, dtype=jnp.float32, soft_cap=1.5, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("group,dtype,block_q", [(3, jnp.float32, 8), (8, jnp.bfloat16, 4)])
+def test_ragged_attention_sinks(group, dtype, block_q):
+    # gpt-oss: a sink per query head; GQA 3 pads each token's rows to 4 (the padding row's sink is masked).
+    check_ragged(page_size=16, head_dim=64, group=group, dtype=dtype, block_q=block_q, sinks=True)
 
 
 def test_ragged_is_causal():
@@ -211,7 +222,11 @@ def test_ragged_lowers_to_triton_for_cuda(group, dtype):
         lowered = jax.jit(lambda *a: paged_attention(*a, scale=0.1, interpret=False)).trace(
             q, pages, pages, block_tables, seq_lens, query_start_loc
         ).lower(lowering_platforms=("cuda",))
+        with_sinks = jax.jit(lambda *a: paged_attention(*a[:6], scale=0.1, interpret=False, sinks=a[6])).trace(
+            q, pages, pages, block_tables, seq_lens, query_start_loc, jnp.zeros((2 * group,), jnp.float32)
+        ).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in with_sinks.as_text()
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Sliding-window attention end to end: the engine's greedy tokens against HF float32 (Mistral,
-Gemma 2 local/global, Phi-3) well past the window, under prefix caching, chunked prefill and
-preemption; and the planner freeing pages behind the window of an all-local model."""
+Gemma 2 local/global, gpt-oss sliding/full with sinks, Phi-3) well past the window, under prefix caching,
+chunked prefill and preemption; and the planner freeing pages behind the window of an all-local model."""
 
 import dataclasses
 
@@ -47,7 +47,7 @@ def _run(engine, prompts, max_tokens, on_step=None):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "gemma2", pytest.param("phi3-window", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2", "gptoss", pytest.param("phi3-window", marks=pytest.mark.slow)])
 def test_greedy_matches_hf_past_the_window_with_prefix_cache_chunking_and_preemption(name, tiny_hf_model):
     import torch
 

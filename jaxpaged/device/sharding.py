@@ -201,6 +201,10 @@ class TensorParallel:
 
     @classmethod
     def create(cls, mesh: Mesh, config: ModelConfig) -> "TensorParallel":
+        if config.attention_sinks or config.moe_bias:
+            raise ValueError("gpt-oss (attention sinks, router and expert biases) runs on one device only for now: "
+                             "sharding does not pass sinks to the per-device attention nor biases to the experts; "
+                             "use tensor_parallel_size=1 and data_parallel_size=1")
         replicas = kv_head_replicas(config, tp_size(mesh))
         if config.num_experts % tp_size(mesh):
             raise ValueError(

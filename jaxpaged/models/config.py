@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxpaged.config import FP8_ACTIVATIONS, GGUF_ACTIVATIONS
 from jaxpaged.models.hf_config import config_from_hf
-from jaxpaged.models.rope_scaling import LongRope, RopeScaling
+from jaxpaged.models.rope_scaling import LongRope, RopeScaling, Yarn
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -26,7 +26,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LongRope | None = None
+    rope_scaling: RopeScaling | LongRope | Yarn | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama/Qwen3 if configured)
     o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 `attention_bias=True`)
@@ -49,7 +49,9 @@ class ModelConfig:
     norm_plus_one: bool = False  # RMSNorm multiplies by (1 + weight)
     sandwich_norms: bool = False  # extra norms after attention and around the MLP
     scale_embedding: bool = False  # embeddings times sqrt(hidden_size)
-    hidden_act: str = "silu"  # or "gelu_tanh" (Gemma's gelu_pytorch_tanh)
+    # or "gelu_tanh" (Gemma's gelu_pytorch_tanh), or "swigluoai" (gpt-oss experts, vLLM's name: gate clamped
+    # above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 gate); models/moe.py)
+    hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default head_dim)
     attn_soft_cap: float | None = None  # attention logits -> cap * tanh(logits / cap)
     final_soft_cap: float | None = None  # output logits likewise
@@ -58,6 +60,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    moe_bias: bool = False  # gpt-oss: a bias on the router's logits and on every expert projection
+    # gpt-oss: one learned logit per query head joins each softmax's denominator (a key with value 0).
+    attention_sinks: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -88,8 +93,11 @@ class ModelConfig:
                 )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; use 'silu' or 'gelu_tanh'")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swigluoai"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; use 'silu', 'gelu_tanh' or 'swigluoai'")
+        if (self.hidden_act == "swigluoai" or self.moe_bias) and not self.num_experts:
+            raise ValueError(f"hidden_act={self.hidden_act!r} and moe_bias={self.moe_bias} are for MoE experts "
+                             "(gpt-oss); set num_experts")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
                 raise ValueError(

@@ -11,6 +11,10 @@
                                              sandwich norms, sqrt(D) embedding scale, gelu-tanh
     gemma3_text    Gemma3ForCausalLM         Gemma 2 minus soft-capping plus q/k norm, 5 local : 1 global,
                                              a separate RoPE base on local layers
+    gpt_oss        GptOssForCausalLM         per-head attention sinks, alternating sliding / full layers,
+                                             q/k/v/o bias, routed experts with router and expert biases and
+                                             the clamped SwiGLU (models/moe.py), YaRN RoPE; MXFP4 expert
+                                             weights dequantized at load (models/mxfp4.py)
 """
 
 import math
@@ -20,9 +24,10 @@ from typing import Any
 import jax
 
 from jaxpaged.models.hf_quant import check_quantization_config
-from jaxpaged.models.rope_scaling import LongRope, RopeScaling
+from jaxpaged.models.rope_scaling import LongRope, RopeScaling, Yarn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+                         "gpt_oss")
 _GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -80,6 +85,13 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
         fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
                       moe_intermediate_size=get("moe_intermediate_size"),
                       norm_topk_prob=bool(get("norm_topk_prob", False)))
+    if model_type == "gpt_oss":
+        fields.update(num_experts=num_experts, num_experts_per_tok=get("num_experts_per_tok"),
+                      moe_intermediate_size=get("intermediate_size"),
+                      # HF: softmax over the top-k logits, which is softmax, top-k, renormalise
+                      norm_topk_prob=True, moe_bias=True, attention_sinks=True, hidden_act="swigluoai",
+                      layer_types=tuple(get("layer_types") or (  # GptOssConfig's default: even layers slide
+                          "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))))
     if fields["sliding_window"] is None:
         fields.pop("layer_types", None)  # "sliding" layers without a window are global (HF alike)
     return cls(**fields)
@@ -88,6 +100,8 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
 def _refuse_unsupported(model_type: str, get) -> None:
     """ValueError naming the first config field whose value jaxpaged does not implement."""
     quantization = get("quantization_config")
+    if model_type == "gpt_oss" and _quant_method(quantization) == "mxfp4":
+        quantization = None  # the released checkpoints: experts dequantized at load (models/mxfp4.py)
     if quantization:  # a method models/hf_quant.py reads, or refused by name (its weights would load as garbage)
         check_quantization_config(quantization)
     act = get("hidden_activation") or get("hidden_act") if model_type in _GEMMA else get("hidden_act", "silu")
@@ -113,6 +127,21 @@ def _refuse_unsupported(model_type: str, get) -> None:
             raise ValueError(f"partial_rotary_factor={factor} is not supported; only 1.0 (full RoPE) is")
     if model_type == "gemma3_text" and get("use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True is not supported; jaxpaged is causal only")
+    if model_type == "gpt_oss":
+        # vLLM's swigluoai fixes both constants too
+        for name, implemented in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            if float(get(name, implemented)) != implemented:
+                raise ValueError(f"{name}={get(name)} is not supported for gpt_oss; only {implemented} (the released "
+                                 "models' value) is implemented")
+        if not get("attention_bias", True):
+            raise ValueError("attention_bias=False is not supported for gpt_oss; its checkpoints have q/k/v/o biases")
+
+
+def _quant_method(quantization) -> str | None:
+    if not quantization:
+        return None
+    return (quantization.get("quant_method") if isinstance(quantization, Mapping)
+            else getattr(quantization, "quant_method", None))
 
 
 def _gemma_layer_types(get, model_type: str, num_layers: int) -> tuple[str, ...]:
@@ -142,6 +171,18 @@ def _read_rope(get, model_type: str):
     rope_type = _check_rope_type(params)
     if rope_type == "default":
         return theta, None, local_theta
+    if rope_type == "yarn":
+        unread = sorted(name for name in ("mscale", "mscale_all_dim") if params.get(name))
+        if unread or params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"yarn rope_parameters {unread or ['partial_rotary_factor']} are not supported; only "
+                             "factor, beta_fast, beta_slow, truncate, attention_factor and "
+                             "original_max_position_embeddings are (and partial_rotary_factor 1.0)")
+        original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings"))
+        factor = float(params.get("factor") or get("max_position_embeddings") / original)
+        attention = params.get("attention_factor") or (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+        return theta, Yarn(factor, original, float(params.get("beta_fast") or 32.0),
+                           float(params.get("beta_slow") or 1.0), bool(params.get("truncate", True)),
+                           float(attention)), local_theta
     if rope_type == "longrope":
         original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings"))
         factor = params.get("factor") or get("max_position_embeddings") / original
@@ -160,6 +201,7 @@ def _read_rope(get, model_type: str):
 
 def _check_rope_type(params: dict) -> str:
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3", "longrope"):
-        raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default', 'llama3' and 'longrope' RoPE are")
+    if rope_type not in ("default", "llama3", "longrope", "yarn"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default', 'llama3', 'longrope' and 'yarn' "
+                         "RoPE are")
     return rope_type

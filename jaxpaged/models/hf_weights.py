@@ -1,7 +1,8 @@
 """Hugging Face state dict -> the parameter tree of `jaxpaged.models.llama.CausalLM`, for every family.
 
 Names and layout are HF's `nn.Linear` ones (`(out, in)`); Phi-3's fused qkv/gate_up tensors are
-split first (`models/phi3.py`), routed experts are read by `models/moe.py`.
+split first (`models/phi3.py`), MXFP4 experts dequantized (`models/mxfp4.py`), routed experts are read
+by `models/moe.py`.
 """
 
 from collections.abc import Callable, Mapping
@@ -13,6 +14,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import BlockCodes, keeps_embedding, panel_leaves, stacked_leaves
 from jaxpaged.models.hf_quant import Fp8Matrix, fp8_leaves
 from jaxpaged.models.moe import moe_params_from_hf
+from jaxpaged.models.mxfp4 import dequantize_experts
 from jaxpaged.models.phi3 import unfuse_phi3
 
 
@@ -40,6 +42,7 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
     dtype = jnp.dtype(c.dtype)
     _refuse_quantized(state_dict)
     state_dict = unfuse_phi3(c, state_dict)
+    state_dict = dequantize_experts(state_dict)  # gpt-oss's MXFP4 experts (models/mxfp4.py)
 
     def tensor(name: str) -> np.ndarray:
         if name not in state_dict:
@@ -79,6 +82,8 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
         attn["v_bias"] = stacked("self_attn.v_proj.bias", lambda b: b.reshape(k, h))
     if c.o_proj_bias:
         attn["o_bias"] = stacked("self_attn.o_proj.bias", lambda b: b)
+    if c.attention_sinks:
+        attn["sinks"] = stacked("self_attn.sinks", lambda w: w)  # [N]
     if c.qk_norm:
         attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", lambda w: w)}
         attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", lambda w: w)}

@@ -1,4 +1,4 @@
-"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Gemma 2/3)
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Gemma 2/3, gpt-oss)
 over one paged KV buffer; `ModelConfig` switches the family details (models/hf_config.py).
 
 The whole batch is a flat list of `num_tokens` tokens from many sequences (see `StepInput` in
@@ -15,6 +15,7 @@ rides in the carry, so XLA updates it in place when the caller donates it.
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -28,7 +29,7 @@ from jaxpaged.ops.attention import reference_paged_attention
 from jaxpaged.ops.kv_quant import QuantizedKV, layer_pools, rotate, rotates, write_slots
 from jaxpaged.ops.ordered_sum import ordered_sum
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.rope_scaling import LongRope, RopeScaling
+from jaxpaged.models.rope_scaling import LongRope, RopeScaling, Yarn
 from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
@@ -43,11 +44,13 @@ KVPages = Float[Array, "num_layers 2 num_kv_heads num_pages page_size head_dim"]
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | LongRope | None) -> np.ndarray:
-    """Inverse frequencies of the `head_dim // 2` rotated pairs, with Llama-3 or LongRoPE scaling if given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | LongRope | Yarn | None) -> np.ndarray:
+    """Inverse frequencies of the `head_dim // 2` rotated pairs, with Llama-3, LongRoPE or YaRN scaling if given."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq.astype(np.float32)
+    if isinstance(scaling, Yarn):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if isinstance(scaling, LongRope):  # Phi-3: each frequency divided by its factor (cos/sin scaled apart)
         factors = np.asarray(scaling.long_factor if scaling.use_long else scaling.short_factor, np.float64)
         return (inv_freq / factors).astype(np.float32)
@@ -63,6 +66,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | LongRope |
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     scaled = np.where((wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen), interpolated, scaled)
     return scaled.astype(np.float32)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, yarn: Yarn) -> np.ndarray:
+    """YaRN: dimension pair i keeps its frequency (extrapolates) below the ramp, takes it divided by `factor`
+    (interpolates) above it; in float32 in HF's order of operations (modeling_rope_utils._compute_yarn_parameters)."""
+    def correction_dim(num_rotations):  # the pair that turns `num_rotations` times over the original context
+        return head_dim * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos_freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
 def apply_rope(
@@ -141,6 +165,7 @@ class Attention(nn.Module):
     matmul_kernels: frozenset = frozenset()  # static: CausalLM.matmul_kernels
     min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
     batch_invariant: bool = False  # static: CausalLM.batch_invariant (the q/k norms' sums ordered)
+    sinks: bool = False  # gpt-oss: a learned logit per query head, passed to the backend as `sinks` [N] float32
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
@@ -174,6 +199,8 @@ class Attention(nn.Module):
         extra = {"decode_only": True} if self.decode_only and has_decode_kernel else {}
         if self.soft_cap is not None:
             extra["soft_cap"] = self.soft_cap
+        if self.sinks:  # only then: a backend without sinks is never handed them silently (it refuses the kwarg)
+            extra["sinks"] = self.param("sinks", _init, (n,), self.dtype).astype(jnp.float32)
         scale = h**-0.5 if self.scale is None else self.scale
 
         def attend(window):
@@ -248,7 +275,7 @@ class DecoderLayer(nn.Module):
             c.rms_norm_eps, dtype, self.attention_fn, self.decode_only, c.norm_plus_one,
             None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5, c.attn_soft_cap,
             tuple(sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)), self.matmul_kernels,
-            self.min_dot_rows, self.batch_invariant, name="attn",
+            self.min_dot_rows, self.batch_invariant, c.attention_sinks, name="attn",
         )
         stack = weight_stack or {}
         h, kv_pages = attn(
@@ -259,7 +286,7 @@ class DecoderLayer(nn.Module):
         h = norm("post_attn_norm")(x)  # the norm in front of the MLP
         if c.num_experts:
             h = MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.hidden_act,
-                    dtype, self.expert_fn, name="moe")(h)
+                    dtype, self.expert_fn, c.moe_bias, name="moe")(h)
         else:
             h = MLP(c.intermediate_size, dtype, c.hidden_act, self.matmul_kernels, self.min_dot_rows, name="mlp")(
                 h, layer_idx, stack.get("mlp"))
@@ -317,7 +344,7 @@ class CausalLM(nn.Module):
         def rotations(theta, scaling):
             inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, theta, scaling))
             angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-            if isinstance(scaling, LongRope):  # cos/sin scaled by its attention factor
+            if isinstance(scaling, (LongRope, Yarn)):  # cos/sin scaled by its attention factor
                 return jnp.cos(angles) * scaling.attention_factor, jnp.sin(angles) * scaling.attention_factor
             return jnp.cos(angles), jnp.sin(angles)
 

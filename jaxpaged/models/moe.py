@@ -1,8 +1,9 @@
-"""The routed mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, one grouped matmul per projection.
+"""The routed mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): top-k routing, one grouped matmul per projection.
 
-    router logits [T, E] = x @ router;  probs = softmax (float32);  w, e = top_k(probs, k)
-    (Mixtral, Qwen3-MoE with norm_topk_prob: w /= sum(w))
-    y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = e[t, j]
+    router logits [T, E] = x @ router (+ router_bias: gpt-oss);  probs = softmax (float32);  w, e = top_k(probs, k)
+    (Mixtral, Qwen3-MoE with norm_topk_prob, gpt-oss: w /= sum(w), i.e. softmax over the top-k logits)
+    y[t] = sum_j w[t, j] * down_e(gated(act, gate_e(x[t]), up_e(x[t]))),  e = e[t, j]
+    (gpt-oss: each projection with its expert's bias, `gated` its clamped "swigluoai")
 
 No dense all-experts compute: the T*k (token, expert) pairs are sorted by expert, the tokens
 gathered in that order, and each projection is one `jax.lax.ragged_dot` over the sorted rows
@@ -22,6 +23,16 @@ from jaxtyping import Array, Float, Int
 
 _init = nn.initializers.normal(stddev=0.02)
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU ("swigluoai", vLLM's name)
+
+
+def gated(act: str, gate, up):
+    """The expert's hidden activation from its gate and up projections: act(gate) * up, or gpt-oss's
+    "swigluoai": gate clamped above at 7, up to [-7, 7], then (up + 1) * gate * sigmoid(1.702 gate)."""
+    if act == "swigluoai":
+        gate, up = jnp.minimum(gate, SWIGLU_LIMIT), jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * SWIGLU_ALPHA))
+    return ACTIVATIONS[act](gate) * up
 
 
 def route(router_logits: Float[Array, "T E"], top_k: int, norm_topk_prob: bool):
@@ -43,8 +54,11 @@ def grouped_experts(
     *,
     act: str,
     expert_offset: Int[Array, ""] | int = 0,
+    biases: tuple[Float[Array, "E_local F"], Float[Array, "E_local F"], Float[Array, "E_local D"]] | None = None,
 ) -> Float[Array, "T D"]:
     """Sum over the pairs routed to experts [offset, offset + E_local) of weight * expert(x).
+
+    `biases` (gpt-oss): (gate, up, down) biases of each expert, added after its projections.
 
     With offset 0 and every expert local this is the whole MoE MLP; under expert parallelism each
     device passes its slice of the weights and its offset, and the caller sums over devices.
@@ -60,8 +74,13 @@ def grouped_experts(
     rows = x[order // top_k]  # [T*k, D], token of pair p is p // k
     gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
     up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    hidden = (ACTIVATIONS[act](gate) * up).astype(x.dtype)
+    row_expert = jnp.minimum(sorted_key, num_local - 1)  # rows past the local groups are zeroed below
+    if biases is not None:
+        gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
+    hidden = gated(act, gate, up).astype(x.dtype)
     out = jax.lax.ragged_dot(hidden, w_down, group_sizes)  # [T*k, D]
+    if biases is not None:
+        out = out + biases[2][row_expert]
     # Rows past the local groups are not computed by ragged_dot (may hold anything): zero them.
     pair_weight = jnp.where(sorted_key < num_local, weights.reshape(-1)[order], 0.0)
     out = jnp.where((sorted_key < num_local)[:, None], out.astype(jnp.float32), 0.0) * pair_weight[:, None]
@@ -89,11 +108,17 @@ class MoE(nn.Module):
     act: str
     dtype: jnp.dtype
     expert_fn: ExpertFn = grouped_experts
+    bias: bool = False  # gpt-oss: router and expert biases (ModelConfig.moe_bias)
 
     @nn.compact
     def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         dim, e, f = x.shape[-1], self.num_experts, self.intermediate_size
         router_logits = jnp.einsum("TD,DE->TE", x, self.param("router", _init, (dim, e), self.dtype))
+        extra = {}
+        if self.bias:
+            router_logits = router_logits + self.param("router_bias", _init, (e,), self.dtype)
+            extra["biases"] = tuple(self.param(f"expert_{name}_bias", _init, shape, self.dtype)
+                                    for name, shape in (("gate", (e, f)), ("up", (e, f)), ("down", (e, dim))))
         weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
         # Routed expert ids for RL users (engine/routed_experts.py): kept only when the caller makes
         # "intermediates" mutable; otherwise sow does nothing and the program is unchanged.
@@ -103,7 +128,7 @@ class MoE(nn.Module):
             self.param("expert_gate", _init, (e, dim, f), self.dtype),
             self.param("expert_up", _init, (e, dim, f), self.dtype),
             self.param("expert_down", _init, (e, f, dim), self.dtype),
-            act=self.act,
+            act=self.act, **extra,
         )
 
 
@@ -115,6 +140,14 @@ def moe_params_from_hf(num_experts: int, intermediate_size: int, layer_tensor: C
     (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`; Qwen3-MoE: `mlp.experts.{e}.gate/up/down_proj`).
     """
     f = intermediate_size
+    if has("mlp.router.weight"):  # gpt-oss: [E, D, 2F] with gate and up interleaved (column 2j gate, 2j+1 up)
+        gate_up = layer_tensor("mlp.experts.gate_up_proj")
+        gate_up_bias = layer_tensor("mlp.experts.gate_up_proj_bias")  # [E, 2F], interleaved alike
+        return {"router": layer_tensor("mlp.router.weight").T, "router_bias": layer_tensor("mlp.router.bias"),
+                "expert_gate": gate_up[..., 0::2], "expert_up": gate_up[..., 1::2],
+                "expert_down": layer_tensor("mlp.experts.down_proj"),  # [E, F, D] as jaxpaged keeps it
+                "expert_gate_bias": gate_up_bias[:, 0::2], "expert_up_bias": gate_up_bias[:, 1::2],
+                "expert_down_bias": layer_tensor("mlp.experts.down_proj_bias")}
     if has("mlp.experts.gate_up_proj"):
         gate_up = layer_tensor("mlp.experts.gate_up_proj")  # [E, 2F, D]
         gate, up = gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1)

@@ -1,5 +1,5 @@
-"""RoPE scaling a model's config may carry (`ModelConfig.rope_scaling`): Llama 3's frequency scaling and
-Phi-3's LongRoPE. Plain frozen dataclasses that check themselves; `models/hf_config.py` reads them from a
+"""RoPE scaling a model's config may carry (`ModelConfig.rope_scaling`): Llama 3's frequency scaling,
+Phi-3's LongRoPE and gpt-oss's YaRN. Plain frozen dataclasses that check themselves; `models/hf_config.py` reads them from a
 Hugging Face config, `models/llama.py` turns them into frequencies (`rope_inv_freq`).
 """
 
@@ -49,3 +49,24 @@ class LongRope:
     def __post_init__(self):
         if len(self.short_factor) != len(self.long_factor) or min(self.short_factor + self.long_factor) <= 0:
             raise ValueError("longrope short_factor and long_factor must be positive lists of head_dim / 2 values")
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN (`rope_type: "yarn"`, gpt-oss): each frequency blended between its original value and the value
+    divided by `factor`, by a linear ramp over the dimensions between the ones that turn `beta_fast` and
+    `beta_slow` times over the original context; cos/sin times `attention_factor` (0.1 ln(factor) + 1 by
+    default). `truncate` (HF's, default True) rounds the ramp's ends to whole dimensions; gpt-oss sets False."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0 or self.attention_factor <= 0:
+            raise ValueError(f"yarn factor={self.factor}, original_max_position_embeddings="
+                             f"{self.original_max_position_embeddings} and attention_factor={self.attention_factor} "
+                             "must be positive")

@@ -38,6 +38,8 @@ def load_model(model: str | None, dtype: str, quantization: str | None = None):
                          "file; pass a .gguf model or leave quantization None")
     hf_quantization = (files.hf_config.get("quantization_config") or None) if files.source.kind != "gguf" else None
     method = hf_quant.method_of(hf_quantization)
+    if method == "mxfp4":  # gpt-oss's experts, dequantized as they load (models/mxfp4.py); hf_config checks the family
+        hf_quantization, method = None, None
     if quantization not in (None, "gguf", method):
         raise ValueError(f"quantization={quantization!r}, but {files.source_id!r} is "
                          + (f"a {method!r} checkpoint" if method else "not quantized")

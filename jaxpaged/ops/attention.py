@@ -69,6 +69,7 @@ def reference_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: Float[Array, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """Causal attention of each query token over its own sequence's paged K/V.
 
@@ -83,6 +84,8 @@ def reference_paged_attention(
       soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)` before masking.
       sliding_window: if set, the token at position p sees only keys p - sliding_window + 1 .. p
         (Mistral/Gemma/HF semantics); pages wholly before that may have been freed and hold anything.
+      sinks: if set (gpt-oss), float32 [num_heads]: head h's softmax has one more logit, sinks[h], whose
+        value is 0 (it joins the denominator only): out = sum_j e^(s_j) v_j / (e^(sinks[h]) + sum_j e^(s_j)).
 
     Returns:
       Attention output in q's dtype; zeros for padding tokens.
@@ -124,7 +127,12 @@ def reference_paged_attention(
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     # A row with no visible key (padding) would be softmax over all -inf = NaN; give it zeros.
     has_key = jnp.any(visible, axis=-1)[:, None, None, None]
-    probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
+    scores = jnp.where(has_key, scores, 0.0)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink's logit joins the softmax, its probability is dropped
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1), (*scores.shape[:3], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     # Masked probabilities are exactly 0, but 0 * NaN is NaN and pages a sequence does not own may
     # hold anything: zero the values each token may not see.
     v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
@@ -147,6 +155,7 @@ def chunked_paged_attention(
     pages_per_chunk: int = 8,
     decode_only: bool = False,
     query_blocks: QueryBlocks | None = None,
+    sinks: Float[Array, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """The CPU path: the reference's result, reading only as many pages as the batch's longest context.
 
@@ -182,7 +191,8 @@ def chunked_paged_attention(
 
     return _chunked_attention(q, gather, gather_seq, k_pages.shape[0], k_pages.shape[2], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks,
+                              sinks=sinks)
 
 
 def chunked_paged_attention_from_buffer(
@@ -199,6 +209,7 @@ def chunked_paged_attention_from_buffer(
     pages_per_chunk: int = 8,
     decode_only: bool = False,
     query_blocks: QueryBlocks | None = None,
+    sinks: Float[Array, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """`chunked_paged_attention` of layer `layer_idx`, gathering straight from the model's whole buffer.
 
@@ -225,7 +236,8 @@ def chunked_paged_attention_from_buffer(
 
     return _chunked_attention(q, gather, gather_seq, kv_pages.shape[2], kv_pages.shape[4], block_tables, seq_lens,
                               query_start_loc, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks)
+                              pages_per_chunk=pages_per_chunk, decode_only=decode_only, query_blocks=query_blocks,
+                              sinks=sinks)
 
 
 chunked_paged_attention_from_buffer.reads_whole_kv_buffer = True
@@ -233,7 +245,7 @@ chunked_paged_attention_from_buffer.has_decode_kernel = True  # told decode_only
 
 
 def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tables, seq_lens, query_start_loc, *,
-                       scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_blocks):
+                       scale, soft_cap, sliding_window, pages_per_chunk, decode_only, query_blocks, sinks=None):
     """Decode-only steps: every token gathers its own sequence's keys (`_by_token`, one token per
     sequence). Other steps go by query blocks (`_by_query_block`): a prompt chunk's tokens share one
     read of their sequence's keys, scored in one matmul. Gathering per token read every key once per
@@ -261,14 +273,25 @@ def _chunked_attention(q, gather, gather_seq, num_kv_heads, page_size, block_tab
     qf = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # [T, K, G, H]
     by_token = _Chunks(pages_per_chunk, pages_per_chunk * page_size, soft_cap, sliding_window)
     if decode_only:
-        _, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
+        m, l, acc = _by_token(by_token, gather, qf, position, seq_pages[seq_idx])
     else:
         by_seq = _Chunks(seq_chunk_pages, seq_chunk_pages * page_size, soft_cap, sliding_window)
         by_tail = _Chunks(tail_pages, tail_pages * page_size, soft_cap, sliding_window)
-        _, l, acc = _by_query_block(by_token, by_seq, by_tail, gather, gather_seq, qf, position, seq_idx, q_len == 1,
+        m, l, acc = _by_query_block(by_token, by_seq, by_tail, gather, gather_seq, qf, position, seq_idx, q_len == 1,
                                     seq_pages, query_start_loc[-1], min(blocks.tokens, num_tokens), blocks.max_seqs)
+    if sinks is not None:  # the sink joins the denominator as one more key whose value is 0 (gpt-oss)
+        m, l, acc = fold_sinks(m, l, acc, sinks.astype(jnp.float32).reshape(num_kv_heads, group))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def fold_sinks(m, l, acc, sink):
+    """An online softmax's (max m, sum l, weighted values acc) with one more logit `sink` (broadcast to m)
+    of value 0: the new max, l rescaled to it plus e^(sink - max), acc rescaled. A row that saw no key
+    (m at its floor, l = 0, acc = 0) keeps acc = 0, so its output stays 0."""
+    m_new = jnp.maximum(m, sink)
+    correction = jnp.exp(m - m_new)
+    return m_new, l * correction + jnp.exp(sink - m_new), acc * correction[..., None]
 
 
 @dataclasses.dataclass(frozen=True)

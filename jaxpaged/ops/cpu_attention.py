@@ -11,8 +11,8 @@
 
 `with_cpu_kernels(fn)` wraps a whole-buffer backend (the CPU default, "chunked"): steps over a float32
 buffer without soft capping run a kernel on the CPU, the decode one in decode-only steps, the ragged
-one in the others; the rest (quantized pools, soft caps, a kernel switched off, other platforms at
-lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
+one in the others (gpt-oss's attention sinks included); the rest (quantized pools, soft caps, a kernel
+switched off, other platforms at lowering) runs `fn`. Same semantics as `reference_paged_attention` (ops/attention.py, the oracle in
 tests/test_cpu_attention.py), sliding windows included; float32 sums and exp in another order.
 
 The ragged kernel computes each token in an order fixed by its own position: every page up to its
@@ -61,60 +61,73 @@ def _check(name, kernel, q, kv_pages, block_tables, rows_ok, rows_need, march):
     return cpu_kernels.target(kernel, march)
 
 
+def _sinks_or_none(sinks, num_heads: int) -> jax.Array:
+    """The kernels' sinks operand: float32 [N]; -inf for every head without sinks (their arithmetic is then
+    exactly the plain softmax's)."""
+    if sinks is None:
+        return jnp.full((num_heads,), -jnp.inf, jnp.float32)
+    return jnp.asarray(sinks, jnp.float32).reshape(num_heads)
+
+
 def paged_decode_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: ArrayLike, seq_lens: ArrayLike, *,
                            layer_idx: ArrayLike, scale: float, sliding_window: int | None = None,
-                           march: str = "native") -> jax.Array:
+                           sinks: ArrayLike | None = None, march: str = "native") -> jax.Array:
     """Each sequence's one query token against its keys 0 .. seq_len - 1 (the last `sliding_window` of
-    them if set) in layer `layer_idx` of the whole buffer; zeros for seq_len 0. CPU only. `march`: the
-    build to run (another instruction set than the host's: tests; cpu_kernels.register)."""
+    them if set) in layer `layer_idx` of the whole buffer; zeros for seq_len 0. `sinks` (gpt-oss): float32
+    [num_heads], one more logit per head in the softmax, of value 0. CPU only. `march`: the build to run
+    (another instruction set than the host's: tests; cpu_kernels.register)."""
     target = _check("paged_decode_attention", NAME, q, kv_pages, block_tables, block_tables.shape[0] == q.shape[0],
                     "one query token per block table row", march)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), kv_pages, jnp.asarray(block_tables, jnp.int32),
-                jnp.asarray(seq_lens, jnp.int32), jnp.asarray(layer_idx, jnp.int32),
+                jnp.asarray(seq_lens, jnp.int32), jnp.asarray(layer_idx, jnp.int32), _sinks_or_none(sinks, q.shape[1]),
                 scale=np.float32(scale), window=np.int64(sliding_window or 0))
 
 
 def paged_ragged_attention(q: ArrayLike, kv_pages: ArrayLike, block_tables: ArrayLike, seq_lens: ArrayLike,
                            query_start_loc: ArrayLike, *, layer_idx: ArrayLike, scale: float,
-                           sliding_window: int | None = None, march: str = "native") -> jax.Array:
+                           sliding_window: int | None = None, sinks: ArrayLike | None = None,
+                           march: str = "native") -> jax.Array:
     """Each token of sequence s (tokens query_start_loc[s] .. [s + 1] - 1, the last of them at position
     seq_lens[s] - 1) against its keys up to its own position (the last `sliding_window` of them if set)
-    in layer `layer_idx` of the whole buffer; zeros for tokens no sequence owns. CPU only."""
+    in layer `layer_idx` of the whole buffer; zeros for tokens no sequence owns. `sinks` as
+    `paged_decode_attention`'s. CPU only."""
     starts, lens = np.shape(query_start_loc), np.shape(seq_lens)
     target = _check("paged_ragged_attention", RAGGED, q, kv_pages, block_tables,
                     starts == (block_tables.shape[0] + 1,) and lens == (block_tables.shape[0],),
                     f"seq_lens [num_seqs] and query_start_loc [num_seqs + 1] (got {lens} and {starts})", march)
     ints = tuple(jnp.asarray(a, jnp.int32) for a in (block_tables, seq_lens, query_start_loc, layer_idx))
-    return _ragged(target, float(scale), sliding_window, jnp.asarray(q, jnp.float32), kv_pages, *ints)
+    return _ragged(target, float(scale), sliding_window, sinks is not None, jnp.asarray(q, jnp.float32), kv_pages,
+                   _sinks_or_none(sinks, q.shape[1]), *ints)
 
 
-def _ragged_kernel(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx):
+def _ragged_kernel(target, scale, window, q, kv_pages, sinks, block_tables, seq_lens, query_start_loc, layer_idx):
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, scale=np.float32(scale),
+    return call(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx, sinks, scale=np.float32(scale),
                 window=np.int64(window or 0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ragged(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx):
-    return _ragged_kernel(target, scale, window, q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ragged(target, scale, window, has_sinks, q, kv_pages, sinks, block_tables, seq_lens, query_start_loc, layer_idx):
+    return _ragged_kernel(target, scale, window, q, kv_pages, sinks, block_tables, seq_lens, query_start_loc,
+                          layer_idx)
 
 
-def _ragged_forward(target, scale, window, q, kv_pages, *ints):
-    return _ragged_kernel(target, scale, window, q, kv_pages, *ints), (q, kv_pages, ints)
+def _ragged_forward(target, scale, window, has_sinks, q, kv_pages, sinks, *ints):
+    return _ragged_kernel(target, scale, window, q, kv_pages, sinks, *ints), (q, kv_pages, sinks, ints)
 
 
-def _ragged_backward(target, scale, window, saved, d_out):
+def _ragged_backward(target, scale, window, has_sinks, saved, d_out):
     """The reference's gradient at the same inputs (its forward equals the kernel's up to float32 rounding)."""
-    q, kv_pages, (block_tables, seq_lens, query_start_loc, layer_idx) = saved
+    q, kv_pages, sinks, (block_tables, seq_lens, query_start_loc, layer_idx) = saved
 
-    def reference(q, kv_pages):
+    def reference(q, kv_pages, sinks):
         k_pool, v_pool = layer_pools(kv_pages, layer_idx)
         return reference_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, scale=scale,
-                                         sliding_window=window)
+                                         sliding_window=window, sinks=sinks if has_sinks else None)
 
-    d_q, d_kv = jax.vjp(reference, q, kv_pages)[1](d_out)
-    return (d_q, d_kv) + (None,) * 4  # the integer inputs have no cotangent
+    d_q, d_kv, d_sinks = jax.vjp(reference, q, kv_pages, sinks)[1](d_out)
+    return (d_q, d_kv, d_sinks) + (None,) * 4  # the integer inputs have no cotangent
 
 
 _ragged.defvjp(_ragged_forward, _ragged_backward)
@@ -147,16 +160,18 @@ def with_cpu_kernels(fn, kernels=frozenset({NAME, RAGGED}), *, one_path: bool = 
                   sliding_window=None, decode_only=False, **kwargs):
         fallback = functools.partial(fn, layer_idx=layer_idx, scale=scale, soft_cap=soft_cap,
                                      sliding_window=sliding_window, decode_only=decode_only, **kwargs)
+        sinks = kwargs.get("sinks")  # gpt-oss: both kernels take them
         which = _kernel_for(q, kv_pages, block_tables, soft_cap, decode_only, kernels, one_path)
         if which is None:
             return fallback(q, kv_pages, block_tables, seq_lens, query_start_loc)
         if which == NAME:
             kernel = lambda: paged_decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx,
-                                                    scale=scale, sliding_window=sliding_window).astype(q.dtype)
+                                                    scale=scale, sliding_window=sliding_window,
+                                                    sinks=sinks).astype(q.dtype)
         else:
             kernel = lambda: paged_ragged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc,
-                                                    layer_idx=layer_idx, scale=scale,
-                                                    sliding_window=sliding_window).astype(q.dtype)
+                                                    layer_idx=layer_idx, scale=scale, sliding_window=sliding_window,
+                                                    sinks=sinks).astype(q.dtype)
         # Chosen when the step is lowered: a program lowered for a GPU from this CPU host keeps `fn`.
         return jax.lax.platform_dependent(cpu=kernel, default=lambda: fallback(
             q, kv_pages, block_tables, seq_lens, query_start_loc))

@@ -107,13 +107,13 @@ def _kernels_run(config: ModelConfig, page_size: int) -> bool:
 
 
 def _ragged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, sliding_window=None,
-                      decode_only=False):
+                      decode_only=False, sinks=None):
     """The engine's batch-invariant attention (the ragged kernel), called directly: its backward is the
     reference's, where the engine's wrapper would also offer XLA's chunked path (not differentiable)."""
     del decode_only  # one kernel for every token
     return cpu_attention.paged_ragged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc,
-                                                layer_idx=layer_idx, scale=scale,
-                                                sliding_window=sliding_window).astype(q.dtype)
+                                                layer_idx=layer_idx, scale=scale, sliding_window=sliding_window,
+                                                sinks=sinks).astype(q.dtype)
 
 
 _ragged_attention.reads_whole_kv_buffer = True  # called with the whole buffer and a layer index (models/llama.py)

@@ -39,6 +39,7 @@ from jaxpaged.device.step_input import pack_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import PROJECTIONS
 from jaxpaged.models.llama import param_shapes
+from jaxpaged.models.rope_scaling import Yarn
 from jaxpaged.ops.kv_quant import bytes_per_token_head
 
 PAGE_SIZE = 16
@@ -62,6 +63,15 @@ MODELS = {  # shapes only: weights are abstract
                       layer_types=("sliding_attention", "full_attention") * 21, attn_soft_cap=50.0,
                       final_soft_cap=30.0, norm_plus_one=True, sandwich_norms=True, scale_embedding=True,
                       hidden_act="gelu_tanh", tie_word_embeddings=True),
+    # gpt-oss-20b: 24 layers alternating sliding (window 128) and full attention with per-head sinks, q/k/v/o bias,
+    # top-4 of 32 experts with biases and the clamped SwiGLU, YaRN (factor 32 over 4096); its MXFP4 experts
+    # dequantized to bf16 at load (41.8 GB of weights).
+    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
+                        num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+                        rope_scaling=Yarn(32.0, 4096, 32.0, 1.0, False, 0.1 * math.log(32.0) + 1.0),
+                        attention_bias=True, o_proj_bias=True, sliding_window=128,
+                        layer_types=("sliding_attention", "full_attention") * 12, num_experts=32, num_experts_per_tok=4,
+                        moe_intermediate_size=2880, moe_bias=True, attention_sinks=True, hidden_act="swigluoai"),
 }
 
 

@@ -17,10 +17,11 @@ paged_attention = ragged_paged_attention
 
 def paged_attention_from_buffer(
     q, kv_pages, block_tables, seq_lens, query_start_loc, *, layer_idx, scale, soft_cap=None,
-    decode_only: bool = False, sliding_window: int | None = None, interpret: bool | None = None,
+    decode_only: bool = False, sliding_window: int | None = None, interpret: bool | None = None, sinks=None,
 ):
     """`attention_backend="mosaic"`: the split-context decode kernel in decode-only steps (static
-    `decode_only`: one query token per sequence, `num_tokens == num_seqs`), else the ragged kernel."""
+    `decode_only`: one query token per sequence, `num_tokens == num_seqs`), else the ragged kernel.
+    `sinks` (gpt-oss): float32 [num_heads], one more logit per head in every softmax."""
     if sliding_window is not None:
         raise ValueError(
             f"{sliding_window=}: the mosaic kernels have no sliding window; use attention_backend='pallas' or 'chunked'"
@@ -32,9 +33,9 @@ def paged_attention_from_buffer(
                 f"{block_tables.shape[0]} sequences; plan the step in a decode bucket"
             )
         return decode_attention(q, kv_pages, block_tables, seq_lens, layer_idx=layer_idx, scale=scale,
-                                soft_cap=soft_cap, interpret=interpret)
+                                soft_cap=soft_cap, interpret=interpret, sinks=sinks)
     return ragged_paged_attention(q, kv_pages, block_tables, seq_lens, query_start_loc, layer_idx=layer_idx,
-                                  scale=scale, soft_cap=soft_cap, interpret=interpret)
+                                  scale=scale, soft_cap=soft_cap, interpret=interpret, sinks=sinks)
 
 
 paged_attention_from_buffer.reads_whole_kv_buffer = True  # the model passes kv_pages and layer_idx

@@ -81,7 +81,7 @@ def _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap) -> None:
 
 def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_pos, tile_num_keys, *,
          group_rows, num_consumers, num_splits, num_slots, scale, soft_cap, out_dtype, interpret,
-         heads_per_tile=1, group=1, real_rows=TILE_ROWS, decode=False):
+         heads_per_tile=1, group=1, real_rows=TILE_ROWS, decode=False, with_lse=False):
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
     pages_per_step = STEP_KEYS // page_size
     num_seqs, pages_per_seq = block_tables.shape
@@ -105,6 +105,7 @@ def _run(q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, tile_first_po
         soft_cap=soft_cap,
         interpret=interpret,
         decode=decode,
+        with_lse=with_lse,
     )
     # One row per page of one (layer, K/V, KV head): a free reshape of the contiguous buffer.
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
@@ -129,6 +130,7 @@ def ragged_paged_attention(
     num_slots: int = 2,
     num_consumers: int | None = None,
     interpret: bool | None = None,
+    sinks: Float[Array, "num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_dim"]:
     """Causal paged attention for a flat batch of query chunks, reading the model's whole KV buffer.
 
@@ -147,6 +149,8 @@ def ragged_paged_attention(
         interpreting (see RAGGED_CONSUMERS).
       interpret: None = compiled on a GPU host, GPU interpret mode elsewhere; to compile for a GPU
         from another host pass False (jaxpaged.device.backends.attention_fn(..., platform="cuda")).
+      sinks: gpt-oss's, float32 [num_heads]: one more logit per head in every softmax, of value 0. The
+        kernel writes each row's log-sum-exp too, and a row's output is scaled by sigmoid(lse - sink).
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype.
@@ -188,11 +192,11 @@ def ragged_paged_attention(
     # [Q, B, K, Gp, H] -> [K, Q, B, Gp, H] -> [K * Q * C, 64, H]: consumer c of tile i takes rows c * 64...
     q_tiles = q_tiles.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads * num_tiles * num_consumers, TILE_ROWS, head_dim)
 
-    out_tiles, _ = _run(
+    out_tiles, lse = _run(
         q_tiles, kv_pages, block_tables, layer_idx, tile_seq_idx, first_pos, num_keys,
         group_rows=group_rows, num_consumers=num_consumers, num_splits=1, num_slots=num_slots, scale=scale,
-        soft_cap=soft_cap, out_dtype=kv_pages.dtype, interpret=interpret,
-    )  # [K * Q * C, R, H]
+        soft_cap=soft_cap, out_dtype=kv_pages.dtype, interpret=interpret, with_lse=sinks is not None,
+    )  # [K * Q * C, R, H] (lse [K * Q * C, R])
     out_tiles = out_tiles.reshape(num_kv_heads, num_tiles, tokens_per_tile, group_rows, head_dim)
 
     # Each token's row: tile first_tile[s] + local // B, token local % B, local = t - query_start_loc[s].
@@ -201,6 +205,11 @@ def ragged_paged_attention(
     local_idx = token_idx - query_start_loc[token_seq_idx]
     token_tile = jnp.clip(first_tile[token_seq_idx] + local_idx // tokens_per_tile, 0, num_tiles - 1)
     out = out_tiles[:, token_tile, local_idx % tokens_per_tile, :group]  # [K, T, G, H]
+    if sinks is not None:  # e^lse / (e^lse + e^sink) of each row's normalised output; an empty row's lse is MASK_VALUE
+        lse = lse.reshape(num_kv_heads, num_tiles, tokens_per_tile, group_rows)[:, token_tile, local_idx % tokens_per_tile,
+                                                                               :group]  # [K, T, G]
+        sink = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, 1, group)
+        out = out.astype(jnp.float32) * jax.nn.sigmoid(lse - sink)[..., None]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)  # [T, K, G, H] -> [T, N, H]
     is_real = (token_idx < query_start_loc[-1])[:, None, None]
     return jnp.where(is_real, out, jnp.zeros_like(out)).astype(q.dtype)
@@ -222,6 +231,7 @@ def decode_attention(
     num_splits: int | None = None,
     num_slots: int = 2,
     interpret: bool | None = None,
+    sinks: Float[Array, "num_heads"] | None = None,
 ) -> Float[Array, "num_seqs num_heads head_dim"]:
     """One query token per sequence (its last position), contexts split `num_splits` ways.
 
@@ -230,6 +240,8 @@ def decode_attention(
     block-table row. The query heads of Hp KV heads share each 64-row tile (decode_plan.py).
     num_splits: None = chosen from the batch against the GPU's SMs (`decode_plan.num_splits_for`):
     1 when the batch fills it (the kernel then writes bf16 rows, no float32 partials, no combine).
+    sinks (gpt-oss): join the combine of the splits as one more split per row, of log-sum-exp the sink and
+    output 0 (with one split the kernel writes the log-sum-exp for it).
     """
     _check(q, kv_pages, block_tables, seq_lens, scale, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
@@ -263,12 +275,17 @@ def decode_attention(
         q_tiles, kv_pages, block_tables, layer_idx, None, None, seq_lens, group_rows=TILE_ROWS, num_consumers=1,
         num_splits=num_splits, num_slots=num_slots, scale=scale, soft_cap=soft_cap,
         out_dtype=jnp.float32 if num_splits > 1 else kv_pages.dtype, interpret=interpret, heads_per_tile=tile_heads,
-        group=group, real_rows=real_rows, decode=True,
+        group=group, real_rows=real_rows, decode=True, with_lse=sinks is not None,
     )  # out [S * K/Hp * X, R8, H], lse [S * K/Hp * X, R8]
     out = out.reshape(num_seqs, num_tiles, num_splits, store_rows, head_dim)[:, :, :, :real_rows]
-    if num_splits > 1:
+    if num_splits > 1 or sinks is not None:
         # Merge the splits: weights exp(lse_x - max lse); an empty split has lse = MASK_VALUE, weight 0.
         lse = lse.reshape(num_seqs, num_tiles, num_splits, store_rows)[:, :, :, :real_rows]
+        if sinks is not None:  # one more split per row: lse the sink, output 0
+            sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, num_tiles, 1, real_rows),
+                                    (num_seqs, num_tiles, 1, real_rows))
+            lse = jnp.concatenate([lse, sink], axis=2)
+            out = jnp.concatenate([out.astype(jnp.float32), jnp.zeros_like(out[:, :, :1], jnp.float32)], axis=2)
         weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))  # [S, K/Hp, X, Hp*G]
         out = (out * weights[..., None]).sum(axis=2) / weights.sum(axis=2)[..., None]  # [S, K/Hp, Hp*G, H]
     else:

@@ -88,6 +88,8 @@ class KernelShape:
     # Decode: tile t is sequence t, its rows at the last position (num_keys - 1). The kernel then takes no
     # tile_seq_idx / tile_first_pos operands: two arrays XLA would build anew for every layer's launch.
     decode: bool = False
+    # Also write each row's log-sum-exp with one split (gpt-oss's sinks are folded in by the wrappers with it).
+    with_lse: bool = False
 
     @property
     def pages_per_step(self) -> int:
@@ -164,7 +166,7 @@ def _attention_kernel(
     q_ref,  # GMEM [K * Q * C, store_rows, H]: query tiles, 64 rows per consumer (decode: the real ones)
     kv_ref,  # GMEM [L * 2 * K * num_pages, page_size, H]: the whole KV buffer, one row per page
     out_ref,  # GMEM [K * Q * splits * C, store_rows, H] (store_rows = 64 for ragged tiles)
-    lse_ref,  # GMEM f32 [K * Q * splits * C, store_rows] (splits > 1) or None
+    lse_ref,  # GMEM f32 [K * Q * splits * C, store_rows] (splits > 1 or shape.with_lse) or None
     q_smem,  # SMEM [C, 64, H]: each consumer's query rows
     k_smem,  # SMEM [D, 64, H]
     v_smem,  # SMEM [D, 64, H]
@@ -343,13 +345,13 @@ def attention_tiles(
     """Runs the kernel over (KV head, query tile, split).
 
     q_tiles holds C = num_consumers row groups of 64 per tile. Returns out [K * Q * splits * C, 64, H]
-    (rows normalised per block) and, when splits > 1, the log-sum-exp [K * Q * splits * C, 64] f32 of
+    (rows normalised per block) and, when splits > 1 or `shape.with_lse`, the log-sum-exp [K * Q * splits * C, 64] f32 of
     each block's rows for the wrapper's combine.
     """
     dtype = q_tiles.dtype
     C = shape.num_consumers
     num_blocks = shape.num_head_tiles * shape.num_q_tiles * shape.num_splits * C
-    with_lse = shape.num_splits > 1
+    with_lse = shape.num_splits > 1 or shape.with_lse
     swizzled = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
     out_types = [jax.ShapeDtypeStruct((num_blocks, shape.store_rows, shape.head_dim), out_dtype)]
     if with_lse:

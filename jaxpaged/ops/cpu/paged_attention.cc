@@ -67,6 +67,7 @@ struct Problem {
   const float* kv;
   const int32_t* block_tables;
   const int32_t* seq_lens;
+  const float* sinks;  // [N]: one more logit per query head (gpt-oss), of value 0; -inf: none
   float* out;
   int64_t num_kv_heads, group, head_dim, num_pages, page_size, pages_per_seq, layer, window;
   float scale;
@@ -179,26 +180,33 @@ void attend(const Problem& p, int64_t task) {
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) store_f32(out + g * H + 16 * v, load_f32(acc + g * H + 16 * v) / splat(l[g]));
+  for (int64_t g = 0; g < G; ++g) {
+    // The sink joins the sum at the common max (sink -inf: c = 1 and total = l, the plain acc / l).
+    const float sink = p.sinks[k * G + g], m_new = std::max(m[g], sink);
+    const float c = std::exp(m[g] - m_new), total = l[g] * c + std::exp(sink - m_new);
+    for (int64_t v = 0; v < V; ++v)
+      store_f32(out + g * H + 16 * v, load_f32(acc + g * H + 16 * v) * splat(c) / splat(total));
+  }
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> layer_buffer, ffi::ResultBuffer<ffi::F32> out, float scale,
-                          int64_t window) {
+                          ffi::Buffer<ffi::S32> layer_buffer, ffi::Buffer<ffi::F32> sinks,
+                          ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
   const auto qd = q.dimensions(), kvd = kv_pages.dimensions(), btd = block_tables.dimensions();
   if (qd.size() != 3 || kvd.size() != 6 || btd.size() != 2 || kvd[1] != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [B, N, H], kv_pages [L, 2, K, P, S, H], block_tables [B, pages]");
   const int64_t batch = qd[0], num_heads = qd[1], head_dim = qd[2], num_kv_heads = kvd[2];
   if (kvd[5] != head_dim || head_dim % 16 || num_heads % num_kv_heads || kvd[4] > kMaxPage ||
-      btd[0] != batch || seq_lens.element_count() != static_cast<size_t>(batch))
-    return ffi::Error::InvalidArgument("paged_attention: head_dim % 16 == 0, N % K == 0, page_size <= 16, B rows everywhere");
+      btd[0] != batch || seq_lens.element_count() != static_cast<size_t>(batch) ||
+      sinks.element_count() != static_cast<size_t>(num_heads))
+    return ffi::Error::InvalidArgument("paged_attention: head_dim % 16 == 0, N % K == 0, page_size <= 16, B rows "
+                                       "everywhere, sinks [N]");
   const int64_t layer = *layer_buffer.typed_data();
   if (layer < 0 || layer >= kvd[0]) return ffi::Error::InvalidArgument("paged_attention: layer index out of range");
   std::atomic<bool> bad_page{false};
   const Problem problem{q.typed_data(), kv_pages.typed_data(), block_tables.typed_data(), seq_lens.typed_data(),
-                        out->typed_data(), num_kv_heads, num_heads / num_kv_heads, head_dim, kvd[3], kvd[4],
+                        sinks.typed_data(), out->typed_data(), num_kv_heads, num_heads / num_kv_heads, head_dim, kvd[3], kvd[4],
                         btd[1], layer, window, scale, &bad_page};
   jaxpaged::parallel_for(pool, batch * num_kv_heads, [problem](int64_t t) { attend(problem, t); });
   if (bad_page.load()) return ffi::Error::InvalidArgument("paged_attention: a block table holds a page id out of range");
@@ -215,6 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window"));

@@ -7,6 +7,7 @@
 //   seq_lens         int32   [B]                keys of each sequence, this step's included
 //   query_start_loc  int32   [B + 1]            sequence b owns tokens query_start_loc[b] .. [b + 1] - 1
 //   layer            int32   []                 which layer's pages
+//   sinks            float32 [N]                one more logit per query head (gpt-oss), of value 0; -inf: none
 //   out              float32 [T, N, H]          zeros for padding tokens (at or past query_start_loc[B])
 //   attributes: scale (float32), window (int64; 0: none, else a token sees its last `window` keys)
 //
@@ -53,6 +54,7 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
+  const float* sinks;
   float* out;
   int64_t num_heads, num_kv_heads, group, head_dim, num_pages, page_size, pages_per_seq, layer, window;
   float scale;
@@ -206,7 +208,10 @@ void attend(const Problem& p, const Task& task) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
       const float sum = jaxpaged::sum(load_f32(l + 16 * r));
-      const f32x16 inverse = splat(sum > 0.0f ? 1.0f / sum : 0.0f);  // no visible key: zeros
+      // The sink joins the sum at the common max (sink -inf: c = 1 and total = sum, the plain 1 / sum).
+      const float sink = p.sinks[k * G + g], m_new = std::max(m[r], sink);
+      const float c = sum > 0.0f ? std::exp(m[r] - m_new) : 0.0f, total = sum * c + std::exp(sink - m_new);
+      const f32x16 inverse = splat(sum > 0.0f ? c / total : 0.0f);  // no visible key: zeros
       float* out = p.out + ((task.first + t) * p.num_heads + k * G + g) * H;
       for (int64_t v = 0; v < H / 16; ++v) store_f32(out + 16 * v, load_f32(acc + r * H + 16 * v) * inverse);
     }
@@ -215,16 +220,18 @@ void attend(const Problem& p, const Task& task) {
 ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                            ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> layer_buffer,
-                           ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float scale,
+                           int64_t window) {
   const auto qd = q.dimensions(), kvd = kv_pages.dimensions(), btd = block_tables.dimensions();
   if (qd.size() != 3 || kvd.size() != 6 || btd.size() != 2 || kvd[1] != 2)
     return ffi::Error::InvalidArgument("ragged_attention: q [T, N, H], kv_pages [L, 2, K, P, S, H], block_tables [B, pages]");
   const int64_t num_tokens = qd[0], num_heads = qd[1], head_dim = qd[2], num_kv_heads = kvd[2], batch = btd[0];
   if (kvd[5] != head_dim || head_dim % 16 || num_heads % num_kv_heads || kvd[4] > kMaxPage ||
       seq_lens.element_count() != static_cast<size_t>(batch) ||
-      query_start_loc.element_count() != static_cast<size_t>(batch + 1))
+      query_start_loc.element_count() != static_cast<size_t>(batch + 1) ||
+      sinks.element_count() != static_cast<size_t>(num_heads))
     return ffi::Error::InvalidArgument("ragged_attention: head_dim % 16 == 0, N % K == 0, page_size <= 16, "
-                                       "seq_lens [B], query_start_loc [B + 1]");
+                                       "seq_lens [B], query_start_loc [B + 1], sinks [N]");
   const int64_t layer = *layer_buffer.typed_data();
   if (layer < 0 || layer >= kvd[0]) return ffi::Error::InvalidArgument("ragged_attention: layer index out of range");
   const int32_t* starts = query_start_loc.typed_data();
@@ -249,7 +256,8 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   std::fill(result, result + starts[0] * row, 0.0f);  // tokens no sequence owns: zeros
   std::fill(result + starts[batch] * row, result + num_tokens * row, 0.0f);
   std::atomic<bool> bad_page{false};
-  const Problem problem{q.typed_data(), kv_pages.typed_data(), block_tables.typed_data(), lens, starts, result,
+  const Problem problem{q.typed_data(), kv_pages.typed_data(), block_tables.typed_data(), lens, starts,
+                        sinks.typed_data(), result,
                         num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, kvd[3], kvd[4], btd[1], layer,
                         window, scale, &bad_page};
   const Task* task_list = tasks.data();
@@ -270,6 +278,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxpaged_ragged_attention, RaggedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window"));
