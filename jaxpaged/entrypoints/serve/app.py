@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions, rl_routes
@@ -139,6 +140,13 @@ async def _validation_error(_request, err: RequestValidationError):
     return error_response(400, f"{param or 'body'}: {first.get('msg')}; fix this field and retry", param=param)
 
 
+async def _http_error(_request, err: StarletteHTTPException):
+    """Any other HTTPException (FastAPI's own, e.g. a body it cannot decode) in OpenAI's shape."""
+    if err.status_code == 400:
+        return error_response(400, "the request body could not be read as JSON; send a UTF-8 JSON object")
+    return error_response(err.status_code, str(err.detail), headers=err.headers)
+
+
 async def _not_found(request, _err):
     return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models")
 
@@ -153,6 +161,7 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
     app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # after the two by status below
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
     for module_router in (router, completions.router, chat.router):
