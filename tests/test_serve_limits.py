@@ -70,7 +70,8 @@ def limited():
     engine = tiny_llm(max_model_len=256, num_pages=128).engine
     limits = RequestLimits(max_stop_strings=2, max_stop_string_length=8, max_structured_spec_bytes=200,
                            max_chat_template_kwargs_bytes=50)
-    with running_server(engine, served_model_name=MODEL, limits=limits) as (base, bridge):
+    with running_server(engine, {"h11_max_incomplete_event_size": 8192}, served_model_name=MODEL, limits=limits,
+                        max_header_count=16, max_header_bytes=8192) as (base, bridge):
         yield base, bridge, engine
 
 
@@ -102,6 +103,31 @@ def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, pa
     ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": ["x", "y"]},
                     timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_serving(limited):
+    """--h11-max-incomplete-event-size and --h11-max-header-count, vLLM's flags (here 8 KiB and 16
+    headers): 431 in OpenAI's shape; past h11's buffer across reads, uvicorn's own 400."""
+    base, bridge, engine = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    big = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 10_000}, timeout=30)
+    assert big.status_code == 431 and big.json()["error"]["code"] == 431, big.text
+    assert "--h11-max-incomplete-event-size" in big.json()["error"]["message"]
+    huge = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 200_000}, timeout=30)
+    assert huge.status_code == 400  # h11 gave up buffering it (uvicorn answers)
+    many = httpx.post(base + "/v1/completions", json=body, headers={f"x-h{i}": "1" for i in range(20)}, timeout=30)
+    assert many.status_code == 431 and many.json()["error"]["code"] == 431, many.text
+    assert "--h11-max-header-count" in many.json()["error"]["message"]
+    ok = httpx.post(base + "/v1/completions", json=body, headers={"x-some": "y" * 4_000, "x-h1": "1"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert bridge.num_in_flight == 0
+
+
+def test_the_header_flags_default_to_vllms():
+    from jaxpaged.entrypoints.serve.cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.h11_max_incomplete_event_size, args.h11_max_header_count) == (4 << 20, 256)
 
 
 def test_limits_must_be_positive_ints():
