@@ -56,6 +56,43 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_pages(served):
     assert engine.stats()["num_used_pages"] == 0 and bridge.num_in_flight == 0
 
 
+def _abort_counts(base: str) -> tuple[float, float, float]:
+    """(request_success_total{finished_reason="abort"}, e2e latency count, TTFT count) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"abort": 0.0, "e2e": 0.0, "ttft": 0.0}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "abort":
+                found["abort"] += sample.value
+            elif sample.name == "vllm:e2e_request_latency_seconds_count":
+                found["e2e"] += sample.value
+            elif sample.name == "vllm:time_to_first_token_seconds_count":
+                found["ttft"] += sample.value
+    return found["abort"], found["e2e"], found["ttft"]
+
+
+def test_deadline_and_disconnect_aborts_count_in_the_latency_histograms(served):
+    """As vLLM declares request_success{finished_reason="abort"}: a request the server ends (deadline,
+    client gone) is one finished request in the counters and the e2e histogram, and in TTFT when it had
+    its first token."""
+    base, bridge, engine = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    aborts, e2e, ttft = _abort_counts(base)
+    cut = client.completions.create(model=MODEL, prompt="Hi", max_tokens=230, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "abort"  # at its 1 s deadline
+    assert _abort_counts(base) == (aborts + 1, e2e + 1, ttft + 1)
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 230, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))  # a first token, then leave
+    deadline = time.monotonic() + 10
+    while bridge.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _abort_counts(base) == (aborts + 2, e2e + 2, ttft + 2)
+
+
 def test_request_timeout_must_not_be_negative():
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
 
