@@ -16,9 +16,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, **build_kwargs):
+def running_server(engine, uvicorn_kwargs: dict | None = None, **build_kwargs):
     """Yields `(base_url, bridge)` once `/health` answers (fails the test after 30 s); stops the server
-    and the engine bridge on exit. `build_kwargs` go to `build_server` (served_model_name, api_key, ...)."""
+    and the engine bridge on exit. `build_kwargs` go to `build_server` (served_model_name, api_key, ...),
+    `uvicorn_kwargs` to uvicorn.Config."""
     import uvicorn
 
     from jaxpaged.entrypoints.serve import build_server
@@ -26,7 +27,8 @@ def running_server(engine, **build_kwargs):
     app, bridge = build_server(engine, **build_kwargs)
     bridge.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           **(uvicorn_kwargs or {})))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

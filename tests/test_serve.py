@@ -204,6 +204,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 HOSTILE = [
     # (name, path, headers, body (dict -> JSON, bytes as is), status, param)
     ("bad json", "/v1/chat/completions", AUTH, b'{"model": "x", "messages": [', 400, None),
+    ("not utf-8", "/v1/completions", AUTH, b"\xff\xfe not json", 400, None),  # found by the soak (serve_soak)
     ("missing messages", "/v1/chat/completions", AUTH, {"model": MODEL}, 400, "messages"),
     ("max_tokens wrong type", "/v1/chat/completions", AUTH, {**CHAT, "max_tokens": "lots"}, 400, "max_tokens"),
     ("negative temperature", "/v1/completions", AUTH, {"model": MODEL, "prompt": "a", "temperature": -1}, 400,

@@ -56,6 +56,43 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_pages(served):
     assert engine.stats()["num_used_pages"] == 0 and bridge.num_in_flight == 0
 
 
+def _abort_counts(base: str) -> tuple[float, float, float]:
+    """(request_success_total{finished_reason="abort"}, e2e latency count, TTFT count) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"abort": 0.0, "e2e": 0.0, "ttft": 0.0}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "abort":
+                found["abort"] += sample.value
+            elif sample.name == "vllm:e2e_request_latency_seconds_count":
+                found["e2e"] += sample.value
+            elif sample.name == "vllm:time_to_first_token_seconds_count":
+                found["ttft"] += sample.value
+    return found["abort"], found["e2e"], found["ttft"]
+
+
+def test_deadline_and_disconnect_aborts_count_in_the_latency_histograms(served):
+    """As vLLM declares request_success{finished_reason="abort"}: a request the server ends (deadline,
+    client gone) is one finished request in the counters and the e2e histogram, and in TTFT when it had
+    its first token."""
+    base, bridge, engine = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    aborts, e2e, ttft = _abort_counts(base)
+    cut = client.completions.create(model=MODEL, prompt="Hi", max_tokens=230, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "abort"  # at its 1 s deadline
+    assert _abort_counts(base) == (aborts + 1, e2e + 1, ttft + 1)
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 230, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))  # a first token, then leave
+    deadline = time.monotonic() + 10
+    while bridge.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _abort_counts(base) == (aborts + 2, e2e + 2, ttft + 2)
+
+
 def test_request_timeout_must_not_be_negative():
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
 
@@ -70,7 +107,8 @@ def limited():
     engine = tiny_llm(max_model_len=256, num_pages=128).engine
     limits = RequestLimits(max_stop_strings=2, max_stop_string_length=8, max_structured_spec_bytes=200,
                            max_chat_template_kwargs_bytes=50)
-    with running_server(engine, served_model_name=MODEL, limits=limits) as (base, bridge):
+    with running_server(engine, {"h11_max_incomplete_event_size": 8192}, served_model_name=MODEL, limits=limits,
+                        max_header_count=16, max_header_bytes=8192) as (base, bridge):
         yield base, bridge, engine
 
 
@@ -102,6 +140,31 @@ def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, pa
     ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": ["x", "y"]},
                     timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_serving(limited):
+    """--h11-max-incomplete-event-size and --h11-max-header-count, vLLM's flags (here 8 KiB and 16
+    headers): 431 in OpenAI's shape; past h11's buffer across reads, uvicorn's own 400."""
+    base, bridge, engine = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    big = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 10_000}, timeout=30)
+    assert big.status_code == 431 and big.json()["error"]["code"] == 431, big.text
+    assert "--h11-max-incomplete-event-size" in big.json()["error"]["message"]
+    huge = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 200_000}, timeout=30)
+    assert huge.status_code == 400  # h11 gave up buffering it (uvicorn answers)
+    many = httpx.post(base + "/v1/completions", json=body, headers={f"x-h{i}": "1" for i in range(20)}, timeout=30)
+    assert many.status_code == 431 and many.json()["error"]["code"] == 431, many.text
+    assert "--h11-max-header-count" in many.json()["error"]["message"]
+    ok = httpx.post(base + "/v1/completions", json=body, headers={"x-some": "y" * 4_000, "x-h1": "1"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert bridge.num_in_flight == 0
+
+
+def test_the_header_flags_default_to_vllms():
+    from jaxpaged.entrypoints.serve.cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.h11_max_incomplete_event_size, args.h11_max_header_count) == (4 << 20, 256)
 
 
 def test_limits_must_be_positive_ints():

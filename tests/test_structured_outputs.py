@@ -492,3 +492,34 @@ def test_a_grammar_past_its_compile_timeout_aborts_its_request_and_is_not_cached
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
             EngineConfig(grammar_compile_timeout_s=bad)
+
+
+def test_a_compile_stuck_past_its_timeout_does_not_wedge_the_compile_worker(llm, monkeypatch):
+    """The worker compiling a grammar that never finishes is given up at the timeout and replaced:
+    a different grammar sent while the first is still stuck compiles and is served."""
+    import threading
+
+    structured = _engine(llm).structured
+    llm.generate(["p"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[ab]+")))
+    compiler = structured.compiler
+    release, real_compile = threading.Event(), compiler._compile
+
+    def stuck_on_one(kind, grammar):
+        if "q{4}" in grammar:  # this one grammar never finishes (until the test ends)
+            release.wait(60)
+        return real_compile(kind, grammar)
+
+    monkeypatch.setattr(compiler, "_compile", stuck_on_one)
+    monkeypatch.setattr(structured, "compile_timeout_s", 1.0)
+    num_abandoned = compiler.num_abandoned
+    try:
+        stuck = llm.generate(["p"], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+            regex="q{4}")))[0].outputs[0]
+        assert stuck.finish_reason == "abort"
+        later = llm.generate(["p"], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+            regex="[uvw]{2}")))[0].outputs[0]  # the stuck compile still holds its thread
+        assert later.finish_reason == "stop" and re.fullmatch("[uvw]{2}", later.text), later
+        assert compiler.num_abandoned == num_abandoned + 1
+    finally:
+        release.set()
+    _assert_idle(llm)

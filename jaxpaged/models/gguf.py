@@ -250,7 +250,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) ->
     hidden_size = int(field("embedding_length"))
     num_heads = int(field("attention.head_count"))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", metadata.get(f"{arch}.rope.dimension_count", 0)))
-    head_dim = head_dim or hidden_size // num_heads
+    head_dim = head_dim or (hidden_size // num_heads if num_heads else 0)  # 0 heads: refused by name (hf_config.py)
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_size = int(metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     if vocab_size == 0:

@@ -34,11 +34,17 @@ _GEMMA = ("gemma2", "gemma3_text")
 def config_from_hf(cls, hf_config: Any, dtype: str | None):
     """`cls(**fields)` read from `hf_config` (`ModelConfig.from_hf` passes itself as `cls`, so this module
     needs only the RoPE scaling classes, not ModelConfig)."""
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    read = hf_config.get if isinstance(hf_config, Mapping) else lambda k: getattr(hf_config, k, None)
+
+    def get(name: str, default=None):  # a field set to null reads as absent: its default
+        value = read(name)
+        return default if value is None else value
+
     model_type = get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; jaxpaged implements {SUPPORTED_MODEL_TYPES}")
-    _refuse_unsupported(model_type, get)
+    _refuse_unsupported(model_type, get)  # first: what jaxpaged does not implement is the news
+    _check_values(model_type, get)
 
     num_heads = get("num_attention_heads")
     head_dim = get("head_dim") or get("hidden_size") // num_heads
@@ -97,6 +103,84 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
     return cls(**fields)
 
 
+# A config.json comes from whoever published the model: every size is checked before anything is
+# derived from it or allocated by it. The bounds are far above any released model (largest known in
+# brackets) and far below what would exhaust memory on the way to a clear error.
+_SIZE_BOUNDS = {  # field: (required, largest accepted)
+    "vocab_size": (True, 1 << 22),  # [262,144: Gemma 3]
+    "hidden_size": (True, 1 << 16),  # [16,384: Llama 3.1 405B]
+    "intermediate_size": (True, 1 << 18),  # [53,248: Llama 3.1 405B]
+    "num_hidden_layers": (True, 1024),  # [126: Llama 3.1 405B]
+    "num_attention_heads": (True, 1024),  # [128]
+    "num_key_value_heads": (False, 1024),
+    "head_dim": (False, 1024),  # [256: Gemma 2 / 3]
+    "max_position_embeddings": (False, 1 << 24),  # [10,485,760: Llama 4 Scout]
+    "sliding_window": (False, 1 << 24),
+    "num_local_experts": (False, 1 << 12),  # [384: Kimi K2]
+    "num_experts": (False, 1 << 12),
+    "num_experts_per_tok": (False, 1 << 12),
+    "moe_intermediate_size": (False, 1 << 18),
+    "sliding_window_pattern": (False, 1024),
+}
+_FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
+           "final_logit_softcapping")  # positive and finite when set
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
+          "use_bidirectional_attention")
+
+
+def _check_values(model_type: str, get) -> None:
+    """ValueError naming the first field of the config whose value is missing, of the wrong type, out of
+    bounds or inconsistent with another (what a corrupt or hostile config.json holds)."""
+    for name, (required, largest) in _SIZE_BOUNDS.items():
+        value = get(name)
+        if value is None:
+            if required:
+                raise ValueError(f"the model config has no {name}; a {model_type} config needs it")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"the model config's {name}={value!r:.60} must be an integer")
+        if not 1 <= value <= largest:
+            raise ValueError(f"the model config's {name}={value} must lie in [1, {largest}]; the file is corrupt or "
+                             "not a model jaxpaged can serve")
+    for name in _FLOATS:
+        value = get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"the model config's {name}={value!r:.60} must be a positive finite number")
+    for name in _BOOLS:
+        value = get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"the model config's {name}={value!r:.60} must be true or false")
+    num_heads, hidden_size = get("num_attention_heads"), get("hidden_size")
+    if get("head_dim") is None and hidden_size % num_heads:
+        raise ValueError(f"the model config's hidden_size={hidden_size} is not divisible by num_attention_heads="
+                         f"{num_heads} and there is no head_dim; the file is inconsistent")
+    if get("head_dim") is None and (hidden_size // num_heads) % 2:
+        raise ValueError(f"the model config's hidden_size={hidden_size} / num_attention_heads={num_heads} gives an odd "
+                         "head_dim; RoPE rotates pairs of dimensions")
+    num_kv_heads = get("num_key_value_heads") or num_heads
+    if num_kv_heads > num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"the model config's num_key_value_heads={num_kv_heads} must divide num_attention_heads="
+                         f"{num_heads}")
+    num_experts = get("num_local_experts") or get("num_experts")
+    if model_type in ("mixtral", "qwen3_moe"):
+        if num_experts is None or get("num_experts_per_tok") is None:
+            raise ValueError(f"the model config of a {model_type} needs num_local_experts (or num_experts) and "
+                             "num_experts_per_tok")
+        if get("num_experts_per_tok") > num_experts:
+            raise ValueError(f"the model config's num_experts_per_tok={get('num_experts_per_tok')} is more than its "
+                             f"{num_experts} experts")
+    layer_types = get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, (list, tuple))
+                                    or len(layer_types) != get("num_hidden_layers")):
+        raise ValueError(f"the model config's layer_types must list one entry per layer (num_hidden_layers="
+                         f"{get('num_hidden_layers')}), got {layer_types!r:.80}")
+    for name in ("rope_parameters", "rope_scaling", "quantization_config"):
+        value = get(name)
+        if value is not None and not isinstance(value, Mapping) and not hasattr(value, "quant_method"):
+            raise ValueError(f"the model config's {name}={value!r:.60} must be an object")
+
+
 def _refuse_unsupported(model_type: str, get) -> None:
     """ValueError naming the first config field whose value jaxpaged does not implement."""
     quantization = get("quantization_config")
@@ -122,7 +206,9 @@ def _refuse_unsupported(model_type: str, get) -> None:
         if get("shared_expert_intermediate_size"):
             raise ValueError("shared_expert_intermediate_size is not supported (Qwen3-MoE has no shared expert)")
     if model_type == "phi3":
-        factor = (get("rope_parameters") or {}).get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        rope = get("rope_parameters")
+        factor = (rope if isinstance(rope, Mapping) else {}).get("partial_rotary_factor",
+                                                                 get("partial_rotary_factor", 1.0))
         if factor != 1.0:
             raise ValueError(f"partial_rotary_factor={factor} is not supported; only 1.0 (full RoPE) is")
     if model_type == "gemma3_text" and get("use_bidirectional_attention", False):

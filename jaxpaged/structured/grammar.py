@@ -1,4 +1,4 @@
-"""Grammar specs -> llguidance matchers: validation, a compile cache keyed by spec, a thread pool.
+"""Grammar specs -> llguidance matchers: validation, a compile cache keyed by spec, worker threads.
 
     StructuredOutputsParams ──grammar_text──► llguidance grammar (JSON schema / regex / Lark)
         ──GrammarCompiler.submit (validates now: ValueError)──► Future[template LLMatcher]
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
+import queue
 import threading
 
 import llguidance
@@ -27,6 +29,8 @@ from jaxpaged.planner.structured_params import StructuredOutputsParams
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _JSON_OBJECT_SCHEMA = {"type": "object"}
 MAX_CACHED_GRAMMARS = 256  # compiled templates kept; the oldest is dropped beyond this
+MAX_ABANDONED_WORKERS = 4  # compile threads stuck past their timeout that may live at once (GrammarCompiler)
+logger = logging.getLogger("jaxpaged")
 
 
 def closed_objects(schema):
@@ -80,16 +84,48 @@ def make_ll_tokenizer(backend, vocab_size: int, eos_token_id: int | None):
 
 
 class GrammarCompiler:
-    """Compiles specs into template matchers on a worker thread, once per distinct spec."""
+    """Compiles specs into template matchers on worker threads, once per distinct spec.
+
+    A compile that outlives its request's timeout (`forget`) cannot be stopped; its worker is given
+    up and a fresh one takes the queue, so one pathological grammar cannot hold up every later one.
+    At most MAX_ABANDONED_WORKERS given-up workers live at once; past that the queue waits for one.
+    """
 
     def __init__(self, ll_tokenizer, num_threads: int = 1, *, strict_json: bool = True):
         self.ll_tokenizer = ll_tokenizer
         self.strict_json = strict_json  # EngineConfig.structured_outputs_config (config.strict_json_schemas)
         self.vocab_size = ll_tokenizer.vocab_size
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="jaxpaged-grammar")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (future, kind, grammar), or None: a worker stops
         self._cache: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
+        self._abandoned: set[concurrent.futures.Future] = set()  # running compiles given up (guarded by _lock)
+        self._num_workers = 0  # live worker threads, abandoned ones included (guarded by _lock)
         self.num_compiles = 0
+        self.num_abandoned = 0  # workers given up so far
+        for _ in range(num_threads):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        with self._lock:
+            self._num_workers += 1
+        threading.Thread(target=self._work, name="jaxpaged-grammar", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, kind, grammar = job
+            if not future.set_running_or_notify_cancel():
+                continue  # forgotten before it started
+            try:
+                future.set_result(self._compile(kind, grammar))
+            except BaseException as err:  # noqa: BLE001 - the request's before_schedule reads it
+                future.set_exception(err)
+            with self._lock:
+                if future in self._abandoned:  # a replacement took the queue meanwhile: this worker ends
+                    self._abandoned.discard(future)
+                    self._num_workers -= 1
+                    return
+        with self._lock:
+            self._num_workers -= 1
 
     def submit(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
         """Future of the spec's template matcher. Raises ValueError now for an invalid schema, regex
@@ -103,7 +139,8 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {error.strip()}")
-        future = self._pool.submit(self._compile, spec.kind, grammar)
+        future = concurrent.futures.Future()
+        self._jobs.put((future, spec.kind, grammar))
         with self._lock:
             self._cache[key] = future
             while len(self._cache) > MAX_CACHED_GRAMMARS:
@@ -112,11 +149,20 @@ class GrammarCompiler:
 
     def forget(self, spec: StructuredOutputsParams, future: concurrent.futures.Future) -> None:
         """Drops `spec`'s cache entry if it is `future` (one that took too long: not kept for later
-        requests); the compile itself runs on (a thread cannot be stopped)."""
+        requests). A compile not started is cancelled; one running is given up: its worker is
+        replaced, and ends when the compile does (a thread cannot be stopped)."""
         with self._lock:
             if self._cache.get(spec.key()) is future:
                 del self._cache[spec.key()]
-            future.cancel()  # if it has not started yet
+            if future.cancel() or future.done() or future in self._abandoned:
+                return
+            if len(self._abandoned) >= MAX_ABANDONED_WORKERS:
+                logger.warning("%d grammar compiles are stuck past their timeout; later grammars wait for one "
+                               "of them", len(self._abandoned))
+                return
+            self._abandoned.add(future)
+            self.num_abandoned += 1
+        self._start_worker()
 
     def _compile(self, kind: str, grammar: str):
         """The template matcher (worker thread). Raises ValueError if it fails or can emit nothing."""
@@ -132,4 +178,15 @@ class GrammarCompiler:
         return matcher
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancels the compiles not started; each worker ends after its current one."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        with self._lock:
+            num_workers = self._num_workers
+        for _ in range(num_workers):
+            self._jobs.put(None)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 
 def build_server(engine, *, served_model_name: str, api_key: str | None = None, max_waiting_requests: int = 64,
-                 max_body_bytes: int = 1 << 20, drain=None, request_timeout_s: float = 0.0, limits=None):
+                 max_body_bytes: int = 1 << 20, drain=None, request_timeout_s: float = 0.0, limits=None,
+                 max_header_count: int = 256, max_header_bytes: int = 4 << 20):
     """`(asgi_app, bridge)` over an engine. Call `bridge.start()` before serving, `bridge.shutdown()` after.
     `drain`: a shutdown.Drain the app consults (503 while draining), or None. `request_timeout_s`: a
     request in flight that long is aborted (0: no deadline). `limits`: a limits.RequestLimits (None:
-    its defaults)."""
+    its defaults). `max_header_count`, `max_header_bytes`: requests with more headers, or more bytes of them, get 431
+    (--h11-max-header-count, --h11-max-incomplete-event-size, which also bounds uvicorn's h11 buffer)."""
     from jaxpaged.entrypoints.serve.app import build_app
     from jaxpaged.entrypoints.serve.bridge import EngineBridge
     from jaxpaged.entrypoints.serve.metrics import ServerMetrics
@@ -31,5 +33,6 @@ def build_server(engine, *, served_model_name: str, api_key: str | None = None, 
     bridge = EngineBridge(engine, max_waiting_requests=max_waiting_requests, metrics=metrics,
                           request_timeout_s=request_timeout_s)
     app = build_app(bridge, metrics, served_model_name=served_model_name, api_key=api_key,
-                    max_body_bytes=max_body_bytes, drain=drain, limits=limits)
+                    max_body_bytes=max_body_bytes, drain=drain, limits=limits, max_header_count=max_header_count,
+                    max_header_bytes=max_header_bytes)
     return app, bridge

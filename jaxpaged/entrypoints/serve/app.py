@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpaged.entrypoints.serve import chat, completions, rl_routes
@@ -139,6 +140,13 @@ async def _validation_error(_request, err: RequestValidationError):
     return error_response(400, f"{param or 'body'}: {first.get('msg')}; fix this field and retry", param=param)
 
 
+async def _http_error(_request, err: StarletteHTTPException):
+    """Any other HTTPException (FastAPI's own, e.g. a body it cannot decode) in OpenAI's shape."""
+    if err.status_code == 400:
+        return error_response(400, "the request body could not be read as JSON; send a UTF-8 JSON object")
+    return error_response(err.status_code, str(err.detail), headers=err.headers)
+
+
 async def _not_found(request, _err):
     return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models")
 
@@ -148,17 +156,20 @@ async def _bad_method(request, _err):
 
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, drain=None, limits=None) -> "_Guard":
+              max_body_bytes: int = 1 << 20, drain=None, limits=None, max_header_count: int = 256,
+              max_header_bytes: int = 4 << 20) -> "_Guard":
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None)
     app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # after the two by status below
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
     for module_router in (router, completions.router, chat.router):
         app.include_router(module_router)
     rl_routes.attach(app)  # vLLM's RL endpoints, with VLLM_SERVER_DEV_MODE=1
-    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, drain=drain)
+    return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, drain=drain, max_header_count=max_header_count,
+                  max_header_bytes=max_header_bytes)
 
 
 # While the server drains (shutdown.py): probes answer 503 {"status": "draining"}, /metrics as usual,
@@ -167,13 +178,16 @@ _PROBES = ("/health", "/ping")
 
 
 class _Guard:
-    """ASGI middleware: the drain (503), body size limit (413) and, with an API key, bearer auth on /v1 (401).
+    """ASGI middleware: the drain (503), header count and size (431), body size limit (413) and, with an API key,
+    bearer auth on /v1 (401).
 
     Runs before FastAPI reads the body, so an unauthenticated or oversized request costs nothing.
     """
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, drain=None):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, drain=None, max_header_count: int = 256,
+                 max_header_bytes: int = 4 << 20):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.max_header_count, self.max_header_bytes = max_header_count, max_header_bytes
         self.drain = drain  # shutdown.Drain, or None (no graceful shutdown)
         self._expected_authorization = None if api_key is None else f"Bearer {api_key}".encode("utf-8")
 
@@ -188,6 +202,15 @@ class _Guard:
                 refusal = error_response(503, "the server is shutting down and admits no new request; retry "
                                               "on another replica", "server_draining", headers=retry)
             return await refusal(scope, receive, send)
+        if len(scope["headers"]) > self.max_header_count:
+            return await error_response(
+                431, f"the request has {len(scope['headers'])} headers; this server takes at most "
+                     f"{self.max_header_count} (--h11-max-header-count)")(scope, receive, send)
+        # h11 bounds only the headers it must buffer across reads; one read (up to 64 KiB) can bring more.
+        if (size := sum(len(name) + len(value) for name, value in scope["headers"])) > self.max_header_bytes:
+            return await error_response(
+                431, f"the request's headers are {size} bytes; this server takes at most {self.max_header_bytes} "
+                     "(--h11-max-incomplete-event-size)")(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             # Constant time: how long the comparison takes says nothing of how much of the key matched.

@@ -290,8 +290,9 @@ class EngineBridge:
             elif isinstance(command, _AbortAll):
                 command.num_aborted.append(self._abort_all())
                 command.done.set()
-            elif command.request_id in self._streams:  # an abort of a request still running
+            elif command.request_id in self._streams:  # an abort of a request still running (client gone)
                 self.engine.abort_request(command.request_id)
+                self._count_abort(command.request_id)
                 self._retire(command.request_id, None)
             try:
                 command = self._inbox.get_nowait()
@@ -346,6 +347,7 @@ class EngineBridge:
                 if now - timing.arrival > self.request_timeout_s]
         for request_id in late:
             self.engine.abort_request(request_id)
+            self._count_abort(request_id)  # before the client can see its end (and read /metrics)
             self._streams[request_id].push(_aborted_output(request_id, self._streams[request_id]))
             self._retire(request_id, None)
         self.num_timed_out += len(late)
@@ -362,9 +364,20 @@ class EngineBridge:
         for request_id in request_ids:
             self.engine.abort_request(request_id)
             stream = self._streams[request_id]
+            self._count_abort(request_id)
             stream.push(_aborted_output(request_id, stream))
             self._retire(request_id, None)
         return len(request_ids)
+
+    def _count_abort(self, request_id: str) -> None:
+        """A request the bridge ends (client gone, deadline, drain) counts in the latency histograms and
+        in request_success{finished_reason="abort"} as one the engine finishes does: vLLM declares that
+        series, and its open fix (vllm-project/vllm#55634) records aborts through the same accounting;
+        a time without its timestamp (no first token yet) is left out of its histogram."""
+        timing = self._timings.get(request_id)
+        if self.metrics is not None and timing is not None:
+            self.metrics.request_done(timing.arrival, timing.first_token, time.perf_counter(), timing.num_tokens,
+                                      "abort")
 
     def _retire(self, request_id: str, error: BaseException | None) -> None:
         stream = self._streams.pop(request_id)

@@ -15,6 +15,8 @@ import threading
 from jaxpaged.entrypoints.cli import add_engine_args, engine_args
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+H11_MAX_INCOMPLETE_EVENT_SIZE = 4 << 20  # vLLM's defaults (vllm/entrypoints/constants.py)
+H11_MAX_HEADER_COUNT = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=64,
                    help="requests that may wait beyond the running batch; past it: HTTP 503")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--h11-max-incomplete-event-size", type=int, default=H11_MAX_INCOMPLETE_EVENT_SIZE, metavar="BYTES",
+                   help="vLLM's flag: the most bytes of a request's headers (and of uvicorn's h11 buffer); "
+                        "past it HTTP 431")
+    s.add_argument("--h11-max-header-count", type=int, default=H11_MAX_HEADER_COUNT,
+                   help="vLLM's flag: requests with more headers get HTTP 431")
     s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="vLLM's flag: on SIGTERM / SIGINT stop admitting (503 with Retry-After; /health says "
                         "draining), let requests in flight finish for up to SECONDS, abort the rest, exit 0 "
@@ -84,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--max-waiting-requests must be >= 0")
     if not args.request_timeout >= 0:
         raise SystemExit(f"--request-timeout {args.request_timeout} must be >= 0 seconds (0: no deadline)")
+    for flag, value in (("--h11-max-incomplete-event-size", args.h11_max_incomplete_event_size),
+                        ("--h11-max-header-count", args.h11_max_header_count)):
+        if value < 1:
+            raise SystemExit(f"{flag} {value} must be >= 1")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds (0: no drain)")
     from jaxpaged.entrypoints.serve.limits import RequestLimits
@@ -106,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     drain = Drain(args.shutdown_timeout)
     gate = StartupGate()  # /health 503 until the engine below is built and warm (startup.py)
     config = uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=5, lifespan="off",
+                            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
     server = DrainingServer(config, drain=drain, bridge=None)
     failed: list[str] = []
 
@@ -121,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         app, bridge = build_server(engine, served_model_name=name, api_key=args.api_key,
                                    max_waiting_requests=args.max_waiting_requests,
                                    max_body_bytes=args.max_body_bytes, drain=drain,
-                                   request_timeout_s=args.request_timeout, limits=limits)
+                                   request_timeout_s=args.request_timeout, limits=limits,
+                                   max_header_count=args.h11_max_header_count,
+                                   max_header_bytes=args.h11_max_incomplete_event_size)
         logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
         bridge.start()
         server.bridge = bridge

@@ -8,7 +8,8 @@ queueing): past a limit, a 400 naming the field and the flag that raises it.
                                                                                    its JSON size)
     chat_template_kwargs                            --max-chat-template-kwargs-bytes (its JSON size)
 
-Bounded elsewhere: the body (--max-body-bytes, 413) and its headers (uvicorn's h11 limit), `n`
+Bounded elsewhere: the body (--max-body-bytes, 413) and its headers (--h11-max-header-count,
+--h11-max-incomplete-event-size, 431: app.py), `n`
 (max_num_seqs), logprobs (max_logprobs), prompt + max_tokens (max_model_len), requests in flight
 (--max-waiting-requests, 503), and time in flight (--request-timeout).
 """
