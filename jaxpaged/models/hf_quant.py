@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 import math
 from collections.abc import Mapping
 
@@ -57,12 +58,15 @@ def method_of(quantization) -> str | None:
     return quantization.get("quant_method") if isinstance(quantization, Mapping) else getattr(quantization, "quant_method", None)
 
 
-def check_quantization_config(quantization: Mapping) -> str:
+def check_quantization_config(quantization: Any) -> str:
     """The quant_method of a `quantization_config` jaxpaged serves; ValueError naming the first field it
     does not (a method, format, bit width, activation scheme, act-order)."""
+    if not isinstance(quantization, Mapping) and not hasattr(quantization, "to_dict"):
+        raise ValueError(f"quantization_config={quantization!r}: expected a mapping with a quant_method (the "
+                         "checkpoint's config.json is malformed)")
     method = method_of(quantization)
     if not isinstance(quantization, Mapping):
-        quantization = getattr(quantization, "to_dict", lambda: {})()
+        quantization = quantization.to_dict()
     if method not in METHODS:
         raise ValueError(f"quantization_config with quant_method={method!r} is not supported: jaxpaged loads "
                          f"unquantized Hugging Face checkpoints, {METHODS} checkpoints and GGUF files; use the "
