@@ -1,0 +1,193 @@
+"""Multi-LoRA against Hugging Face + PEFT: adapters of different ranks and targets and the base model
+mixed in one generate call through two device slots, each request's greedy tokens equal to PEFT's;
+no compile while ten adapters rotate through the slots; prefix-cache isolation between adapters (and
+between an adapter's old and replaced weights); bad adapters refused with the engine serving on.
+
+One tiny random Llama checkpoint (tests/tiny_checkpoint.py); PEFT initializes lora_B to zero, so every
+adapter's factors are drawn at random here (else an adapter would change nothing and prove nothing).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from compile_watch import backend_compiles
+from tiny_checkpoint import write_tiny_checkpoint
+
+from jaxpaged import LLM, LoRARequest, SamplingParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ENGINE = dict(page_size=4, num_pages=128, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+PROMPTS = ["The quick brown fox", "Once upon a time", "hello there friend"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# (name, rank, target modules, lora_alpha, use_rslora): different ranks, targets and scalings
+ADAPTERS = [
+    ("sql", 4, ["q_proj", "v_proj"], 8, False),
+    ("poet", 8, ["o_proj", "gate_proj", "down_proj"], 16, True),
+    ("chat", 2, ["k_proj", "up_proj", "q_proj"], 4, False),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def base_model(ckpt):
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def randomized(model, seed: int, scale: float = 0.3):
+    """Every LoRA factor drawn from N(0, scale^2) (PEFT's lora_B starts at zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def adapters(ckpt, tmp_path_factory):
+    """{name: (directory, the PEFT model as the oracle)}."""
+    out = {}
+    for seed, (name, r, targets, alpha, rslora) in enumerate(ADAPTERS):
+        config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+        model = randomized(peft.get_peft_model(base_model(ckpt), config), seed=100 + seed).eval()
+        directory = str(tmp_path_factory.mktemp(f"adapter_{name}"))
+        model.save_pretrained(directory)
+        out[name] = (directory, model)
+    return out
+
+
+def hf_greedy(model, tokenizer, prompt: str, num_tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            next_id = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, -num_tokens:].tolist()
+
+
+def test_mixed_adapters_and_base_in_one_generate_equal_hf_peft(ckpt, adapters):
+    """Three adapters (ranks 4, 8, 2; attention and MLP targets; rsLoRA) and the base model in one
+    generate call with max_loras=2: the third adapter waits for a slot; every request's greedy tokens
+    equal Hugging Face + PEFT's."""
+    llm = LLM(ckpt, warmup=False, **ENGINE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    requests = {name: LoRARequest(name, i + 1, directory) for i, (name, (directory, _)) in enumerate(adapters.items())}
+    jobs = [(prompt, name) for prompt in PROMPTS for name in (None, *requests)]
+    outputs = llm.generate([p for p, _ in jobs], GREEDY, lora_request=[requests.get(n) for _, n in jobs])
+    base = base_model(ckpt)
+    got = {}
+    for (prompt, name), output in zip(jobs, outputs):
+        oracle = base if name is None else adapters[name][1]
+        want = hf_greedy(oracle, tokenizer, prompt, GREEDY.max_tokens)
+        got[prompt, name] = output.outputs[0].token_ids
+        assert got[prompt, name] == want, (prompt, name)
+    for prompt in PROMPTS:  # each adapter changes the tokens (else the test would prove nothing)
+        assert len({tuple(got[prompt, name]) for name in (None, *requests)}) == 4, prompt
+    stats = llm.stats()
+    assert stats["num_loras"] == 3 and stats["num_lora_slot_loads"] >= 3  # three adapters through two slots
+    assert llm.list_loras() == {1, 2, 3}
+
+
+def random_adapter_tensors(rng, rank: int, layers=2, hidden=64, kv=32):
+    """A PEFT state dict (q_proj and v_proj of every layer) drawn at random, and its adapter config."""
+    tensors = {}
+    for layer in range(layers):
+        for module, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((rank, hidden), np.float32) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((out, rank), np.float32) * 0.3
+    return tensors, {"r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+
+
+def test_ten_adapters_rotate_through_two_slots_without_compiling(ckpt):
+    """After warm-up, ten adapters (in-memory tensors) run in turn through max_loras=2 slots: no XLA
+    compile at all, every adapter's tokens are its own, and an adapter evicted and reloaded gives the
+    same tokens as before."""
+    llm = LLM(ckpt, **ENGINE)  # warm-up compiles every step program and the slot write
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(10):
+        tensors, config = random_adapter_tensors(rng, rank=[2, 4, 8][i % 3])
+        requests.append(LoRARequest(f"a{i}", i + 1, lora_tensors=tensors, lora_config=config))
+    prompt = PROMPTS[0]
+    llm.generate(prompt, GREEDY)  # the base model once (a fresh sampler row count, nothing adapter-specific)
+    step_compiles = engine.runner.num_compiles
+    with backend_compiles() as compiled:
+        first = [llm.generate(prompt, GREEDY, lora_request=r)[0].outputs[0].token_ids for r in requests]
+        again = llm.generate([prompt] * 2, GREEDY, lora_request=requests[:2])  # evicted long ago: reloaded
+    assert compiled == []
+    assert engine.runner.num_compiles == step_compiles
+    assert engine.runner.lora.num_write_compiles == 1  # the one at warm-up
+    assert engine.runner.lora.num_loads >= 12
+    assert len({tuple(t) for t in first}) == 10
+    assert [o.outputs[0].token_ids for o in again] == first[:2]
+
+
+def test_prefix_cache_pages_never_cross_adapters(ckpt, adapters):
+    """Pages computed under the base model or one adapter never serve another adapter (or the same
+    adapter after its weights were replaced); the same adapter does hit its own pages."""
+    directory = adapters["sql"][0]
+    prompt = "a long shared prompt that fills several pages of four tokens each"
+    fresh = LLM(ckpt, warmup=False, **ENGINE)
+    want_sql = fresh.generate(prompt, GREEDY, lora_request=LoRARequest("sql", 1, directory))[0]
+    want_poet = fresh.generate(prompt, GREEDY, lora_request=LoRARequest("poet", 2, adapters["poet"][0]))[0]
+    want_base = fresh.generate(prompt, GREEDY)[0]
+
+    llm = LLM(ckpt, warmup=False, **ENGINE)
+    sql, poet = LoRARequest("sql", 1, directory), LoRARequest("poet", 2, adapters["poet"][0])
+    base_out = llm.generate(prompt, GREEDY)[0]
+    sql_out = llm.generate(prompt, GREEDY, lora_request=sql)[0]
+    assert sql_out.num_cached_tokens == 0  # the base model's pages are not the adapter's
+    poet_out = llm.generate(prompt, GREEDY, lora_request=poet)[0]
+    assert poet_out.num_cached_tokens == 0
+    sql_again = llm.generate(prompt, GREEDY, lora_request=sql)[0]
+    assert sql_again.num_cached_tokens > 0  # its own pages
+    base_again = llm.generate(prompt, GREEDY)[0]
+    assert base_again.num_cached_tokens > 0
+    for got, want in ((base_out, want_base), (sql_out, want_sql), (poet_out, want_poet), (sql_again, want_sql),
+                      (base_again, want_base)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    # The adapter's weights replaced in place (same name and id): its old pages never serve it again.
+    llm.add_lora(LoRARequest("sql", 1, adapters["poet"][0]))  # poet's weights as "sql"
+    replaced = llm.generate(prompt, GREEDY, lora_request=sql)[0]
+    assert replaced.num_cached_tokens == 0
+    assert replaced.outputs[0].token_ids == want_poet.outputs[0].token_ids
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(ckpt, adapters, tmp_path):
+    llm = LLM(ckpt, warmup=False, **dict(ENGINE, max_lora_rank=4))
+    rng = np.random.default_rng(1)
+    tensors, config = random_adapter_tensors(rng, rank=4)
+    with pytest.raises(ValueError, match="rank 8 .*max_lora_rank=4"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("poet", 1, adapters["poet"][0]))
+    bad_target = dict(tensors)
+    bad_target["base_model.model.model.embed_tokens.lora_A.weight"] = np.zeros((4, 320), np.float32)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("emb", 2, lora_tensors=bad_target, lora_config=config))
+    unknown = {k.replace("q_proj", "qkv_proj"): v for k, v in tensors.items()}
+    with pytest.raises(ValueError, match="unknown target module 'qkv_proj'"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("fused", 3, lora_tensors=unknown, lora_config=config))
+    wrong_shape = {k: (v[:, :32] if k.endswith("lora_A.weight") else v) for k, v in tensors.items()}
+    with pytest.raises(ValueError, match="trained for another model"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("shape", 4, lora_tensors=wrong_shape, lora_config=config))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("none", 5, str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="DoRA"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("dora", 6, lora_tensors=tensors,
+                                                             lora_config=dict(config, use_dora=True)))
+    assert llm.stats()["num_requests"] == 0 and llm.list_loras() == set()
+    good = LoRARequest("good", 7, lora_tensors=tensors, lora_config=config)
+    assert len(llm.generate(["hi", "there"], GREEDY, lora_request=good)) == 2  # still serving
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(ckpt, warmup=False, max_model_len=64).generate("hi", GREEDY, lora_request=good)
