@@ -7,9 +7,6 @@ One tiny random Llama checkpoint (tests/tiny_checkpoint.py); PEFT initializes lo
 adapter's factors are drawn at random here (else an adapter would change nothing and prove nothing).
 """
 
-import json
-import os
-
 import numpy as np
 import pytest
 from compile_watch import backend_compiles
@@ -20,17 +17,12 @@ from jaxpaged import LLM, LoRARequest, SamplingParams
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+from peft_adapters import base_model, hf_greedy, write_adapters  # noqa: E402 (needs torch and peft)
 
 ENGINE = dict(page_size=4, num_pages=128, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
               enable_lora=True, max_loras=2, max_lora_rank=8)
 PROMPTS = ["The quick brown fox", "Once upon a time", "hello there friend"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# (name, rank, target modules, lora_alpha, use_rslora): different ranks, targets and scalings
-ADAPTERS = [
-    ("sql", 4, ["q_proj", "v_proj"], 8, False),
-    ("poet", 8, ["o_proj", "gate_proj", "down_proj"], 16, True),
-    ("chat", 2, ["k_proj", "up_proj", "q_proj"], 4, False),
-]
 
 
 @pytest.fixture(scope="module")
@@ -38,40 +30,10 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def base_model(ckpt):
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-
-def randomized(model, seed: int, scale: float = 0.3):
-    """Every LoRA factor drawn from N(0, scale^2) (PEFT's lora_B starts at zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory):
     """{name: (directory, the PEFT model as the oracle)}."""
-    out = {}
-    for seed, (name, r, targets, alpha, rslora) in enumerate(ADAPTERS):
-        config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-        model = randomized(peft.get_peft_model(base_model(ckpt), config), seed=100 + seed).eval()
-        directory = str(tmp_path_factory.mktemp(f"adapter_{name}"))
-        model.save_pretrained(directory)
-        out[name] = (directory, model)
-    return out
-
-
-def hf_greedy(model, tokenizer, prompt: str, num_tokens: int) -> list[int]:
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            next_id = model(input_ids=ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, -num_tokens:].tolist()
+    return write_adapters(ckpt, tmp_path_factory)
 
 
 def test_mixed_adapters_and_base_in_one_generate_equal_hf_peft(ckpt, adapters):

@@ -107,5 +107,12 @@ class LoRAAdapters(StepFeature):
         return {"seq_lora_slots": self.slots.assign(lora_ids, self.versions.__getitem__, self.weights)}
 
     def stats(self) -> dict:
+        """Counters, and vLLM's lora_requests_info labels: the adapters of running and of waiting requests
+        (comma-separated names) and max_lora."""
+        def names(seqs) -> str:
+            ids = {seq.lora_int_id for seq in seqs if seq.lora_int_id}
+            return ",".join(sorted(self.requests[i].lora_name for i in ids if i in self.requests))
         return {"num_loras": len(self.requests), "num_lora_slot_loads": self.slots.num_loads,
-                "num_lora_host_loads": self.num_host_loads}
+                "num_lora_host_loads": self.num_host_loads, "max_lora": self.slots.max_loras,
+                "running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting)}

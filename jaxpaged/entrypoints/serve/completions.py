@@ -47,7 +47,7 @@ def _prompts(tokenizer, prompt, add_special_tokens: bool = True) -> list[tuple[s
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = server_state(request)
-    check_model(state, body.model)
+    lora = check_model(state, body.model)  # a LoRA adapter's name runs the request under it
     check_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
     check_request_limits(body, state.limits or RequestLimits())
     tokenizer = state.tokenizer
@@ -68,12 +68,13 @@ async def completions(body: CompletionRequest, request: Request):
             params = sampling_params(state, body, len(token_ids), 1 if prompt_only else body.max_tokens,
                                      logprobs=body.logprobs, prompt_param="prompt",
                                      prompt_logprobs=want_prompt_logprobs, structured_outputs=structured_spec(body))
-            streams.append(await start(state, token_ids, params, body.cache_salt))
+            streams.append(await start(state, token_ids, params, body.cache_salt, lora))
     except BaseException:
         for stream in streams:
             stream.close()
         raise
-    rid, created, model = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), state.served_model_name
+    model = body.model if lora is not None else state.served_model_name
+    rid, created = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
 
     def ids_of(p: int, token_ids, first: bool) -> dict:  # vLLM's return_token_ids
         if not body.return_token_ids:
