@@ -153,3 +153,40 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(ckpt, adapter
     assert len(llm.generate(["hi", "there"], GREEDY, lora_request=good)) == 2  # still serving
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(ckpt, warmup=False, max_model_len=64).generate("hi", GREEDY, lora_request=good)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_adapters_survive_preemption_and_n_samples(ckpt, adapters, preemption_mode):
+    """A pool too small for the batch: sequences under different adapters are preempted (recomputed or
+    swapped) and readmitted, and n=2 samples fork under their parent's adapter; every greedy sample
+    still equals Hugging Face + PEFT's."""
+    swap = dict(swap_space_bytes=1 << 20) if preemption_mode == "swap" else {}
+    llm = LLM(ckpt, warmup=False, **dict(ENGINE, num_pages=16, preemption_mode=preemption_mode, **swap))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    requests = {"sql": LoRARequest("sql", 1, adapters["sql"][0]), "poet": LoRARequest("poet", 2, adapters["poet"][0])}
+    jobs = [(PROMPTS[0], "sql"), (PROMPTS[1], "poet"), (PROMPTS[2], None), (PROMPTS[1], "sql")]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
+    outputs = llm.generate([p for p, _ in jobs], params, lora_request=[requests.get(n) for _, n in jobs])
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and (stats["num_swaps_out"] > 0) == (preemption_mode == "swap")
+    for (prompt, name), output in zip(jobs, outputs):
+        want = hf_greedy(base_model(ckpt) if name is None else adapters[name][1], tokenizer, prompt, 8)
+        assert [c.token_ids for c in output.outputs] == [want, want], (prompt, name)
+
+
+def test_beam_search_under_an_adapter_equals_hf_peft(ckpt, adapters):
+    from jaxpaged import BeamSearchParams
+
+    llm = LLM(ckpt, warmup=False, **ENGINE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    lora = LoRARequest("poet", 2, adapters["poet"][0])
+    out = llm.beam_search([PROMPTS[0]], params, lora_request=lora)[0]
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        hf = adapters["poet"][1].generate(input_ids=ids, num_beams=2, num_return_sequences=2, do_sample=False,
+                                          max_new_tokens=5, min_new_tokens=5, early_stopping=False, length_penalty=1.0,
+                                          pad_token_id=tokenizer.eos_token_id, temperature=None, top_p=None, top_k=None)
+    assert [b.token_ids for b in out.beams] == [row[ids.shape[1]:].tolist() for row in hf]
+    base = llm.beam_search([PROMPTS[0]], params)[0]
+    assert [b.token_ids for b in base.beams] != [b.token_ids for b in out.beams]  # the adapter mattered
