@@ -190,3 +190,45 @@ def test_beam_search_under_an_adapter_equals_hf_peft(ckpt, adapters):
     assert [b.token_ids for b in out.beams] == [row[ids.shape[1]:].tolist() for row in hf]
     base = llm.beam_search([PROMPTS[0]], params)[0]
     assert [b.token_ids for b in base.beams] != [b.token_ids for b in out.beams]  # the adapter mattered
+
+
+def test_chat_and_stream_pass_the_adapter_through(ckpt, adapters):
+    llm = LLM(ckpt, warmup=False, **ENGINE)
+    sql = LoRARequest("sql", 1, adapters["sql"][0])
+    messages = [{"role": "user", "content": "hi there"}]
+    text = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(text, add_special_tokens=False)}, GREEDY,
+                        lora_request=sql)[0].outputs[0].token_ids
+    assert want != llm.generate(text, GREEDY)[0].outputs[0].token_ids  # the adapter matters for this prompt
+    assert llm.chat(messages, GREEDY, lora_request=sql)[0].outputs[0].token_ids == want
+    streamed = [o for o in llm.stream(PROMPTS[0], GREEDY, lora_request=sql)][-1].outputs[0].token_ids
+    assert streamed == llm.generate(PROMPTS[0], GREEDY, lora_request=sql)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate(PROMPTS[0], GREEDY, lora_request=[sql, sql])
+    with pytest.raises(ValueError, match="is adapter 'sql'"):
+        llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("other", 1, adapters["poet"][0]))
+
+
+def test_what_lora_refuses_by_name(ckpt, adapters):
+    from jaxpaged import EngineConfig
+    from jaxpaged.models.config import ModelConfig
+    from jaxpaged.models.peft_adapter import load_adapter
+
+    with pytest.raises(ValueError, match="enable_lora=True does not run with speculative_config"):
+        EngineConfig(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="max_cpu_loras=1 must be >= max_loras=2"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)
+    moe = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    tensors = {"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": np.zeros((2, 64), np.float32),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": np.zeros((32, 2), np.float32)}
+    with pytest.raises(ValueError, match="MoE experts' MLP adapters are not served"):
+        load_adapter(LoRARequest("moe", 1, lora_tensors=tensors, lora_config={"r": 2}), moe, 8)
+    llm = LLM(ckpt, warmup=False, **ENGINE)
+    sql = LoRARequest("sql", 1, adapters["sql"][0])
+    stream = llm.stream(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), lora_request=sql)
+    next(stream)  # the request runs under sql
+    with pytest.raises(ValueError, match="has unfinished requests"):
+        llm.remove_lora(1)
+    stream.close()
+    assert llm.remove_lora(1) and llm.list_loras() == set() and not llm.remove_lora(1)
