@@ -3,6 +3,7 @@
     python -m benchmarks.bench_h100_static            # the matrix below, ~20-30 min on 2 cores
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers) and Gemma-2-9B decode steps only
+    python -m benchmarks.bench_h100_static --lora     # a decode step with 4 rank-16 LoRA adapters, and without
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -74,7 +75,16 @@ def quick_cases() -> list[dict]:
             for b in ("pallas", "mosaic")]
 
 
-def cases(quick: bool, families: bool = False) -> list[dict]:
+def lora_cases() -> list[dict]:
+    """A decode step with 4 LoRA adapters of rank 16 on every projection, beside the same step without,
+    Qwen3-0.6B, batch 64, context 1024."""
+    base = dict(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=1024)
+    return [base, dict(base, num_loras=4, lora_rank=16)]
+
+
+def cases(quick: bool, families: bool = False, lora: bool = False) -> list[dict]:
+    if lora:
+        return lora_cases()
     if families:
         return family_cases()
     c = quick_cases()
@@ -128,7 +138,7 @@ def child(args) -> None:
     from jaxpaged.static_profile.step_profile import StepCase, profile
 
     rows = []
-    for spec in spec_decode_cases(args.k) if args.spec_decode else cases(args.quick, args.families):
+    for spec in spec_decode_cases(args.k) if args.spec_decode else cases(args.quick, args.families, args.lora):
         case = StepCase(**spec)
         try:
             row = profile(case)
@@ -209,6 +219,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="decode at batch 256, context 1024 only")
     parser.add_argument("--families", action="store_true", help="the Mixtral and Gemma 2 decode steps only")
+    parser.add_argument("--lora", action="store_true", help="a decode step with 4 rank-16 LoRA adapters, and without")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--spec-decode", action="store_true",
                         help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
@@ -221,9 +232,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.spec_decode:
         return spec_decode_main(args)
-    name = "h100_static_quick" if args.quick else "h100_static_families" if args.families else "h100_static"
+    name = ("h100_static_quick" if args.quick else "h100_static_families" if args.families else
+            "h100_static_lora" if args.lora else "h100_static")
     rows = h100_child_rows("benchmarks.bench_h100_static",
-                           [*(["--quick"] if args.quick else []), *(["--families"] if args.families else [])], args.out, name)
+                           [*(["--quick"] if args.quick else []), *(["--families"] if args.families else []),
+                            *(["--lora"] if args.lora else [])], args.out, name)
     predictions = vllm_predictions(rows)
     for r in rows:
         # The prediction is of one H100's decode step (aiconfigurator's h100_sxm tables).
@@ -242,7 +255,7 @@ def main(argv=None) -> int:
               "per_launch_s": PER_LAUNCH_S, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if not (args.quick or args.families):
+    if not (args.quick or args.families or args.lora):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:

@@ -124,6 +124,13 @@ def test_prefix_cache_pages_never_cross_adapters(ckpt, adapters):
     replaced = llm.generate(prompt, GREEDY, lora_request=sql)[0]
     assert replaced.num_cached_tokens == 0
     assert replaced.outputs[0].token_ids == want_poet.outputs[0].token_ids
+    # A request queued before a replacement takes the new version into its salt too.
+    engine = llm.engine
+    engine.add_request(engine.tokenizer.encode(prompt), GREEDY, lora_request=sql, request_id="queued")
+    assert engine.scheduler.waiting[-1].cache_salt[2] == (1, 1)
+    llm.add_lora(LoRARequest("sql", 1, directory))
+    assert engine.scheduler.waiting[-1].cache_salt[2] == (1, 2)
+    engine.abort_request("queued")
 
 
 def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(ckpt, adapters, tmp_path):

@@ -28,12 +28,15 @@ from jaxpaged.models.peft_adapter import AdapterWeights
 
 class LoRASlots:
     def __init__(self, dims: dict[str, tuple[int, int]], *, num_layers: int, max_loras: int, max_lora_rank: int,
-                 dtype, placement):
+                 dtype, placement, abstract=None):
+        # abstract: a function ShapeDtypeStruct -> ShapeDtypeStruct placing it (a compile-only runner's
+        # stacks, e.g. on a virtual H100: jaxpaged/static_profile/); None: real zeros on `placement`
         self.dims, self.num_layers = dims, num_layers
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.num_slots = max_loras + 1
         self.dtype = jnp.dtype(dtype)
-        zeros = lambda *shape: jnp.zeros(shape, self.dtype, device=placement)
+        zeros = ((lambda *shape: abstract(jax.ShapeDtypeStruct(shape, self.dtype))) if abstract is not None else
+                 (lambda *shape: jnp.zeros(shape, self.dtype, device=placement)))
         r, s = max_lora_rank, self.num_slots
         self.stacks = {m: {"a": zeros(num_layers, s, i, r), "b": zeros(num_layers, s, r, o)} for m, (i, o) in dims.items()}
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora id -> slot, LRU first

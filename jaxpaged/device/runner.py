@@ -183,12 +183,6 @@ class ModelRunner:
         # Every device input committed (jit keys its cache on it): warm-up's programs are then serving's.
         self.placement = self.tp.replicated if self.tp is not None else jax.devices()[0]
         self.zeros_on_device = functools.partial(jnp.zeros, device=self.placement)
-        # Multi-LoRA: the adapter slots' stacks are an argument of every step (their shapes fixed by
-        # max_loras and max_lora_rank: loading adapters never recompiles); None: no adapters.
-        if lora is not None and (self.abstract or self.tp is not None):
-            raise ValueError("LoRA adapters run on one device with real params (no mesh, not compile-only) yet")
-        self.lora = None if lora is None else LoRASlots(target_dims(c), num_layers=c.num_layers, max_loras=lora[0],
-                                                        max_lora_rank=lora[1], dtype=c.dtype, placement=self.placement)
         if self.abstract:  # compile-only: shapes and the params' sharding (under a mesh: tp's layout), no memory
             self._abstract_sharding = leaves[0].sharding if self.tp is None else self.tp.replicated
             self._serve(params if self.tp is None else self.tp.abstract_params(params))
@@ -210,6 +204,14 @@ class ModelRunner:
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
+        # Multi-LoRA: the adapter slots' stacks are an argument of every step (their shapes fixed by
+        # max_loras and max_lora_rank: loading adapters never recompiles); None: no adapters. The
+        # compile-only runner's stacks are abstract, on its devices.
+        if lora is not None and self.tp is not None:
+            raise ValueError("LoRA adapters run on one device (no tensor-parallel mesh) yet")
+        self.lora = None if lora is None else LoRASlots(
+            target_dims(c), num_layers=c.num_layers, max_loras=lora[0], max_lora_rank=lora[1], dtype=c.dtype,
+            placement=self.placement, abstract=self._abstract if self.abstract else None)
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
@@ -257,7 +259,7 @@ class ModelRunner:
         return own_copy(params, jnp.dtype(self.config.dtype), self.tp)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"],
-                 kv_centres, lora_stacks, *, layout, decode_only: bool = False):
+                 kv_centres, lora_stacks=None, *, layout, decode_only: bool = False):
         # kv_centres: device/kv_centres.py (None: "auto"); lora_stacks: device/lora_slots.py (None: no adapters)
         self.num_compiles += 1  # runs only while tracing
         fields, offset = {}, 0

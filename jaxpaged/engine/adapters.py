@@ -22,6 +22,8 @@ import collections
 from jaxpaged.engine.features import StepFeature
 from jaxpaged.models.peft_adapter import AdapterWeights, load_adapter
 from jaxpaged.planner.lora_request import LoRARequest
+from jaxpaged.planner.prefix_cache import versioned_salt
+from jaxpaged.planner.sequence import SequenceStatus
 
 
 class LoRAAdapters(StepFeature):
@@ -65,7 +67,18 @@ class LoRAAdapters(StepFeature):
         self.requests[request.lora_int_id] = request
         self.versions[request.lora_int_id] = self.versions.get(request.lora_int_id, -1) + 1
         self._keep(request.lora_int_id, weights)
+        if known is not None:
+            self._resalt_waiting(request.lora_int_id)
         return True
+
+    def _resalt_waiting(self, lora_int_id: int) -> None:
+        """Waiting sequences of a replaced adapter that hold no K/V take its new version into their salt
+        (as planner/weight_update.py's resalt_waiting for new base weights): the pages they find are the
+        new weights' only. Running and swapped ones keep theirs (their K/V mixes the two)."""
+        for seq in [*self.scheduler.waiting, *self.scheduler.waiting_for_grammar.values()]:
+            if seq.lora_int_id == lora_int_id and seq.status is not SequenceStatus.SWAPPED:
+                seq.cache_salt = versioned_salt(seq.cache_salt, seq.cache_salt[1], self.salt_part(lora_int_id))
+                seq.page_hashes = []
 
     def remove(self, lora_int_id: int) -> bool:
         """Forgets an adapter no unfinished request runs under; False if unknown."""

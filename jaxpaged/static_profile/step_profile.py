@@ -75,6 +75,10 @@ class StepCase:
     max_num_seqs: int | None = None  # the runner's max_num_seqs (its decode buckets); None: max(num_seqs, 2)
     chip: str = "h100"  # the compile target: "h100" | "h200" (target.TARGETS)
     tp: int = 1  # tensor parallel: a mesh of this many virtual chips; every byte figure is then per device
+    # Multi-LoRA: this many adapter slots of rank lora_rank on every attention and MLP projection (the
+    # step's cost does not depend on which slots the tokens use: models/lora.py); 0: no adapters.
+    num_loras: int = 0
+    lora_rank: int = 16
 
     @property
     def decode(self) -> bool:
@@ -102,7 +106,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max(num_tokens, max_num_seqs),
         max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda"),
         buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
-        kv_cache_dtype=case.kv_cache_dtype, mesh=mesh,
+        kv_cache_dtype=case.kv_cache_dtype, mesh=mesh, lora=(case.num_loras, case.lora_rank) if case.num_loras else None,
     )
     bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
     step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
@@ -111,7 +115,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
         runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
-                      runner.kv_centres),
+                      runner.kv_centres, None if runner.lora is None else runner.lora.stacks),
         kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True)
     try:
         figures = _figures(case, config, runner, out, num_tokens)
@@ -157,8 +161,10 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     # An untied embedding is only gathered (the step's tokens' rows); a tied one is the LM head, read whole.
     embedding_bytes = 0 if config.tie_word_embeddings else _device_bytes(runner.served_params["params"]["embedding"])
     gathered = 0 if config.tie_word_embeddings else num_tokens * config.hidden_size * jnp.dtype(config.dtype).itemsize
+    # Adapters: every slot but the base model's zeros, read once (the ideal counts the adapters' bytes).
+    lora_bytes = 0 if runner.lora is None else _device_bytes(runner.lora.stacks) * case.num_loras // (case.num_loras + 1)
     ideal = (weight_bytes - embedding_bytes + gathered - expert_bytes + touched * expert_bytes
-             + live_kv_per_layer * config.num_layers + io)
+             + live_kv_per_layer * config.num_layers + io + lora_bytes)
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size // case.tp  # split by vocabulary under tensor parallelism
     matmul_params = (weight_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
@@ -182,7 +188,7 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
         "floor_ms": chip_floors[case.chip]["bytes_floor_ms"], "ideal_floor_ms": chip_floors[case.chip]["ideal_floor_ms"],
         "launch_floor_ms": chip_floors[case.chip]["launch_floor_ms"], "floors": chip_floors,
         "collectives": sum(c.count for c in collectives), "collective_payload_bytes": payload,
-        "nvlink_bus_bytes": int(nvlink), "weight_bytes": weight_bytes,
+        "nvlink_bus_bytes": int(nvlink), "weight_bytes": weight_bytes, "lora_bytes": lora_bytes,
         "model_weight_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params)),
         "executed_flops": acc.flops, "useful_flops": useful,
         # XLA's dots against the useful matmul FLOPs (attention's run inside the kernels, which the HLO
