@@ -36,11 +36,13 @@ def adapters(ckpt, tmp_path_factory):
     return write_adapters(ckpt, tmp_path_factory)
 
 
-def test_mixed_adapters_and_base_in_one_generate_equal_hf_peft(ckpt, adapters):
+@pytest.mark.parametrize("per_layer_weights", [None, True])
+def test_mixed_adapters_and_base_in_one_generate_equal_hf_peft(ckpt, adapters, per_layer_weights):
     """Three adapters (ranks 4, 8, 2; attention and MLP targets; rsLoRA) and the base model in one
     generate call with max_loras=2: the third adapter waits for a slot; every request's greedy tokens
-    equal Hugging Face + PEFT's."""
-    llm = LLM(ckpt, warmup=False, **ENGINE)
+    equal Hugging Face + PEFT's. per_layer_weights=True: the GPU's unrolled layers, one slot buffer per layer."""
+    llm = LLM(ckpt, warmup=False, per_layer_weights=per_layer_weights, **ENGINE)
+    assert llm.engine.runner.lora.per_layer == bool(per_layer_weights)
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     requests = {name: LoRARequest(name, i + 1, directory) for i, (name, (directory, _)) in enumerate(adapters.items())}
     jobs = [(prompt, name) for prompt in PROMPTS for name in (None, *requests)]

@@ -3,6 +3,10 @@
     stacks[module]["a"]: [num_layers, num_slots, in,  max_lora_rank]      num_slots = max_loras + 1
     stacks[module]["b"]: [num_layers, num_slots, max_lora_rank, out]      b already times the scaling
 
+    per_layer (the runner's one-buffer-per-layer layout, device/layer_params.py): a tuple over layers of
+    {module: {"a": [num_slots, in, R], "b": [num_slots, R, out]}}, so each unrolled layer reads its own
+    buffers (a slice of a stacked leaf would be read, or copied, as the whole stack)
+
     slot:      0        1           2          ...  max_loras
     holds:     base     adapter 7   adapter 3       (LRU: the slot used longest ago is reused first)
                (zeros)
@@ -28,7 +32,7 @@ from jaxpaged.models.peft_adapter import AdapterWeights
 
 class LoRASlots:
     def __init__(self, dims: dict[str, tuple[int, int]], *, num_layers: int, max_loras: int, max_lora_rank: int,
-                 dtype, placement, abstract=None):
+                 dtype, placement, abstract=None, per_layer: bool = False):
         # abstract: a function ShapeDtypeStruct -> ShapeDtypeStruct placing it (a compile-only runner's
         # stacks, e.g. on a virtual H100: jaxpaged/static_profile/); None: real zeros on `placement`
         self.dims, self.num_layers = dims, num_layers
@@ -38,7 +42,13 @@ class LoRASlots:
         zeros = ((lambda *shape: abstract(jax.ShapeDtypeStruct(shape, self.dtype))) if abstract is not None else
                  (lambda *shape: jnp.zeros(shape, self.dtype, device=placement)))
         r, s = max_lora_rank, self.num_slots
-        self.stacks = {m: {"a": zeros(num_layers, s, i, r), "b": zeros(num_layers, s, r, o)} for m, (i, o) in dims.items()}
+        self.per_layer = per_layer
+        if per_layer:
+            self.stacks = tuple({m: {"a": zeros(s, i, r), "b": zeros(s, r, o)} for m, (i, o) in dims.items()}
+                                for _ in range(num_layers))
+        else:
+            self.stacks = {m: {"a": zeros(num_layers, s, i, r), "b": zeros(num_layers, s, r, o)}
+                           for m, (i, o) in dims.items()}
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora id -> slot, LRU first
         self.version_of: dict[int, int] = {}  # lora id -> the version of its weights in its slot
         self.num_write_compiles = 0  # traces of the slot write (one, at warm-up)
@@ -47,6 +57,9 @@ class LoRASlots:
 
     def _write_fn(self, stacks, slot, new):
         self.num_write_compiles += 1  # runs only while tracing
+        if self.per_layer:  # new's leaves are [num_layers, ...]: layer l's part into layer l's buffers
+            return tuple(jax.tree.map(lambda stack, leaf: stack.at[slot].set(leaf[layer].astype(stack.dtype)),
+                                      stacks[layer], new) for layer in range(self.num_layers))
         return jax.tree.map(lambda stack, leaf: stack.at[:, slot].set(leaf.astype(stack.dtype)), stacks, new)
 
     def padded(self, weights: AdapterWeights | None) -> dict:

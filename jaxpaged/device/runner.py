@@ -211,7 +211,8 @@ class ModelRunner:
             raise ValueError("LoRA adapters run on one device (no tensor-parallel mesh) yet")
         self.lora = None if lora is None else LoRASlots(
             target_dims(c), num_layers=c.num_layers, max_loras=lora[0], max_lora_rank=lora[1], dtype=c.dtype,
-            placement=self.placement, abstract=self._abstract if self.abstract else None)
+            placement=self.placement, abstract=self._abstract if self.abstract else None,
+            per_layer=self.per_layer_weights)  # unrolled layers read their own slot buffers
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \

@@ -313,7 +313,9 @@ class CausalLM(nn.Module):
         query_start_loc: Int[Array, "num_seqs_plus_1"],
         logits_indices: Int[Array, "num_logits"],  # num_seqs, or num_seqs + num_tokens (prompt logprobs)
         kv_centres: Float[Array, "num_layers 2 num_kv_heads head_dim"] | None = None,  # device/kv_centres.py
-        lora: tuple | None = None,  # (token_slots [T] int32, stacks {module: {"a": [L, S, I, R], "b": [L, S, R, O]}})
+        # (token_slots [T] int32, stacks {module: {"a": [L, S, I, R], "b": [L, S, R, O]}}, or with one parameter
+        # tree per layer a tuple of L {module: {"a": [S, I, R], "b": [S, R, O]}}: device/lora_slots.py)
+        lora: tuple | None = None,
     ) -> tuple[Float[Array, "num_logits vocab_size"], KVPages]:
         """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer. With `lora`
         each token adds its adapter slot's delta to every adapted projection (models/lora.py)."""
@@ -338,7 +340,9 @@ class CausalLM(nn.Module):
         lora_stacks, lora_rows = None, None
         if lora is not None:
             token_slots, lora_stacks = lora
-            lora_rows = slot_rows(token_slots, next(iter(lora_stacks.values()))["a"].shape[1], dtype)  # [T, S]
+            first = jax.tree.leaves(lora_stacks)[0]  # [S, I, R] per layer, or [L, S, I, R]
+            num_slots = first.shape[0] if isinstance(lora_stacks, tuple) else first.shape[1]
+            lora_rows = slot_rows(token_slots, num_slots, dtype)  # [T, S]
         is_local = [w is not None for w in c.layer_windows]
         per_layer = None if self.is_initializing() else self.variables["params"].get("layers")
         if isinstance(per_layer, (tuple, list)):
@@ -349,7 +353,8 @@ class CausalLM(nn.Module):
                                  self.min_dot_rows, self.batch_invariant, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
-                layer_lora = None if lora_stacks is None else jax.tree.map(lambda leaf: leaf[i], lora_stacks)
+                layer_lora = (lora_stacks[i] if isinstance(lora_stacks, tuple) else None if lora_stacks is None
+                              else jax.tree.map(lambda leaf: leaf[i], lora_stacks))
                 carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared,
                                        None, layer_lora, lora_rows)
             x, kv_pages = carry
