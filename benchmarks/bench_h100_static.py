@@ -5,6 +5,7 @@
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers), Gemma-2-9B, gpt-oss-20b decode steps only
     python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
     python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block weights
+    python -m benchmarks.bench_h100_static --lora     # a decode step with 4 rank-16 LoRA adapters, and without
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -86,7 +87,16 @@ def quick_cases() -> list[dict]:
             for b in ("pallas", "mosaic")]
 
 
-def cases(quick: bool, families: bool = False, quantized: bool = False) -> list[dict]:
+def lora_cases() -> list[dict]:
+    """A decode step with 4 LoRA adapters of rank 16 on every projection, beside the same step without,
+    Qwen3-0.6B, batch 64, context 1024."""
+    base = dict(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=1024)
+    return [base, dict(base, num_loras=4, lora_rank=16)]
+
+
+def cases(quick: bool, families: bool = False, quantized: bool = False, lora: bool = False) -> list[dict]:
+    if lora:
+        return lora_cases()
     if families:
         return family_cases()
     if quantized:
@@ -152,7 +162,7 @@ def child(args) -> None:
 
     rows = []
     specs = (spec_decode_cases(args.k) if args.spec_decode else batch_invariant_cases() if args.batch_invariant
-             else cases(args.quick, args.families, args.quantized))
+             else cases(args.quick, args.families, args.quantized, args.lora))
     for spec in specs:
         case = StepCase(**spec)
         try:
@@ -237,6 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--families", action="store_true", help="the Mixtral, Gemma 2 and gpt-oss decode steps only")
     parser.add_argument("--quantized", action="store_true",
                         help="Qwen3-8B decode steps with bf16 and FP8 (per channel, block) weights, batch 1 and 64")
+    parser.add_argument("--lora", action="store_true", help="a decode step with 4 rank-16 LoRA adapters, and without")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--spec-decode", action="store_true",
                         help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
@@ -254,10 +265,11 @@ def main(argv=None) -> int:
     if args.batch_invariant:
         return batch_invariant_main(args)
     name = ("h100_static_quick" if args.quick else "h100_static_families" if args.families else
-            "h100_static_quantized" if args.quantized else "h100_static")
+            "h100_static_quantized" if args.quantized else "h100_static_lora" if args.lora else "h100_static")
     rows = h100_child_rows("benchmarks.bench_h100_static",
                            [*(["--quick"] if args.quick else []), *(["--families"] if args.families else []),
-                            *(["--quantized"] if args.quantized else [])], args.out, name)
+                            *(["--quantized"] if args.quantized else []), *(["--lora"] if args.lora else [])],
+                           args.out, name)
     predictions = vllm_predictions(rows)
     for r in rows:
         # The prediction is of one H100's decode step (aiconfigurator's h100_sxm tables).
@@ -276,7 +288,7 @@ def main(argv=None) -> int:
               "per_launch_s": PER_LAUNCH_S, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if not (args.quick or args.families or args.quantized):
+    if not (args.quick or args.families or args.quantized or args.lora):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:

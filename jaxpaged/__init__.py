@@ -8,12 +8,13 @@ The host side (sequence, block manager, scheduler, sampling params) never import
 
 from jaxpaged.engine.beam_search import BeamOutput, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.outputs import CompletionOutput, RequestOutput
+from jaxpaged.planner.lora_request import LoRARequest
 from jaxpaged.planner.request import SamplingParams
 from jaxpaged.planner.structured_params import StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput",
-    "BeamSearchParams", "BeamSearchOutput", "BeamOutput",
+    "BeamSearchParams", "BeamSearchOutput", "BeamOutput", "LoRARequest",
 ]
 __version__ = "0.1.0"
 

@@ -149,8 +149,15 @@ class EngineConfig:
     # A grammar (JSON schema, regex, Lark) still compiling this long after its request arrived ends
     # that request with finish_reason "abort" (the engine keeps serving; the spec is not cached).
     grammar_compile_timeout_s: float = 30.0
+    # Multi-LoRA (vLLM's engine arguments): requests may name a PEFT adapter (LoRARequest); adapters of
+    # different requests run in one step through one grouped computation (jaxpaged/models/lora.py).
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident on the device at once (slots); a step mixes at most this many
+    max_lora_rank: int = 16  # the largest adapter rank accepted; every slot is padded to it
+    max_cpu_loras: int | None = None  # adapters kept loaded on the host (LRU); None: max_loras
 
     def __post_init__(self):
+        self.check_lora()
         if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0):
             raise ValueError(f"grammar_compile_timeout_s={self.grammar_compile_timeout_s!r} must be > 0 seconds")
         strict_json_schemas(self.structured_outputs_config)  # ValueError for unknown keys or values
@@ -242,6 +249,24 @@ class EngineConfig:
                 f"attention_backend='mosaic' runs wgmma on bfloat16 pages, got dtype={self.dtype!r}; "
                 "pass dtype='bfloat16'")
 
+    def check_lora(self) -> None:
+        """The LoRA arguments' own ranges, and the features adapters do not run with yet (refused by name)."""
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras} (vLLM's rule); "
+                             "raise it or leave it None")
+        if not self.enable_lora:
+            return
+        refused = {"speculative_config": self.speculative_config is not None,
+                   "tensor_parallel_size": self.tensor_parallel_size > 1,
+                   "data_parallel_size": self.data_parallel_size > 1, "batch_invariant": bool(self.batch_invariant)}
+        given = [name for name, bad in refused.items() if bad]
+        if given:
+            raise ValueError(f"enable_lora=True does not run with {', '.join(given)} yet; leave them at their defaults")
+
     def check_batch_invariant(self) -> None:
         """The engine arguments batch_invariant=True refuses (the runner checks the model and the kernels)."""
         refused = {"speculative_config": self.speculative_config is not None,  # drafts change tokens by batch size
@@ -298,7 +323,7 @@ VLLM_NO_EFFECT_ARGS = {
 VLLM_DEFAULT_ONLY_ARGS = {"tokenizer": None, "tokenizer_mode": "auto", "skip_tokenizer_init": False,
                           "revision": None, "tokenizer_revision": None,
                           "load_format": "auto", "distributed_executor_backend": None, "cpu_offload_gb": 0,
-                          "enable_lora": False, "max_logprobs": 20, "pipeline_parallel_size": 1}
+                          "max_logprobs": 20, "pipeline_parallel_size": 1}
 VLLM_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 
 

@@ -35,6 +35,8 @@ from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_lay
 from jaxpaged.device.batch_invariant import check_batch_invariant
 from jaxpaged.device.kv_centres import calibrate_kv_centres
 from jaxpaged.device.sharding import TensorParallel
+from jaxpaged.device.lora_slots import LoRASlots
+from jaxpaged.models.lora import target_dims
 
 # StepInput is plain numpy on the host; as a pytree it crosses jax.jit as one argument. Its arrays
 # are leaves; `decode_only` is metadata, part of the tree structure, hence static under jit.
@@ -115,6 +117,7 @@ class ModelRunner:
         per_layer_weights: bool | None = None,
         return_routed_experts: bool = False,  # MoE: execute returns (its result, ids [T, L, k]): engine/routed_experts.py
         batch_invariant: bool = False,  # every token's arithmetic independent of the step (device/batch_invariant.py)
+        lora: tuple[int, int] | None = None,  # (max_loras, max_lora_rank): adapter slots (device/lora_slots.py)
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -201,6 +204,15 @@ class ModelRunner:
             kv_sharding = jax.tree.map(lambda leaf: self.tp.kv_pages_sharding(leaf.shape), self.kv_pages)
             step_shardings = dict(out_shardings=(self.tp.replicated, kv_sharding))  # logits replicated
             copy_shardings = dict(out_shardings=kv_sharding)
+        # Multi-LoRA: the adapter slots' stacks are an argument of every step (their shapes fixed by
+        # max_loras and max_lora_rank: loading adapters never recompiles); None: no adapters. The
+        # compile-only runner's stacks are abstract, on its devices.
+        if lora is not None and self.tp is not None:
+            raise ValueError("LoRA adapters run on one device (no tensor-parallel mesh) yet")
+        self.lora = None if lora is None else LoRASlots(
+            target_dims(c), num_layers=c.num_layers, max_loras=lora[0], max_lora_rank=lora[1], dtype=c.dtype,
+            placement=self.placement, abstract=self._abstract if self.abstract else None,
+            per_layer=self.per_layer_weights)  # unrolled layers read their own slot buffers
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
@@ -248,7 +260,8 @@ class ModelRunner:
         return own_copy(params, jnp.dtype(self.config.dtype), self.tp)
 
     def _step_fn(self, params, kv_pages, packed: Int[Array, "num_packed"], prev_tokens: Int[Array, "num_rows"],
-                 kv_centres, *, layout, decode_only: bool = False):  # kv_centres: device/kv_centres.py (None: "auto")
+                 kv_centres, lora_stacks=None, *, layout, decode_only: bool = False):
+        # kv_centres: device/kv_centres.py (None: "auto"); lora_stacks: device/lora_slots.py (None: no adapters)
         self.num_compiles += 1  # runs only while tracing
         fields, offset = {}, 0
         for name, shape in layout:  # static slices of the one packed transfer
@@ -266,6 +279,7 @@ class ModelRunner:
             model, self.return_routed_experts, params, kv_pages, token_ids, step_input.positions,
             step_input.slot_mapping, step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
             with_every_token(step_input.logits_indices, targets), kv_centres,
+            None if lora_stacks is None else (step_input.lora_slots, lora_stacks),
         )
         logits = split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets)
         return (logits if routed is None else (logits, routed)), kv_pages
@@ -303,7 +317,7 @@ class ModelRunner:
 
     def prepare(self, scheduler_output, block_table_rows=None, **logits_rows) -> StepInput:
         """`prepare_step_input` with this runner's page pool and buckets (`logits_rows`:
-        num_logits, max_num_logits for a speculative verification step)."""
+        num_logits, max_num_logits for a speculative verification step; seq_lora_slots with adapters)."""
         return prepare_step_input(
             scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
@@ -326,7 +340,8 @@ class ModelRunner:
         if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
             packed = self._place_replicated(packed)
         logits, self.kv_pages = self._step(
-            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, layout=layout, decode_only=step_input.decode_only)
+            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
+            layout=layout, decode_only=step_input.decode_only)
         return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -367,7 +382,7 @@ class ModelRunner:
             block_tables=np.zeros((num_seqs, self.pages_per_seq), np.int32),
             seq_lens=np.zeros(num_seqs, np.int32), query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32), prev_token_rows=np.full(bucket, -1, np.int32),
-            decode_only=decode_only,
+            lora_slots=None if self.lora is None else zeros, decode_only=decode_only,
         )
 
     def warmup(self, *, host_transfers: bool = False) -> None:
@@ -380,6 +395,8 @@ class ModelRunner:
         for bucket in self.buckets:  # the prompt-logprobs program of each (decode buckets never need one)
             jax.block_until_ready(self.execute(dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))))
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
+        if self.lora is not None:
+            self.lora.warmup()  # the adapter slot write
         if host_transfers:  # one program each way
             jax.block_until_ready(self.gather_pages([]))
             empty = jax.tree.map(  # host pages shaped as the gather returns them
@@ -426,7 +443,17 @@ class ModelRunner:
         if self.tp is not None:  # placed as execute places them
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(
-            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, layout=layout, decode_only=step_input.decode_only)
+            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
+            layout=layout, decode_only=step_input.decode_only)
+
+    def _lora_stacks(self, step_input: StepInput):
+        """The adapter stacks a step reads (None without adapters); a step of an adapter engine must say
+        each token's slot."""
+        if self.lora is None:
+            return None
+        if step_input.lora_slots is None:
+            raise ValueError("this runner serves LoRA adapters: every StepInput needs lora_slots (0: the base model)")
+        return self.lora.stacks
 
     def step_temp_bytes(self, bucket: int | None = None) -> int:
         """Scratch bytes of the compiled step for `bucket` tokens (default: the largest bucket).

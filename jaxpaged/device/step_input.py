@@ -55,6 +55,9 @@ class StepInput:
     # log-probability its logits give (the next prompt token), -1 where none is wanted. Its presence
     # makes the step also return every token's logprobs (runner.py): a compiled program of its own.
     prompt_logprob_targets: Int[_Arr, "num_tokens"] | None = None
+    # Multi-LoRA (engine-filled when enable_lora): each token's adapter slot on the device, 0 for the
+    # base model (device/lora_slots.py); padding 0. Present in every step of such an engine: one program.
+    lora_slots: Int[_Arr, "num_tokens"] | None = None
     # Static (pytree metadata, not an array): every real sequence has exactly one token and
     # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
     # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.
@@ -188,6 +191,7 @@ def prepare_step_input(
     decode_buckets: Sequence[int] = (),
     num_logits: np.ndarray | None = None,
     max_num_logits: int = 0,
+    seq_lora_slots: np.ndarray | None = None,
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -211,6 +215,8 @@ def prepare_step_input(
     Speculative verification: `num_logits[i]` logits rows for sequence i, its last num_logits[i]
     tokens, in order; logits_indices then has min(b, max_num_logits) entries (its own program per
     bucket), padding 0.
+
+    `seq_lora_slots` (int32 [num_seqs], with adapters): each sequence's adapter slot, given to its tokens.
     """
     seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
     num_seqs, total = len(seqs), int(num_new.sum())
@@ -298,6 +304,10 @@ def prepare_step_input(
         ends = np.repeat(query_start_loc[1:], num_logits)
         rows_left = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(num_rows)
         logits_indices[:num_rows] = ends - rows_left
+    lora_slots = None
+    if seq_lora_slots is not None:
+        lora_slots = np.zeros(bucket, np.int32)
+        lora_slots[:total] = np.asarray(seq_lora_slots, np.int32)[seq_idx]
     return StepInput(
         token_ids=token_ids,
         positions=positions,
@@ -307,6 +317,7 @@ def prepare_step_input(
         query_start_loc=padded_starts,
         logits_indices=logits_indices,
         prev_token_rows=prev_token_rows,
+        lora_slots=lora_slots,
         decode_only=decode_bucket is not None,
     )
 

@@ -37,6 +37,7 @@ from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts
 from jaxpaged.device.kv_transfer import HostKVStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_runner import StepResult, StepRunner
+from jaxpaged.engine.adapters import LoRAAdapters
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
 from jaxpaged.engine.lifecycle import RequestLifecycle
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -90,6 +91,7 @@ class LLMEngine:
             per_layer_weights=config.per_layer_weights,  # no weight copies in the step: device/layer_params.py
             return_routed_experts=config.enable_return_routed_experts,
             batch_invariant=bool(config.batch_invariant),  # device/batch_invariant.py
+            lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,  # device/lora_slots.py
         )
         self.processor = OutputProcessor(tokenizer)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
@@ -104,7 +106,10 @@ class LLMEngine:
                                              compile_timeout_s=config.grammar_compile_timeout_s)
         sampler = StepSampler(self.runner, config.max_num_seqs, model_config.vocab_size, config.logprobs_mode)
         self.beams = BeamSearches(self.scheduler, tokenizer, sampler.beam_candidates)
-        self.features = [f for f in (self.routed, self.spec, self.structured, self.beams) if f is not None]
+        self.lora = LoRAAdapters(  # multi-LoRA (engine/adapters.py); None unless enable_lora
+            model_config, self.runner.lora, self.scheduler, max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras or config.max_loras) if config.enable_lora else None
+        self.features = [f for f in (self.routed, self.spec, self.structured, self.beams, self.lora) if f is not None]
         self.host_kv = HostKVStore(self.runner, num_host_pages)
         self.step_runner = StepRunner(self.runner, self.host_kv, sampler, max_num_seqs=config.max_num_seqs,
                                       features=self.features, timings=self.timings)
@@ -143,16 +148,19 @@ class LLMEngine:
         prompt: str | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> str:
         self.validate_prompt(prompt_token_ids)
         params = request_params(params, self.config.max_logprobs, self.generation_eos_ids, self.model_config.vocab_size)
+        lora_int_id, adapter_salt = self._adapter(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, SEED_MASK))
         seq = Sequence(
-            [int(t) for t in prompt_token_ids], params, cache_salt=versioned_salt(cache_salt, self.weights.epoch),
-            eos_token_id=self.tokenizer.eos_token_id,
+            [int(t) for t in prompt_token_ids], params,
+            cache_salt=versioned_salt(cache_salt, self.weights.epoch, adapter_salt),
+            eos_token_id=self.tokenizer.eos_token_id, lora_int_id=lora_int_id,
         )
         if params.structured_outputs is None:
             self.scheduler.add(seq)  # raises ValueError (and queues nothing) if it can never run
@@ -163,7 +171,7 @@ class LLMEngine:
 
     def add_beam_request(
         self, prompt_token_ids: list[int], params: BeamSearchParams, *, prompt: str | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, lora_request=None,
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
         self.validate_prompt(prompt_token_ids)
@@ -174,14 +182,38 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.processor.requests or request_id in self.beams.searches:
             raise ValueError(f"request_id {request_id!r} is already in use; pass a unique request_id")
+        lora_int_id, adapter_salt = self._adapter(lora_request)
         seq = Sequence(
             [int(t) for t in prompt_token_ids],
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
-            cache_salt=versioned_salt(None, self.weights.epoch),
+            cache_salt=versioned_salt(None, self.weights.epoch, adapter_salt), lora_int_id=lora_int_id,
         )
         self.scheduler.add(seq)
         self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
         return request_id
+
+    def _adapter(self, lora_request) -> tuple[int, tuple[int, int] | None]:
+        """(lora_int_id, its prefix-cache salt part) of a request's adapter; (0, None): the base model."""
+        if lora_request is None:
+            return 0, None
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (and max_loras, max_lora_rank)")
+        lora_int_id = self.lora.resolve(lora_request)
+        return lora_int_id, self.lora.salt_part(lora_int_id)
+
+    # vLLM's LoRA management (LLMEngine.add_lora / remove_lora / list_loras)
+    def add_lora(self, lora_request) -> bool:
+        """Loads an adapter (ValueError if bad; nothing changes); a known lora_int_id has its weights
+        replaced in place, without recompiling (engine/adapters.py)."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine started with enable_lora=True")
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.requests)
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request now and frees its pages; unknown or finished ids are ignored.

@@ -124,6 +124,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='vLLM\'s flag: JSON schemas are strict by default (as vLLM\'s xgrammar: an object takes only '
                         'the keys it names unless additionalProperties says otherwise); \'{"backend": "guidance"}\' '
                         'lets objects take extra keys unless "disable_additional_properties": true')
+    e.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag; PEFT checkpoints)")
+    e.add_argument("--max-loras", type=int, default=1, help="adapters on the device at once (one step mixes this many)")
+    e.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    e.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded on the host (default: --max-loras)")
 
 
 def _json_object(text: str) -> dict:
@@ -150,6 +154,8 @@ def engine_args(args) -> dict:
         override_generation_config=args.override_generation_config, max_logprobs=args.max_logprobs,
         quantization=args.quantization, gguf_activations=args.gguf_activations, fp8_activations=args.fp8_activations,
         structured_outputs_config=args.structured_outputs_config,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

@@ -127,14 +127,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one finished RequestOutput per prompt, in order.
 
-        vLLM's signature; LoRA, multimodal kwargs, tokenization kwargs and priorities other than 0
-        (the first-come-first-served order every request gets) are refused, never ignored.
+        vLLM's signature; `lora_request`: one LoRARequest for every prompt or a list of one per prompt
+        (None: the base model), with enable_lora=True. Multimodal kwargs, tokenization kwargs and priorities
+        other than 0 (the first-come-first-served order every request gets) are refused, never ignored.
 
         Safe to call from several threads at once (see the class docstring); it also advances the
         requests of other live calls, e.g. a stream left half-consumed.
         """
-        _refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                            mm_processor_kwargs=mm_processor_kwargs)
+        _refuse_unsupported(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if priority is not None and any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
             raise ValueError(f"priority={priority!r}: requests are served first come, first served; leave priority "
                              "out (or 0)")
@@ -151,7 +151,8 @@ class LLM:
             bar.update(self.engine.num_generated_tokens - start - bar.n)
 
         try:
-            for output in self._run(prompts, sampling_params, ids, only_finished=True, on_step=progress):
+            for output in self._run(prompts, sampling_params, ids, only_finished=True, on_step=progress,
+                                    lora_request=lora_request):
                 final[output.request_id] = output
         finally:
             bar.close()
@@ -162,6 +163,8 @@ class LLM:
         self,
         prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request=None,
     ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput each time a request gets new tokens (`delta_text`, `delta_token_ids`).
 
@@ -171,7 +174,7 @@ class LLM:
         its outputs wait for it, deltas intact. Closing the iterator (`close()`, `break` in a for
         loop, garbage collection) aborts its unfinished requests and frees their pages.
         """
-        yield from self._run(prompts, sampling_params, [])
+        yield from self._run(prompts, sampling_params, [], lora_request=lora_request)
 
     @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def chat(
@@ -193,22 +196,22 @@ class LLM:
         added special tokens, as in vLLM. `tools` and `chat_template_kwargs` (e.g. Qwen3's
         `enable_thinking`) reach the template; `continue_final_message` leaves the last (assistant)
         message open for the model to continue."""
-        _refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        _refuse_unsupported(mm_processor_kwargs=mm_processor_kwargs)
         prompts = chat_prompts(self.tokenizer, messages, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs,
                                chat_template_content_format=chat_template_content_format)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     @no_type_check  # validates its arguments itself: ValueErrors that say what to do, not TypeErrors
     def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search (Hugging Face's semantics) for every prompt; one BeamSearchOutput per prompt, in
         order, its beams best first (`.beams`, and vLLM's `.sequences` view). Beams share their common
-        prefix's pages (jaxpaged/engine/beam_search.py). vLLM's signature: LoRA is refused; every
-        search runs at once (a `concurrency_limit` is refused); `use_tqdm` shows nothing."""
-        _refuse_unsupported(lora_request=lora_request, concurrency_limit=concurrency_limit)
+        prefix's pages (jaxpaged/engine/beam_search.py). vLLM's signature: `lora_request` as generate's;
+        every search runs at once (a `concurrency_limit` is refused); `use_tqdm` shows nothing."""
+        _refuse_unsupported(concurrency_limit=concurrency_limit)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
         ids: list[str] = []
@@ -217,8 +220,10 @@ class LLM:
             with self._lock:
                 self._check_open()
                 # Every prompt is validated before any is queued; one refused later is aborted below.
-                for text, token_ids, _ in self._normalize(prompts, None):
-                    ids.append(self.engine.add_beam_request(token_ids, params, prompt=text))
+                requests = self._normalize(prompts, None)
+                for (text, token_ids, _), lora in zip(requests, per_prompt(lora_request, len(requests))):
+                    adapter = {} if lora is None else {"lora_request": lora}
+                    ids.append(self.engine.add_beam_request(token_ids, params, prompt=text, **adapter))
             while not all(i in self._beam_results for i in ids):
                 self._gate.wait(lambda: False)  # paused: no step until resume_generation
                 with self._lock:
@@ -233,7 +238,7 @@ class LLM:
                 self._beam_results.pop(i, None)
 
     def _run(self, prompts, sampling_params, ids: list[str], *, only_finished: bool = False,
-             on_step=None) -> Iterator[RequestOutput]:
+             on_step=None, lora_request=None) -> Iterator[RequestOutput]:
         """Validates everything first (nothing is queued if any input is bad), then steps to the end.
 
         Each pass either hands out outputs another call's step routed here, or takes the lock and
@@ -245,8 +250,10 @@ class LLM:
             with self._lock:
                 self._check_open()
                 requests = self._normalize(prompts, sampling_params)
-                for text, token_ids, params in requests:
-                    request_id = self.engine.add_request(token_ids, params, prompt=text)
+                loras = per_prompt(lora_request, len(requests))
+                for (text, token_ids, params), lora in zip(requests, loras):
+                    adapter = {} if lora is None else {"lora_request": lora}  # (an engine without LoRA takes none)
+                    request_id = self.engine.add_request(token_ids, params, prompt=text, **adapter)
                     ids.append(request_id)
                     self._owners[request_id] = call
                     call.pending.add(request_id)
@@ -321,6 +328,22 @@ class LLM:
             self.engine.validate_prompt(token_ids)
             requests.append((text, token_ids, params))
         return requests
+
+    # ---------------------------------------------------------------- LoRA adapters (vLLM's LLM methods)
+
+    def add_lora(self, lora_request) -> bool:
+        """Loads an adapter now (ValueError if bad); a known lora_int_id has its weights replaced in place,
+        without recompiling: an RL trainer's adapter-only weight sync (engine/adapters.py)."""
+        with self._lock:
+            return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        with self._lock:
+            return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        with self._lock:
+            return self.engine.list_loras()
 
     # ---------------------------------------------------------------- state
 
@@ -506,9 +529,18 @@ class _Call:
         self.outputs: deque[RequestOutput] = deque()
 
 
+def per_prompt(lora_request, num_prompts: int) -> list:
+    """`lora_request` as one entry per prompt: None, one LoRARequest for all, or a list of one per prompt."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"{len(lora_request)} lora_requests for {num_prompts} prompts; pass one, or one per prompt")
+    return list(lora_request)
+
+
 def _refuse_unsupported(**kwargs) -> None:
     """vLLM arguments this engine has no use for: refused by name when given, never dropped."""
     given = [name for name, value in kwargs.items() if value]
     if given:
-        raise ValueError(f"{', '.join(given)}: not supported by jaxpaged (no LoRA adapters, multimodal inputs or "
+        raise ValueError(f"{', '.join(given)}: not supported by jaxpaged (no multimodal inputs or "
                          "custom tokenization); leave them out")

@@ -31,6 +31,7 @@ from jaxpaged.ops.ordered_sum import ordered_sum
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling, Yarn
 from jaxpaged.models.gguf_blocks import kept_panels, linear, panels_head, stack_of
+from jaxpaged.models.lora import add_lora, slot_rows
 from jaxpaged.models.moe import ACTIVATIONS, ExpertFn, MoE, grouped_experts
 
 # Einsum legend:
@@ -169,14 +170,15 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-                 query_start_loc, is_local=None, kv_centres=None, weight_stack=None):
+                 query_start_loc, is_local=None, kv_centres=None, weight_stack=None, lora=None):
+        # lora: (rows [T, S], this layer's adapter stacks) or None (models/lora.py)
         dim, n, k, h = x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         # Float weights, or GGUF codes: dequantized by XLA or multiplied by the CPU kernel (models/gguf_blocks.py).
         project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
                                     stack=weight_stack, layer=layer_idx, min_rows=self.min_dot_rows)
-        q = project("q_proj", x, (dim, n, h), "TD,DNH->TNH")
-        key = project("k_proj", x, (dim, k, h), "TD,DKH->TKH")
-        value = project("v_proj", x, (dim, k, h), "TD,DKH->TKH")
+        q = add_lora(project("q_proj", x, (dim, n, h), "TD,DNH->TNH"), x, lora, "q_proj")
+        key = add_lora(project("k_proj", x, (dim, k, h), "TD,DKH->TKH"), x, lora, "k_proj")
+        value = add_lora(project("v_proj", x, (dim, k, h), "TD,DKH->TKH"), x, lora, "v_proj")
         if self.attention_bias:
             q = q + self.param("q_bias", _init, (n, h), self.dtype)
             key = key + self.param("k_bias", _init, (k, h), self.dtype)
@@ -225,7 +227,8 @@ class Attention(nn.Module):
             out = (out.astype(jnp.float32) + jnp.repeat(centre[1], n // k, axis=0)).astype(out.dtype)
         # One plain [T, N*H] x [N*H, D] matmul (both reshapes are free). The einsum "TNH,NHD->TD" let XLA
         # contract (H, N) in that order: the CPU program transposed o_proj (and the activations) every layer.
-        y = project("o_proj", out.astype(self.dtype).reshape(-1, n * h), (n, h, dim), "TM,MD->TD", matrix=True)
+        out = out.astype(self.dtype).reshape(-1, n * h)  # [T, N*H]
+        y = add_lora(project("o_proj", out, (n, h, dim), "TM,MD->TD", matrix=True), out, lora, "o_proj")
         if self.o_proj_bias:
             y = y + self.param("o_bias", _init, (dim,), self.dtype)
         return y, kv_pages
@@ -239,14 +242,16 @@ class MLP(nn.Module):
     min_dot_rows: int = 1  # static: CausalLM.min_dot_rows
 
     @nn.compact
-    def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, weight_stack=None) -> Float[Array, "num_tokens dim"]:
+    def __call__(self, x: Float[Array, "num_tokens dim"], layer_idx=0, weight_stack=None,
+                 lora=None) -> Float[Array, "num_tokens dim"]:
         dim, f = x.shape[-1], self.intermediate_size
         project = functools.partial(linear, self, dtype=self.dtype, init=_init, kernels=self.matmul_kernels,
                                     stack=weight_stack, layer=layer_idx,  # float or GGUF codes (models/gguf_blocks.py)
                                     min_rows=self.min_dot_rows)
-        gate = project("gate_proj", x, (dim, f), "TD,DF->TF")
-        up = project("up_proj", x, (dim, f), "TD,DF->TF")
-        return project("down_proj", ACTIVATIONS[self.act](gate) * up, (f, dim), "TF,FD->TD")
+        gate = add_lora(project("gate_proj", x, (dim, f), "TD,DF->TF"), x, lora, "gate_proj")
+        up = add_lora(project("up_proj", x, (dim, f), "TD,DF->TF"), x, lora, "up_proj")
+        hidden = ACTIVATIONS[self.act](gate) * up
+        return add_lora(project("down_proj", hidden, (f, dim), "TF,FD->TD"), hidden, lora, "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -262,8 +267,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer_idx, is_local, rope, slot_mapping, block_tables, seq_lens, query_start_loc,
-                 kv_centres=None, weight_stack=None):
+                 kv_centres=None, weight_stack=None, lora_stacks=None, lora_rows=None):
         # weight_stack: {"attn": {...}, "mlp": {...}} the kernels' leaves of every layer, or None (gguf_blocks.linear)
+        # lora_stacks: this layer's adapter slots {module: {"a": [S, I, R], "b": [S, R, O]}}, lora_rows: [T, S]
+        # one-hot of each token's slot; both None without adapters (models/lora.py)
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         norm = lambda name: RMSNorm(c.rms_norm_eps, dtype, c.norm_plus_one, self.batch_invariant, name=name)
         x, kv_pages = carry
@@ -278,9 +285,10 @@ class DecoderLayer(nn.Module):
             self.min_dot_rows, self.batch_invariant, c.attention_sinks, name="attn",
         )
         stack = weight_stack or {}
+        lora = None if lora_stacks is None else (lora_rows, lora_stacks)
         h, kv_pages = attn(
             norm("input_norm")(x), cos, sin, kv_pages, layer_idx, slot_mapping, block_tables, seq_lens,
-            query_start_loc, is_local, kv_centres, stack.get("attn"),
+            query_start_loc, is_local, kv_centres, stack.get("attn"), lora,
         )
         x = x + (norm("attn_out_norm")(h) if c.sandwich_norms else h)
         h = norm("post_attn_norm")(x)  # the norm in front of the MLP
@@ -289,7 +297,7 @@ class DecoderLayer(nn.Module):
                     dtype, self.expert_fn, c.moe_bias, name="moe")(h)
         else:
             h = MLP(c.intermediate_size, dtype, c.hidden_act, self.matmul_kernels, self.min_dot_rows, name="mlp")(
-                h, layer_idx, stack.get("mlp"))
+                h, layer_idx, stack.get("mlp"), lora)
         x = x + (norm("mlp_out_norm")(h) if c.sandwich_norms else h)
         return (x, kv_pages), None
 
@@ -332,8 +340,12 @@ class CausalLM(nn.Module):
         query_start_loc: Int[Array, "num_seqs_plus_1"],
         logits_indices: Int[Array, "num_logits"],  # num_seqs, or num_seqs + num_tokens (prompt logprobs)
         kv_centres: Float[Array, "num_layers 2 num_kv_heads head_dim"] | None = None,  # device/kv_centres.py
+        # (token_slots [T] int32, stacks {module: {"a": [L, S, I, R], "b": [L, S, R, O]}}, or with one parameter
+        # tree per layer a tuple of L {module: {"a": [S, I, R], "b": [S, R, O]}}: device/lora_slots.py)
+        lora: tuple | None = None,
     ) -> tuple[Float[Array, "num_logits vocab_size"], KVPages]:
-        """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer."""
+        """Runs one step; returns float32 logits at `logits_indices` and the updated KV buffer. With `lora`
+        each token adds its adapter slot's delta to every adapted projection (models/lora.py)."""
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         panels = kept_panels(self)  # a tied embedding kept as GGUF codes (models/gguf_blocks.py), or None
         embedding = None if panels else self.param("embedding", _init, (c.vocab_size, c.hidden_size), dtype)
@@ -352,6 +364,12 @@ class CausalLM(nn.Module):
         rope += rotations(c.local_rope_theta, None) if c.local_rope_theta is not None else rope
 
         shared = (rope, slot_mapping, block_tables, seq_lens, query_start_loc, kv_centres)
+        lora_stacks, lora_rows = None, None
+        if lora is not None:
+            token_slots, lora_stacks = lora
+            first = jax.tree.leaves(lora_stacks)[0]  # [S, I, R] per layer, or [L, S, I, R]
+            num_slots = first.shape[0] if isinstance(lora_stacks, tuple) else first.shape[1]
+            lora_rows = slot_rows(token_slots, num_slots, dtype)  # [T, S]
         is_local = [w is not None for w in c.layer_windows]
         per_layer = None if self.is_initializing() else self.variables["params"].get("layers")
         if isinstance(per_layer, (tuple, list)):
@@ -362,14 +380,18 @@ class CausalLM(nn.Module):
                                  self.min_dot_rows, self.batch_invariant, parent=None)
             carry = (x, kv_pages)
             for i, layer_params in enumerate(per_layer):
-                carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared)
+                layer_lora = (lora_stacks[i] if isinstance(lora_stacks, tuple) else None if lora_stacks is None
+                              else jax.tree.map(lambda leaf: leaf[i], lora_stacks))
+                carry, _ = layer.apply({"params": layer_params}, carry, jnp.int32(i), jnp.asarray(is_local[i]), *shared,
+                                       None, layer_lora, lora_rows)
             x, kv_pages = carry
         else:  # stacked parameters (the canonical tree): one scan over the leading num_layers axis
             layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0, "intermediates": 0},  # a leading num_layers axis (intermediates: MoE ids)
                 split_rngs={"params": True},
-                in_axes=(0, 0) + (nn.broadcast,) * 7,  # layer_idx and is_local scanned, the step's arrays shared
+                # layer_idx and is_local scanned, the step's arrays shared; adapter stacks scanned, their rows shared
+                in_axes=(0, 0) + (nn.broadcast,) * 7 + (0, nn.broadcast),
                 length=c.num_layers,
             )(c, self.attention_fn, self.decode_only, self.expert_fn, self.matmul_kernels, self.min_dot_rows,
               self.batch_invariant, name="layers")
@@ -378,7 +400,8 @@ class CausalLM(nn.Module):
             stacked = None if self.is_initializing() else self.variables["params"].get("layers", {})
             weight_stack = ({m: stack_of(stacked, m, self.matmul_kernels) for m in ("attn", "mlp")}
                           if self.matmul_kernels and stacked and self.kernels_read_stack else None)
-            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, weight_stack)
+            (x, kv_pages), _ = layers((x, kv_pages), layer_ids, jnp.asarray(is_local), *shared, weight_stack,
+                                      lora_stacks, lora_rows)
 
         # Only each sequence's last scheduled token needs logits; RMSNorm is per token, so
         # gathering first is exact and saves the vocab projection for every other token.

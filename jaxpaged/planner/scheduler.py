@@ -47,7 +47,7 @@ def make_scheduler(config, *, num_pages: int, num_swap_pages: int = 0, num_host_
                      else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
     return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-                     preemption_mode=config.preemption_mode)
+                     preemption_mode=config.preemption_mode, max_loras=config.max_loras if config.enable_lora else 0)
 
 
 class Scheduler:
@@ -58,6 +58,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         preemption_mode: str = "recompute",
+        max_loras: int = 0,
     ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"{preemption_mode=}: use one of {PREEMPTION_MODES}")
@@ -72,6 +73,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
+        self.max_loras = max_loras  # distinct LoRA adapters the running batch may hold (0: no adapters)
 
         # Invariant: running + waiting, read in that order, is sorted by arrival_idx.
         self.waiting: collections.deque[Sequence] = collections.deque()  # FIFO; preempted at the front
@@ -146,6 +148,8 @@ class Scheduler:
         #    scheduled ones from its head. A step that preempts admits nothing new.
         # 5. Prompt pages a step fills are registered as it is planned, so a later admission (this step
         #    or the next) hits them: the step writes them before any attention reads; rule 4 keeps it so.
+        # 6. With max_loras, the running batch holds at most max_loras distinct adapters (the device's
+        #    slots): a waiting request of another adapter blocks the queue until one drains (rule 2).
         budget = self.max_num_batched_tokens
         max_num_seqs = self.max_num_seqs
         block_manager = self.block_manager
@@ -201,10 +205,15 @@ class Scheduler:
             budget -= num_new
 
         waiting = self.waiting
+        adapters = {s.lora_int_id for s in running if s.lora_int_id} if self.max_loras else set()
         while waiting and not preempted and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
             if seq.num_placeholders:
                 break  # (a preempted sequence is admitted again only once its tokens have landed)
+            if seq.lora_int_id and seq.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    break  # rule 6: every device slot is held by an adapter of the running batch
+                adapters.add(seq.lora_int_id)
             if seq.status is SWAPPED:
                 if not block_manager.can_swap_in(seq):
                     break
@@ -411,6 +420,10 @@ class Scheduler:
         if seq is not None:
             self.finish(seq, "abort")
         return seq
+
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapters (lora_int_id) of the unfinished sequences."""
+        return {seq.lora_int_id for seq in self._unfinished.values() if seq.lora_int_id}
 
     def fork(self, seq: Sequence) -> Sequence:
         """A RUNNING child of `seq` sharing all its pages, placed right after it in `running`. Call once

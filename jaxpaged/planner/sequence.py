@@ -68,8 +68,9 @@ class Sequence:
         "page_hashes",  # list[bytes]: chained digest of full page i of token_ids (a cache of the block manager)
         "sampling_params",  # SamplingParams
         "arrival_idx",  # order of arrival, set by Scheduler.add (forks share their parent's)
-        "cache_salt",  # None | str | (str | None, weight epoch): separates tenants and weights in the prefix cache
+        "cache_salt",  # None | str | (str | None, weight epoch[, adapter]): separates tenants, weights and adapters in the prefix cache
         "eos_token_id",  # None | int: stops generation unless sampling_params.ignore_eos
+        "lora_int_id",  # the LoRA adapter it runs under (LoRARequest.lora_int_id), 0: the base model
         # Stop rules folded for the scheduler's hot loop (derived from the fields above):
         "stop_token_set",  # frozenset: stop_token_ids, plus eos_token_id unless ignore_eos
         "max_num_tokens",  # finish "length" at this many tokens: prompt + max_tokens, capped by Scheduler.add
@@ -84,8 +85,9 @@ class Sequence:
         sampling_params: SamplingParams | None = None,
         *,
         seq_id: int | None = None,
-        cache_salt: str | None | tuple[str | None, int] = None,
+        cache_salt: str | None | tuple = None,  # planner/prefix_cache.py Salt
         eos_token_id: int | None = None,
+        lora_int_id: int = 0,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt has 0 tokens; give at least one token (e.g. the BOS token)")
@@ -104,6 +106,7 @@ class Sequence:
         self.arrival_idx = -1
         self.cache_salt = cache_salt
         self.eos_token_id = eos_token_id
+        self.lora_int_id = lora_int_id
         stop_token_ids = set(self.sampling_params.stop_token_ids)
         if eos_token_id is not None and not self.sampling_params.ignore_eos:
             stop_token_ids.add(eos_token_id)
@@ -163,6 +166,7 @@ class Sequence:
         child.arrival_idx = self.arrival_idx
         child.cache_salt = self.cache_salt
         child.eos_token_id = self.eos_token_id
+        child.lora_int_id = self.lora_int_id
         child.stop_token_set = self.stop_token_set
         child.max_num_tokens = self.max_num_tokens
         child.num_placeholders = self.num_placeholders

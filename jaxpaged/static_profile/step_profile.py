@@ -94,6 +94,10 @@ class StepCase:
     # Layer projections as a quantized checkpoint keeps them (models/hf_quant.py): "auto" (the model dtype),
     # "fp8-channel" (float8 + a scale per output channel) or "fp8-block" (128x128 blocks); FP8 runs W8A8.
     weights: str = "auto"
+    # Multi-LoRA: this many adapter slots of rank lora_rank on every attention and MLP projection (the
+    # step's cost does not depend on which slots the tokens use: models/lora.py); 0: no adapters.
+    num_loras: int = 0
+    lora_rank: int = 16
 
     @property
     def decode(self) -> bool:
@@ -125,7 +129,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         max_model_len=pages_per_seq * PAGE_SIZE, attention_fn=attention_fn(case.backend, platform="cuda",
                                                                              batch_invariant=case.invariant_attention),
         buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
-        kv_cache_dtype=case.kv_cache_dtype, mesh=mesh,
+        kv_cache_dtype=case.kv_cache_dtype, mesh=mesh, lora=(case.num_loras, case.lora_rank) if case.num_loras else None,
     )
     bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
     step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
@@ -134,7 +138,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
         runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
-                      runner.kv_centres),
+                      runner.kv_centres, None if runner.lora is None else runner.lora.stacks),
         kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True)
     try:
         figures = _figures(case, config, runner, out, num_tokens)
@@ -203,8 +207,10 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     # An untied embedding is only gathered (the step's tokens' rows); a tied one is the LM head, read whole.
     embedding_bytes = 0 if config.tie_word_embeddings else _device_bytes(runner.served_params["params"]["embedding"])
     gathered = 0 if config.tie_word_embeddings else num_tokens * config.hidden_size * jnp.dtype(config.dtype).itemsize
+    # Adapters: every slot but the base model's zeros, read once (the ideal counts the adapters' bytes).
+    lora_bytes = 0 if runner.lora is None else _device_bytes(runner.lora.stacks) * case.num_loras // (case.num_loras + 1)
     ideal = (weight_bytes - embedding_bytes + gathered - expert_bytes + touched * expert_bytes
-             + live_kv_per_layer * config.num_layers + io)
+             + live_kv_per_layer * config.num_layers + io + lora_bytes)
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size // case.tp  # split by vocabulary under tensor parallelism
     # (FP8 weights: their elements counted as bf16 ones would be, their scales not at all.)
@@ -232,7 +238,7 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
         "floor_ms": chip_floors[case.chip]["bytes_floor_ms"], "ideal_floor_ms": chip_floors[case.chip]["ideal_floor_ms"],
         "launch_floor_ms": chip_floors[case.chip]["launch_floor_ms"], "floors": chip_floors,
         "collectives": sum(c.count for c in collectives), "collective_payload_bytes": payload,
-        "nvlink_bus_bytes": int(nvlink), "weight_bytes": weight_bytes,
+        "nvlink_bus_bytes": int(nvlink), "weight_bytes": weight_bytes, "lora_bytes": lora_bytes,
         "model_weight_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.served_params)),
         "executed_flops": acc.flops, "useful_flops": useful,
         # XLA's dots against the useful matmul FLOPs (attention's run inside the kernels, which the HLO

@@ -5,6 +5,7 @@
     POST /tokenize, /detokenize, /ping     here (vLLM's)
     POST /v1/completions                   completions.py
     POST /v1/chat/completions              chat.py
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   lora_routes.py
 
 Handlers are module-level functions; what they share (the bridge to the engine, the metrics, the
 served name) is one `ServerState` on `app.state.server`.
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxpaged.entrypoints.serve import chat, completions, rl_routes
+from jaxpaged.entrypoints.serve import chat, completions, lora_routes, rl_routes
 from jaxpaged.entrypoints.serve.bridge import EngineBridge
 from jaxpaged.entrypoints.chat_prompts import check_template_kwargs
 from jaxpaged.entrypoints.serve.common import APIError, ServerState, check_model, error_response, server_state
@@ -117,13 +118,16 @@ def _model_card(state) -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(server_state(request))]}
+    state = server_state(request)
+    base = _model_card(state)
+    return {"object": "list", "data": [base, *lora_routes.model_cards(state, base)]}
 
 
 @router.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve; a served name may hold "/"
 async def retrieve_model(model_id: str, request: Request):
     state = server_state(request)
-    check_model(state, model_id)
+    if check_model(state, model_id) is not None:  # a LoRA adapter
+        return next(card for card in lora_routes.model_cards(state, _model_card(state)) if card["id"] == model_id)
     return _model_card(state)
 
 
@@ -157,9 +161,10 @@ async def _bad_method(request, _err):
 
 def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, drain=None, limits=None, max_header_count: int = 256,
-              max_header_bytes: int = 4 << 20) -> "_Guard":
+              max_header_bytes: int = 4 << 20, loras=()) -> "_Guard":
     app = FastAPI(title="jaxpaged", docs_url=None, redoc_url=None)
-    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits)
+    app.state.server = ServerState(bridge=bridge, metrics=metrics, served_model_name=served_model_name, limits=limits,
+                                   loras={lora.lora_name: lora for lora in loras})
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # after the two by status below
@@ -168,6 +173,7 @@ def build_app(bridge: EngineBridge, metrics, *, served_model_name: str, api_key:
     for module_router in (router, completions.router, chat.router):
         app.include_router(module_router)
     rl_routes.attach(app)  # vLLM's RL endpoints, with VLLM_SERVER_DEV_MODE=1
+    lora_routes.attach(app)  # vLLM's adapter load / unload, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
     return _Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, drain=drain, max_header_count=max_header_count,
                   max_header_bytes=max_header_bytes)
 

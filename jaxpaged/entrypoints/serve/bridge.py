@@ -59,6 +59,7 @@ class _Add:
     cache_salt: str | None
     stream: RequestStream
     external_ids: tuple[str, ...] = ()  # the ids /abort_requests may name it by
+    lora_request: object = None  # a LoRARequest (serve/lora_routes.py), None: the base model
 
 
 @dataclass
@@ -180,7 +181,7 @@ class EngineBridge:
             return self._num_in_flight
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None,
-               request_id: str | None = None, external_ids: tuple[str, ...] = ()) -> RequestStream:
+               request_id: str | None = None, external_ids: tuple[str, ...] = (), lora_request=None) -> RequestStream:
         """Queues a request for the engine thread; raises ServerOverloaded when the queue is full."""
         with self._lock:
             if self._num_in_flight >= self.capacity:
@@ -191,7 +192,8 @@ class EngineBridge:
             self._num_in_flight += 1
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, stream, tuple(external_ids)))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, stream, tuple(external_ids),
+                             lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -303,8 +305,9 @@ class EngineBridge:
 
     def _add(self, command: _Add) -> None:
         try:
+            adapter = {} if command.lora_request is None else {"lora_request": command.lora_request}
             self.engine.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
-                                    cache_salt=command.cache_salt)
+                                    cache_salt=command.cache_salt, **adapter)
         except ValueError as err:  # the engine can never serve it: the handler answers 400
             self._release()
             command.stream.push(err)

@@ -25,7 +25,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = server_state(request)
-    check_model(state, body.model)
+    lora = check_model(state, body.model)  # a LoRA adapter's name runs the request under it
     check_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     check_request_limits(body, state.limits or RequestLimits())
     tokenizer = state.tokenizer
@@ -57,8 +57,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                              prompt_param="messages", structured_outputs=structured_spec(body, mode, tool_name))
     calls_tools = mode in ("auto", "required", "named")
     tool_how = (mode, tool_name, body.parallel_tool_calls)
-    rid, created, model = f"chatcmpl-{base_request_id(request, body.request_id)}", int(time.time()), state.served_model_name
-    stream = await start(state, token_ids, params, body.cache_salt, external_ids=(rid,))
+    rid, created = f"chatcmpl-{base_request_id(request, body.request_id)}", int(time.time())
+    model = body.model if lora is not None else state.served_model_name
+    stream = await start(state, token_ids, params, body.cache_salt, lora, external_ids=(rid,))
     ids_of = (lambda ids: {"token_ids": list(ids)}) if body.return_token_ids else (lambda ids: {})
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

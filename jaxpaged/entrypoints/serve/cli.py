@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="a request still running SECONDS after it arrived is aborted (finish_reason abort) and "
                         "its KV pages freed (default 0: no deadline)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served as models (vLLM's flag; needs --enable-lora): name=path of a PEFT "
+                        "directory, or a JSON object with name, path and base_model_name")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -104,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                                args.max_chat_template_kwargs_bytes)
     except ValueError as err:
         raise SystemExit(f"--{str(err).split('=')[0].replace('_', '-')}: {err}") from None
+    from jaxpaged.entrypoints.serve.lora_routes import parse_lora_modules
+
+    try:
+        loras = parse_lora_modules(args.lora_modules)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if loras and not args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     configure_logging(args.log_level)
 
     import uvicorn
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     def start_engine() -> None:
         try:  # with no --max-num-seqs, the batch is sized from the KV pool (build_engine's docstring)
             engine = build_engine(args.model, EngineConfig(**engine_args(args)), max_num_seqs_from_pool=True)
+            for lora in loras:  # read and checked now: a bad adapter stops the server (exit status 2)
+                engine.add_lora(lora)
         except Exception as err:  # noqa: BLE001 - any failure to start: the server stops, exit status 2
             failed.append(" ".join(str(err).split()) or repr(err))
             server.should_exit = True
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                    max_body_bytes=args.max_body_bytes, drain=drain,
                                    request_timeout_s=args.request_timeout, limits=limits,
                                    max_header_count=args.h11_max_header_count,
-                                   max_header_bytes=args.h11_max_incomplete_event_size)
+                                   max_header_bytes=args.h11_max_incomplete_event_size, loras=loras)
         logging.getLogger("jaxpaged.serve").info(startup_line(engine, name, f"http://{args.host}:{args.port}/v1"))
         bridge.start()
         server.bridge = bridge

@@ -31,6 +31,8 @@ class ServerState:
     metrics: object  # ServerMetrics
     served_model_name: str
     limits: object = None  # limits.RequestLimits: what one request may ask (None: the defaults)
+    # The LoRA adapters served, by name (serve/lora_routes.py); the load / unload routes change it.
+    loras: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tokenizer(self):
@@ -57,7 +59,10 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
 
 
-def check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None):
+    """The LoRARequest a request's `model` names (None: the base model); 404 for a name not served."""
+    if model is not None and model in state.loras:
+        return state.loras[model]
     if model is not None and model != state.served_model_name:
         raise APIError(404, f"model {model!r} is not served here; use {state.served_model_name!r} (GET /v1/models)",
                        param="model")
@@ -143,9 +148,10 @@ def base_request_id(request: Request, body_request_id: str | None) -> str:
 
 
 async def start(state: ServerState, token_ids: list[int], params: SamplingParams,
-                cache_salt: str | None, external_ids: tuple[str, ...] = ()) -> RequestStream:
+                cache_salt: str | None, lora_request=None, external_ids: tuple[str, ...] = ()) -> RequestStream:
     try:
-        stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt, external_ids=external_ids)
+        stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt, external_ids=external_ids,
+                                     lora_request=lora_request)
     except ServerOverloaded as err:
         raise APIError(503, str(err), "server_overloaded") from None
     try:

@@ -46,7 +46,7 @@ def _prompts(tokenizer, prompt, add_special_tokens: bool = True) -> list[tuple[s
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = server_state(request)
-    check_model(state, body.model)
+    lora = check_model(state, body.model)  # a LoRA adapter's name runs the request under it
     check_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
     check_request_limits(body, state.limits or RequestLimits())
     tokenizer = state.tokenizer
@@ -61,7 +61,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "max_tokens=0 cannot be streamed; set stream=false", param="stream")
     prompt_only = body.max_tokens == 0  # one token is generated and dropped
     want_prompt_logprobs = body.logprobs if body.echo else None
-    rid, created, model = f"cmpl-{base_request_id(request, body.request_id)}", int(time.time()), state.served_model_name
+    rid, created = f"cmpl-{base_request_id(request, body.request_id)}", int(time.time())
+    model = body.model if lora is not None else state.served_model_name
     streams = []
     try:
         for p, (_, token_ids) in enumerate(prompts):
@@ -69,7 +70,8 @@ async def completions(body: CompletionRequest, request: Request):
                                      logprobs=body.logprobs, prompt_param="prompt",
                                      prompt_logprobs=want_prompt_logprobs, structured_outputs=structured_spec(body))
             # vLLM's external id of prompt p is "<rid>-<p>"; the response's id names all its prompts
-            streams.append(await start(state, token_ids, params, body.cache_salt, external_ids=(f"{rid}-{p}", rid)))
+            streams.append(await start(state, token_ids, params, body.cache_salt, lora,
+                                       external_ids=(f"{rid}-{p}", rid)))
     except BaseException:
         for stream in streams:
             stream.close()

@@ -39,6 +39,7 @@ class ServerMetrics:
         self.bytes_per_page = bytes_per_page
         self._snapshot: dict = {}
         self._published_at = float("-inf")
+        self.published_at_unix = 0.0  # wall-clock time of the last snapshot (vllm:lora_requests_info's value)
         self._lock = threading.Lock()
 
         r = self.registry
@@ -108,6 +109,7 @@ class ServerMetrics:
         if not force and now - self._published_at < self.publish_interval_s:
             return
         self._published_at = now
+        self.published_at_unix = time.time()
         snapshot = dict(engine.stats())
         snapshot["ref_count_histogram"] = engine.page_ref_counts()
         with self._lock:
@@ -213,6 +215,12 @@ class _EngineStateCollector:
         yield vllm(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens",
                    s.get("prefix_hit_tokens", 0))
         yield vllm(CounterMetricFamily, "vllm:num_preemptions", "Preemptions", s.get("num_preemptions", 0))
+        if "max_lora" in s:  # vLLM's: one sample whose labels name the adapters in use, its value the time
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                                     labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+            info.add_metric([s["running_lora_adapters"], str(s["max_lora"]), s["waiting_lora_adapters"]],
+                            self.metrics.published_at_unix)
+            yield info
 
         # Snapshot distribution of ref counts over used pages (a page shared by k sequences counts k).
         hist = s.get("ref_count_histogram", {})
