@@ -1,10 +1,10 @@
 """The KV pool's size: bytes per page (the one place it is computed) and how many pages to make.
 
-    kv_pages: [num_layers, 2 (K, V), num_kv_heads, num_pages, page_size, head_dim]   (model dtype)
+    kv_pages: [num_kv_layers, 2 (K, V), num_kv_heads, num_pages, page_size, head_dim]   (model dtype)
               or a QuantizedKV: int8 / float8 values of that shape plus float32 scales
               [num_layers, 2, num_kv_heads, num_pages, page_size]     (ops/kv_quant.py)
 
-    bytes per page = num_layers x 2 x num_kv_heads x page_size x bytes per (token, KV head)
+    bytes per page = num_kv_layers x 2 x num_kv_heads x page_size x bytes per (token, KV head)
     bytes per (token, KV head) = head_dim x value bytes (+ 4 for the scale when quantized)
 
 Everything that turns pages into bytes or bytes into pages (the pool, swap space, the host tier,
@@ -33,7 +33,7 @@ _GPU_MARGIN_BYTES = 512 << 20
 def bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one page across all layers, K and V (and their scales when the cache is quantized)."""
     token_head = bytes_per_token_head(kv_cache_dtype, config.dtype, config.head_dim)
-    return config.num_layers * 2 * config.num_kv_heads * page_size * token_head
+    return config.num_kv_layers * 2 * config.num_kv_heads * page_size * token_head
 
 
 kv_cache_bytes_per_page = bytes_per_page  # the name benchmarks and tests have used

@@ -44,7 +44,7 @@ def sleep_runner(runner, level: int) -> None:
 def wake_runner(runner) -> None:
     """A fresh zeroed page buffer; host weights back on the device as they were placed."""
     c = runner.config  # as the devices see it (KV heads replicated under tensor parallelism)
-    kv_shape = (c.num_layers, 2, c.num_kv_heads, runner.num_pages, runner.page_size, c.head_dim)
+    kv_shape = (c.num_kv_layers, 2, c.num_kv_heads, runner.num_pages, runner.page_size, c.head_dim)
     zeros = runner.tp.zeros_kv_pages if runner.tp is not None else runner.zeros_on_device
     runner.kv_pages = zeros_kv_cache(kv_shape, c.dtype, runner.kv_cache_dtype, zeros=zeros)
     if getattr(runner, "params_on_host", False):

@@ -55,6 +55,8 @@ class StepInput:
     # log-probability its logits give (the next prompt token), -1 where none is wanted. Its presence
     # makes the step also return every token's logprobs (runner.py): a compiled program of its own.
     prompt_logprob_targets: Int[_Arr, "num_tokens"] | None = None
+    # Hybrid models only: each row's recurrent-state slot (planner/state_pool.py), padding rows 0.
+    state_slots: Int[_Arr, "num_seqs"] | None = None
     # Static (pytree metadata, not an array): every real sequence has exactly one token and
     # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
     # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.
@@ -188,6 +190,7 @@ def prepare_step_input(
     decode_buckets: Sequence[int] = (),
     num_logits: np.ndarray | None = None,
     max_num_logits: int = 0,
+    state_slots: bool = False,
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -211,6 +214,8 @@ def prepare_step_input(
     Speculative verification: `num_logits[i]` logits rows for sequence i, its last num_logits[i]
     tokens, in order; logits_indices then has min(b, max_num_logits) entries (its own program per
     bucket), padding 0.
+
+    `state_slots`: a hybrid model's step also carries each sequence's `state_slot` (padding rows 0).
     """
     seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
     num_seqs, total = len(seqs), int(num_new.sum())
@@ -307,8 +312,18 @@ def prepare_step_input(
         query_start_loc=padded_starts,
         logits_indices=logits_indices,
         prev_token_rows=prev_token_rows,
+        state_slots=_state_slots(seqs, bucket_seqs) if state_slots else None,
         decode_only=decode_bucket is not None,
     )
+
+
+def _state_slots(seqs, num_rows: int) -> np.ndarray:
+    slots = np.zeros(num_rows, np.int32)
+    slots[: len(seqs)] = [seq.state_slot for seq in seqs]
+    if not slots[: len(seqs)].all():
+        raise ValueError("a scheduled sequence of a hybrid model holds no state slot; the block manager must "
+                         "give it one at admission (planner/state_pool.py)")
+    return slots
 
 
 def pack_step_input(step_input: StepInput) -> tuple[np.ndarray, tuple[tuple[str, tuple[int, ...]], ...]]:

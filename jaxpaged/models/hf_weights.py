@@ -13,6 +13,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import BlockCodes, keeps_embedding, panel_leaves, stacked_leaves
 from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.phi3 import unfuse_phi3
+from jaxpaged.models.qwen3_next import params_from_hf as qwen3_next_params
 
 
 # Tensors that exist only in quantized checkpoints (block-FP8's scales, GPTQ / AWQ codes): their
@@ -45,6 +46,9 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
             raise KeyError(f"{name!r} is missing from the state dict; is the checkpoint a {c} model?")
         value = state_dict[name]
         return value.dequantize() if isinstance(value, BlockCodes) else np.asarray(value, dtype=np.float32)
+
+    if c.is_hybrid:  # Qwen3-Next: its own tree, layers of two kinds (models/qwen3_next.py)
+        return qwen3_next_params(c, tensor, lambda name: name in state_dict)
 
     def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]
