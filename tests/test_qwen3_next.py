@@ -62,7 +62,9 @@ def make_engine(**overrides):
 
 
 def run(engine, prompts, params):
-    ids = [engine.add_request(list(p), params) for p in prompts]
+    """Every request's samples' tokens; `params` one SamplingParams for all, or one per prompt."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(list(p), q) for p, q in zip(prompts, params)]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -103,11 +105,11 @@ def test_logits_equal_hf_prefill_chunks_and_decodes():
     with torch.no_grad():
         expected = model(torch.tensor(tokens[None])).logits[0].numpy()
     page_size, block_table = 4, np.arange(1, 9, dtype=np.int32)
-    lm = Qwen3NextLM(config)
+    apply = jax.jit(Qwen3NextLM(config).apply)  # one program per chunk length
 
     def step(kv_state, start, n):  # one sequence in slot 2, tokens [start, start + n)
         pos = np.arange(start, start + n, dtype=np.int32)
-        logits, kv_state = lm.apply(
+        logits, kv_state = apply(
             params, kv_state, jnp.asarray(tokens[start:start + n]), jnp.asarray(pos),
             jnp.asarray(block_table[pos // page_size] * page_size + pos % page_size), jnp.asarray(block_table[None]),
             jnp.asarray([start + n], jnp.int32), jnp.asarray([0, n], jnp.int32), jnp.arange(n, dtype=jnp.int32),
@@ -124,24 +126,24 @@ def test_logits_equal_hf_prefill_chunks_and_decodes():
     np.testing.assert_allclose(np.concatenate(got), expected, atol=2e-4)
 
 
-def test_batched_requests_of_different_lengths_equal_hf():
-    prompts = prompts_of(23, 37, 29, 31)
-    assert run(make_engine(), prompts, greedy()) == [[t] for t in hf_greedy(prompts)]
-
-
-def test_chunked_prefill_equals_hf():
-    prompts = prompts_of(35, 21, seed=1)
-    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=2)
+def test_batched_requests_of_different_lengths_with_chunked_prefill_equal_hf():
+    """Four prompts of 21-37 tokens against a 16-token budget: every prompt is cut into chunks (its state
+    carried from chunk to chunk in its slot), decodes batched beside other rows' chunks."""
+    prompts = prompts_of(23, 37, 21, 31)
+    engine = make_engine(max_num_batched_tokens=16)
     assert run(engine, prompts, greedy()) == [[t] for t in hf_greedy(prompts)]
+    assert engine.scheduler.stats()["num_preemptions"] == 0
 
 
 def test_preemption_recomputes_and_equals_hf():
     prompts = prompts_of(27, 33, 24, 30, seed=2)
-    # 4 sequences of up to 49 tokens (13 pages each) in 24 usable pages: some are preempted and recomputed.
+    # 5 sequences (the last request has n = 2) of up to 46 tokens (12 pages each) in 24 usable pages: some
+    # are preempted (their slots freed) and recomputed from a zero state.
     engine = make_engine(num_pages=25, max_num_batched_tokens=16)
-    outputs = run(engine, prompts, greedy())
+    outputs = run(engine, prompts, [greedy()] * 3 + [dataclasses.replace(greedy(), n=2)])
     assert engine.scheduler.stats()["num_preemptions"] > 0
-    assert outputs == [[t] for t in hf_greedy(prompts)]
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:3]] + [[expected[3]] * 2]
     stats = engine.block_manager.stats()
     assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 4  # nothing leaked
 
