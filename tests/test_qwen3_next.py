@@ -156,6 +156,10 @@ def test_n_samples_fork_the_state():
     params = dataclasses.replace(greedy(), n=3)
     assert run(engine, prompts, params) == [[e] * 3 for e in expected]
     assert engine.block_manager.stats()["num_free_state_slots"] == 6
+    engine.sleep(level=1)  # the state arrays go with the pages and come back zeroed
+    assert engine.runner.linear_state is None
+    engine.wake_up()
+    assert run(engine, prompts[:1], greedy()) == [[expected[0]]]
 
 
 @pytest.mark.parametrize("field,value", [

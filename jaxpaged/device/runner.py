@@ -167,7 +167,7 @@ class ModelRunner:
         kv_shape = (c.num_kv_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         leaves = jax.tree.leaves(params)
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-        self.hybrid = c.is_hybrid
+        self.hybrid, self.num_state_slots = c.is_hybrid, num_state_slots
         if self.hybrid:
             check_hybrid_runner(num_state_slots, abstract=self.abstract, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
                                 return_routed_experts=return_routed_experts, batch_invariant=batch_invariant)
