@@ -12,6 +12,7 @@ import torch
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.models import ModelConfig, params_from_hf
+from jaxpaged.models.qwen3_next import state_bytes_per_slot
 from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
 from jaxpaged.planner.request import SamplingParams
 from tp_fixtures import SilentTokenizer
@@ -156,6 +157,8 @@ def test_n_samples_fork_the_state():
     params = dataclasses.replace(greedy(), n=3)
     assert run(engine, prompts, params) == [[e] * 3 for e in expected]
     assert engine.block_manager.stats()["num_free_state_slots"] == 6
+    # 6 slots and the padding slot, as the GPU pool sizing counts them (device/kv_cache.py)
+    assert sum(x.nbytes for x in engine.runner.linear_state) == 7 * state_bytes_per_slot(engine.model_config)
     engine.sleep(level=1)  # the state arrays go with the pages and come back zeroed
     assert engine.runner.linear_state is None
     engine.wake_up()
