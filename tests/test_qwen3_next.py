@@ -127,6 +127,28 @@ def test_logits_equal_hf_prefill_chunks_and_decodes():
     np.testing.assert_allclose(np.concatenate(got), expected, atol=2e-4)
 
 
+def test_chunked_delta_rule_equals_the_recurrent_one_on_ragged_rows():
+    """Blocks of 4 over rows of 13, 1, 20, 0 and 7 tokens (several blocks, a partial last block, empty rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models.qwen3_next import chunked_gated_delta_rule, gated_delta_rule
+
+    rng = np.random.default_rng(0)
+    lengths, num_tokens, heads, dk, dv = [13, 1, 20, 0, 7], 48, 3, 8, 6
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q, k, v = unit(draw(num_tokens, heads, dk)), unit(draw(num_tokens, heads, dk)), draw(num_tokens, heads, dv)
+    g, beta, state0 = -jnp.abs(draw(num_tokens, heads)), jax.nn.sigmoid(draw(num_tokens, heads)), draw(5, heads, dk, dv)
+    out, state = gated_delta_rule(q, k, v, g, beta, state0, starts)
+    chunked_out, chunked_state = chunked_gated_delta_rule(q, k, v, g, beta, state0, starts, chunk=4)
+    total = int(starts[-1])
+    np.testing.assert_allclose(chunked_out[:total], out[:total], atol=1e-5)
+    np.testing.assert_allclose(chunked_state, state, atol=1e-5)
+    assert not np.asarray(chunked_out[total:]).any()  # padding tokens get zeros
+
+
 def test_batched_requests_of_different_lengths_with_chunked_prefill_equal_hf():
     """Four prompts of 21-37 tokens against a 16-token budget: every prompt is cut into chunks (its state
     carried from chunk to chunk in its slot), decodes batched beside other rows' chunks."""

@@ -21,9 +21,9 @@ reading key head h // (num_v_heads / num_k_heads)):
     S <- S + k (beta * (v - S^T k))^T        beta = sigmoid(b)
     o  = S^T q                               then RMSNorm(o) * weight * silu(z), out_proj
 
-computed in the recurrent form for prefill and decode alike: one loop over the position inside
-each row's chunk, all rows at once (a decode step is one iteration). The chunked (WY) form HF and
-vLLM use for long prefills is not built.
+computed in blocks of CHUNK_SIZE tokens in steps with prefill rows (`chunked_gated_delta_rule`: one
+triangular solve per block, all rows at once), token by token in decode-only steps
+(`gated_delta_rule`: one iteration).
 """
 
 import flax.linen as nn
@@ -131,9 +131,68 @@ def gated_delta_rule(q, k, v, g, beta, state0, query_start_loc):
     return out, state
 
 
+# Tokens per block of the chunked form (HF's and vLLM's chunk size).
+CHUNK_SIZE = 64
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state0, query_start_loc, chunk: int = CHUNK_SIZE):
+    """`gated_delta_rule`'s function, a block of `chunk` tokens of every row at a time (the prefill form).
+
+    In a block, with D_t = exp(G_t) the decay from the block's start (G the cumulative sum of g) and S0 the
+    state there, the rows u_j = beta_j (v_j - (decayed S_{j-1})^T k_j) the recurrence writes solve
+
+        (I + A) U = beta V - (beta D K) S0,    A[j, i] = beta_j (D_j / D_i) k_j.k_i  for i < j
+
+    (one unit lower-triangular solve), then O = (D Q) S0 + (Q K^T * [D_t / D_j]_{j<=t}) U and the block's
+    final state is D_C S0 + (K D_C / D)^T U. Positions past a row's length get k = v = beta = g = 0: they
+    write nothing and decay nothing."""
+    num_tokens, num_heads, _ = q.shape
+    starts = query_start_loc[:-1]
+    q_len = query_start_loc[1:] - starts
+    out0 = jnp.zeros(v.shape, jnp.float32)
+    lower_incl = jnp.tril(jnp.ones((chunk, chunk), bool))
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(b, carry):
+        state, out = carry
+        pos = b * chunk + offsets  # [C] position in each row's chunk
+        active = pos[None, :] < q_len[:, None]  # [S, C]
+        tok = jnp.clip(starts[:, None] + pos[None, :], 0, num_tokens - 1)
+        mask = active[:, :, None]
+        q_b = q[tok]  # [S, C, H, Dk]
+        k_b = jnp.where(mask[..., None], k[tok], 0.0)
+        v_b = jnp.where(mask[..., None], v[tok], 0.0)
+        g_b = jnp.where(mask, g[tok], 0.0)  # [S, C, H]
+        beta_b = jnp.where(mask, beta[tok], 0.0)
+        cum = jnp.cumsum(g_b, axis=1)  # G_t
+        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [S, t, j, H]: G_t - G_j
+        ratio = jnp.where(lower_incl[None, :, :, None], jnp.exp(jnp.where(lower_incl[None, :, :, None], diff, 0.0)), 0.0)
+        kk = jnp.einsum("sthd,sjhd->stjh", k_b, k_b)
+        strict = ratio * ~jnp.eye(chunk, dtype=bool)[None, :, :, None]
+        a = beta_b[:, :, None, :] * strict * kk  # [S, j, i, H]
+        decay = jnp.exp(cum)  # D_t [S, C, H]
+        rhs = beta_b[..., None] * (v_b - jnp.einsum("sjhk,shkv->sjhv", k_b * decay[..., None], state))
+        lhs = jnp.moveaxis(a, 3, 1) + jnp.eye(chunk)  # [S, H, C, C]
+        u = jax.lax.linalg.triangular_solve(lhs, jnp.moveaxis(rhs, 2, 1), left_side=True, lower=True,
+                                            unit_diagonal=True)  # [S, H, C, Dv]
+        u = jnp.moveaxis(u, 1, 2)  # [S, C, H, Dv]
+        qk = jnp.einsum("sthd,sjhd->stjh", q_b, k_b) * ratio
+        o = jnp.einsum("sthk,shkv->sthv", q_b * decay[..., None], state) + jnp.einsum("stjh,sjhv->sthv", qk, u)
+        last = cum[:, -1]  # [S, H]
+        tail = jnp.exp(last[:, None, :] - cum)  # D_C / D_j
+        state = jnp.exp(last)[:, :, None, None] * state + jnp.einsum("sjhk,sjhv->shkv", k_b * tail[..., None], u)
+        out = out.at[jnp.where(active, starts[:, None] + pos[None, :], num_tokens)].set(o, mode="drop")
+        return state, out
+
+    num_blocks = (jnp.max(q_len) + chunk - 1) // chunk
+    state, out = jax.lax.fori_loop(0, num_blocks, body, (state0, out0))
+    return out, state
+
+
 class GatedDeltaNet(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    decode_only: bool = False  # static: one token per row, the recurrent form (else the chunked form)
 
     @nn.compact
     def __call__(self, x, conv_init, recurrent_init, query_start_loc, row, idx):
@@ -160,7 +219,8 @@ class GatedDeltaNet(nn.Module):
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), dtype).astype(jnp.float32)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), dtype).astype(jnp.float32)
         g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
-        out, recurrent = gated_delta_rule(q, k, v, g, beta, recurrent_init, query_start_loc)
+        delta_rule = gated_delta_rule if self.decode_only else chunked_gated_delta_rule
+        out, recurrent = delta_rule(q, k, v, g, beta, recurrent_init, query_start_loc)
         # Gated RMSNorm over each value head (HF's Qwen3NextRMSNormGated: weight times the normed value
         # in the activation dtype, then silu(z) in float32).
         out = out.astype(dtype).astype(jnp.float32)
@@ -270,7 +330,7 @@ class Qwen3NextLM(nn.Module):
             if kind == "linear_attention":
                 conv_init = jnp.where(fresh[:, None, None], 0, conv[lin_idx, state_slots]).astype(conv.dtype)
                 rec_init = jnp.where(fresh[:, None, None, None], 0.0, recurrent[lin_idx, state_slots])
-                h, conv_new, rec_new = GatedDeltaNet(c, dtype, name=f"layer_{i}_linear_attn")(
+                h, conv_new, rec_new = GatedDeltaNet(c, dtype, self.decode_only, name=f"layer_{i}_linear_attn")(
                     h, conv_init, rec_init, query_start_loc, row, idx)
                 conv = conv.at[lin_idx, state_slots].set(conv_new)
                 recurrent = recurrent.at[lin_idx, state_slots].set(rec_new)
