@@ -55,7 +55,8 @@ def make_engine(**overrides):
     config = ModelConfig.from_hf(hf_config, dtype="float32")
     num_pages = overrides.pop("num_pages", 64)
     engine_config = EngineConfig(**{
-        **dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_pages=num_pages,
+        # One shape for every engine here: the programs compile once (the persistent compilation cache).
+        **dict(page_size=4, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64, num_pages=num_pages,
                warmup=False, enable_prefix_caching=False), **overrides,
     }).resolved(on_gpu=False, model_max_len=config.max_position_embeddings)
     return LLMEngine(config, params_from_hf(config, state_dict), SilentTokenizer(), engine_config,
@@ -153,7 +154,7 @@ def test_batched_requests_of_different_lengths_with_chunked_prefill_equal_hf():
     """Four prompts of 21-37 tokens against a 16-token budget: every prompt is cut into chunks (its state
     carried from chunk to chunk in its slot), decodes batched beside other rows' chunks."""
     prompts = prompts_of(23, 37, 21, 31)
-    engine = make_engine(max_num_batched_tokens=16)
+    engine = make_engine()
     assert run(engine, prompts, greedy()) == [[t] for t in hf_greedy(prompts)]
     assert engine.scheduler.stats()["num_preemptions"] == 0
 
@@ -162,20 +163,20 @@ def test_preemption_recomputes_and_equals_hf():
     prompts = prompts_of(27, 33, 24, 30, seed=2)
     # 5 sequences (the last request has n = 2) of up to 46 tokens (12 pages each) in 24 usable pages: some
     # are preempted (their slots freed) and recomputed from a zero state.
-    engine = make_engine(num_pages=25, max_num_batched_tokens=16)
+    engine = make_engine(num_pages=25)
     outputs = run(engine, prompts, [greedy()] * 3 + [dataclasses.replace(greedy(), n=2)])
     assert engine.scheduler.stats()["num_preemptions"] > 0
     expected = hf_greedy(prompts)
     assert outputs == [[t] for t in expected[:3]] + [[expected[3]] * 2]
     stats = engine.block_manager.stats()
-    assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 4  # nothing leaked
+    assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
 
 
 def test_n_samples_fork_the_state():
     """n = 3 greedy samples each equal HF's tokens: the children's states are copies of the parent's."""
     prompts = prompts_of(26, 22, seed=3)
     expected = hf_greedy(prompts)
-    engine = make_engine(max_num_seqs=6)
+    engine = make_engine()
     params = dataclasses.replace(greedy(), n=3)
     assert run(engine, prompts, params) == [[e] * 3 for e in expected]
     assert engine.block_manager.stats()["num_free_state_slots"] == 6
