@@ -1,10 +1,10 @@
 """The KV pool's size: bytes per page (the one place it is computed) and how many pages to make.
 
-    kv_pages: [num_layers, 2 (K, V), num_kv_heads, num_pages, page_size, head_dim]   (model dtype)
+    kv_pages: [num_kv_layers, 2 (K, V), num_kv_heads, num_pages, page_size, head_dim]   (model dtype)
               or a QuantizedKV: int8 / float8 values of that shape plus float32 scales
               [num_layers, 2, num_kv_heads, num_pages, page_size]     (ops/kv_quant.py)
 
-    bytes per page = num_layers x 2 x num_kv_heads x page_size x bytes per (token, KV head)
+    bytes per page = num_kv_layers x 2 x num_kv_heads x page_size x bytes per (token, KV head)
     bytes per (token, KV head) = head_dim x value bytes (+ 4 for the scale when quantized)
 
 Everything that turns pages into bytes or bytes into pages (the pool, swap space, the host tier,
@@ -22,6 +22,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.device.runner import ModelRunner  # the GPU pool is sized by compiling the runner's largest step
 from jaxpaged.device.sharding import TensorParallel, kv_head_replicas, replica_meshes
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.qwen3_next import state_bytes_per_slot
 from jaxpaged.ops.kv_quant import bytes_per_token_head
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
@@ -33,7 +34,7 @@ _GPU_MARGIN_BYTES = 512 << 20
 def bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one page across all layers, K and V (and their scales when the cache is quantized)."""
     token_head = bytes_per_token_head(kv_cache_dtype, config.dtype, config.head_dim)
-    return config.num_layers * 2 * config.num_kv_heads * page_size * token_head
+    return config.num_kv_layers * 2 * config.num_kv_heads * page_size * token_head
 
 
 kv_cache_bytes_per_page = bytes_per_page  # the name benchmarks and tests have used
@@ -111,6 +112,7 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
     if config.kv_memory_bytes is not None:
         return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes, config.kv_cache_dtype)
     if on_gpu():
+        num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
         tp_size = config.tensor_parallel_size
         if tp_size == 1:
             params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do
@@ -129,10 +131,12 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             attention_fn=attention_fn, decode_buckets=(), kv_cache_dtype=config.kv_cache_dtype,
             per_layer_weights=config.per_layer_weights,  # the engine's own step program
+            num_state_slots=num_state_slots,
         )
         step_temp = probe.step_temp_bytes()
         del probe
-        free -= step_temp + _GPU_MARGIN_BYTES
+        # A hybrid model's recurrent states (a slot per sequence, models/qwen3_next.py) sit beside the pages.
+        free -= step_temp + _GPU_MARGIN_BYTES + (num_state_slots + 1) * state_bytes_per_slot(model_config)
         if free <= 0:
             raise ValueError(
                 f"after the weights, the largest step needs {step_temp / 2**30:.2f} GiB of scratch memory plus a "

@@ -29,6 +29,7 @@ from jaxpaged.device.step_input import StepInput, default_buckets, default_decod
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import BLOCK, cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
+from jaxpaged.models.qwen3_next import Qwen3NextLM, zeros_linear_state
 from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
 from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
@@ -78,6 +79,22 @@ def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
     return "; this engine keeps these GGUF codes one per byte ([..., 32, out]): unpack them with gguf_blocks.unpacked"
 
 
+def check_hybrid_runner(num_state_slots: int, *, abstract: bool, tp, kv_cache_dtype: str, return_routed_experts: bool,
+                        batch_invariant: bool) -> None:
+    """ValueError naming what a hybrid (linear-attention) model's runner does not implement."""
+    refusals = [
+        (num_state_slots < 1, f"{num_state_slots=}", "a hybrid model needs >= 1 state slot (max_num_seqs)"),
+        (abstract, "abstract params (a compile-only runner)", "the static profile has no Qwen3-Next row yet"),
+        (tp is not None, "a mesh (tensor parallelism)", "run it on one device"),
+        (kv_cache_dtype != "auto", f"{kv_cache_dtype=}", "use 'auto'"),
+        (return_routed_experts, "return_routed_experts", "leave it off"),
+        (batch_invariant, "batch_invariant", "leave it off"),
+    ]
+    for refused, name, fix in refusals:
+        if refused:
+            raise ValueError(f"{name} is not supported for hybrid linear-attention models (Qwen3-Next): {fix}")
+
+
 class ModelRunner:
     """Owns the parameters and the KV page buffer; runs one jitted step per `execute` call.
 
@@ -118,6 +135,7 @@ class ModelRunner:
         return_routed_experts: bool = False,  # MoE: execute returns (its result, ids [T, L, k]): engine/routed_experts.py
         batch_invariant: bool = False,  # every token's arithmetic independent of the step (device/batch_invariant.py)
         lora: tuple[int, int] | None = None,  # (max_loras, max_lora_rank): adapter slots (device/lora_slots.py)
+        num_state_slots: int = 0,  # hybrid models (Qwen3-Next): recurrent-state slots 1..this (planner/state_pool.py)
     ):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2: page 0 is the padding page")
@@ -149,14 +167,19 @@ class ModelRunner:
             jax.tree_util.keystr(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
         }
         c = model_config
-        kv_shape = (c.num_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
+        kv_shape = (c.num_kv_layers, 2, c.num_kv_heads, num_pages, page_size, c.head_dim)
         leaves = jax.tree.leaves(params)
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+        self.hybrid, self.num_state_slots = c.is_hybrid, num_state_slots
+        if self.hybrid:
+            check_hybrid_runner(num_state_slots, abstract=self.abstract, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
+                                return_routed_experts=return_routed_experts, batch_invariant=batch_invariant)
+            per_layer_weights = False  # its layers are unrolled already (models/qwen3_next.py)
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
         # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
         expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
         # ops/cpu/gguf_matmul.cc, dense_matmul.cc
-        self.matmul_kernels = cpu_matmul_kernels(params, platform, self.tp, model_config)
+        self.matmul_kernels = frozenset() if self.hybrid else cpu_matmul_kernels(params, platform, self.tp, model_config)
         if batch_invariant:
             check_batch_invariant(model_config, platform=platform, matmul_kernels=self.matmul_kernels,
                                   one_attention_path=one_attention_path, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
@@ -166,6 +189,9 @@ class ModelRunner:
                                   vocab_major_head=platform == "cpu" and self.tp is None,  # llama.tied_lm_head
                                   matmul_kernels=self.matmul_kernels, batch_invariant=batch_invariant,
                                   min_dot_rows=1 if platform == "cpu" else 2)  # llama.CausalLM.min_dot_rows
+        if self.hybrid:  # the step's state is (kv_pages, linear_state), each row's slot an input
+            model = functools.partial(Qwen3NextLM, model_config, attention_fn or reference_paged_attention,
+                                      expert_fn=expert_fn)
         self.model, self.decode_model = model(), model(decode_only=True)
         # An attention with effects where it runs (Mosaic GPU interpret mode's io callbacks, off a GPU) cannot
         # sit in flax's layer scan (flax 0.12.12's nn.scan refuses a body with effects; 0.12.8 took it): unrolled.
@@ -209,10 +235,15 @@ class ModelRunner:
         # compile-only runner's stacks are abstract, on its devices.
         if lora is not None and self.tp is not None:
             raise ValueError("LoRA adapters run on one device (no tensor-parallel mesh) yet")
+        if lora is not None and self.hybrid:
+            raise ValueError("LoRA adapters are not supported on hybrid linear-attention models (Qwen3-Next) yet; "
+                             "leave enable_lora off")
         self.lora = None if lora is None else LoRASlots(
             target_dims(c), num_layers=c.num_layers, max_loras=lora[0], max_lora_rank=lora[1], dtype=c.dtype,
             placement=self.placement, abstract=self._abstract if self.abstract else None,
             per_layer=self.per_layer_weights)  # unrolled layers read their own slot buffers
+        # Hybrid models: (conv, recurrent) state per slot, slot 0 the padding slot; donated with kv_pages.
+        self.linear_state = zeros_linear_state(c, num_state_slots + 1, self.zeros_on_device) if self.hybrid else None
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
@@ -236,6 +267,7 @@ class ModelRunner:
             self._step_fn, donate_argnames=("kv_pages",), static_argnames=("layout", "decode_only"), **step_shardings
         )
         self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_pages",), **copy_shardings)
+        self._copy_state = jax.jit(self._copy_state_fn, donate_argnames=("linear_state",))
         # Host transfers (swap, the prefix cache's host tier) move pages in fixed batches of this many,
         # padded, so no call compiles: one sequence's pages fit one batch.
         self.max_num_transfer_pages = self.pages_per_seq
@@ -275,14 +307,34 @@ class ModelRunner:
             token_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
         model = self.decode_model if decode_only else self.model  # static: a compiled program each
         targets = step_input.prompt_logprob_targets  # prompt logprobs: logits at every token too
+        # A hybrid model's kv_pages is the pair (kv_pages, linear_state) and its rows' slots come last;
+        # other models take the adapter slots and stacks there (None: no adapters).
+        slots = (step_input.state_slots,) if self.hybrid else (
+            None if lora_stacks is None else (step_input.lora_slots, lora_stacks),)
         (logits, kv_pages), routed = apply_returning_routed_experts(
             model, self.return_routed_experts, params, kv_pages, token_ids, step_input.positions,
             step_input.slot_mapping, step_input.block_tables, step_input.seq_lens, step_input.query_start_loc,
-            with_every_token(step_input.logits_indices, targets), kv_centres,
-            None if lora_stacks is None else (step_input.lora_slots, lora_stacks),
+            with_every_token(step_input.logits_indices, targets), kv_centres, *slots,
         )
         logits = split_prompt_logprobs(logits, step_input.logits_indices.shape[0], targets)
         return (logits if routed is None else (logits, routed)), kv_pages
+
+    def _copy_state_fn(self, linear_state, src, dst):
+        self.num_copy_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf: leaf.at[:, dst].set(leaf[:, src], mode="drop"), linear_state)
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Hybrid models: copies state slot `src -> dst` in every linear layer (a fork's child starts from its
+        parent's state); call before the step that runs the child. Padded to max_num_seqs pairs."""
+        for i in range(0, len(copies), self.max_num_copies):
+            chunk = np.asarray(copies[i : i + self.max_num_copies], np.int32).reshape(-1, 2)
+            src = np.zeros(self.max_num_copies, np.int32)
+            dst = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
+            src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+            self.linear_state = self._copy_state(self.linear_state, src, dst)
+
+    def _kv_state(self):  # the step's donated state: kv_pages, or (kv_pages, linear_state) for a hybrid model
+        return (self.kv_pages, self.linear_state) if self.hybrid else self.kv_pages
 
     def _copy_fn(self, kv_pages, src, dst):
         self.num_copy_compiles += 1  # runs only while tracing
@@ -321,7 +373,7 @@ class ModelRunner:
         return prepare_step_input(
             scheduler_output, page_size=self.page_size, num_pages=self.num_pages,
             pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs, buckets=self.buckets,
-            block_table_rows=block_table_rows,
+            block_table_rows=block_table_rows, state_slots=self.hybrid,
             decode_buckets=self.decode_buckets, **logits_rows,
         )
 
@@ -339,9 +391,13 @@ class ModelRunner:
         prev_tokens = jax.device_put(self._no_prev_tokens if prev_tokens is None else prev_tokens, self.placement)
         if self.tp is not None:  # the same host arrays on every device (and process) of the mesh
             packed = self._place_replicated(packed)
-        logits, self.kv_pages = self._step(
-            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
+        logits, kv_state = self._step(
+            self.served_params, self._kv_state(), packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
             layout=layout, decode_only=step_input.decode_only)
+        if self.hybrid:
+            self.kv_pages, self.linear_state = kv_state
+        else:
+            self.kv_pages = kv_state
         return logits
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -357,6 +413,8 @@ class ModelRunner:
 
     def run(self, scheduler_output) -> Float[Array, "num_seqs vocab_size"]:
         """Copy-on-write copies, then the step: the whole device side of one `SchedulerOutput`."""
+        if getattr(scheduler_output, "state_copies", None):
+            self.copy_states(scheduler_output.state_copies)
         self.copy_pages(scheduler_output.copies)
         return self.execute(self.prepare(scheduler_output))
 
@@ -382,7 +440,8 @@ class ModelRunner:
             block_tables=np.zeros((num_seqs, self.pages_per_seq), np.int32),
             seq_lens=np.zeros(num_seqs, np.int32), query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32), prev_token_rows=np.full(bucket, -1, np.int32),
-            lora_slots=None if self.lora is None else zeros, decode_only=decode_only,
+            lora_slots=None if self.lora is None else zeros,
+            state_slots=np.zeros(num_seqs, np.int32) if self.hybrid else None, decode_only=decode_only,
         )
 
     def warmup(self, *, host_transfers: bool = False) -> None:
@@ -397,6 +456,8 @@ class ModelRunner:
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
         if self.lora is not None:
             self.lora.warmup()  # the adapter slot write
+        if self.hybrid:
+            self.copy_states([(0, 0)])  # the padding slot onto itself: compiles, changes nothing
         if host_transfers:  # one program each way
             jax.block_until_ready(self.gather_pages([]))
             empty = jax.tree.map(  # host pages shaped as the gather returns them
@@ -443,7 +504,7 @@ class ModelRunner:
         if self.tp is not None:  # placed as execute places them
             packed, prev_tokens = self._place_replicated((packed, prev_tokens))
         return self._step.trace(
-            self.served_params, self.kv_pages, packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
+            self.served_params, self._kv_state(), packed, prev_tokens, self.kv_centres, self._lora_stacks(step_input),
             layout=layout, decode_only=step_input.decode_only)
 
     def _lora_stacks(self, step_input: StepInput):

@@ -58,6 +58,8 @@ class StepInput:
     # Multi-LoRA (engine-filled when enable_lora): each token's adapter slot on the device, 0 for the
     # base model (device/lora_slots.py); padding 0. Present in every step of such an engine: one program.
     lora_slots: Int[_Arr, "num_tokens"] | None = None
+    # Hybrid models only: each row's recurrent-state slot (planner/state_pool.py), padding rows 0.
+    state_slots: Int[_Arr, "num_seqs"] | None = None
     # Static (pytree metadata, not an array): every real sequence has exactly one token and
     # num_tokens == num_seqs, so the model may run a decode kernel. Part of the compiled program's
     # identity: a decode bucket of d and a mixed bucket of d tokens are two programs.
@@ -192,6 +194,7 @@ def prepare_step_input(
     num_logits: np.ndarray | None = None,
     max_num_logits: int = 0,
     seq_lora_slots: np.ndarray | None = None,
+    state_slots: bool = False,
 ) -> StepInput:
     """Turns the scheduler's step description into a padded `StepInput` of numpy int32 arrays.
 
@@ -217,6 +220,7 @@ def prepare_step_input(
     bucket), padding 0.
 
     `seq_lora_slots` (int32 [num_seqs], with adapters): each sequence's adapter slot, given to its tokens.
+    `state_slots`: a hybrid model's step also carries each sequence's `state_slot` (padding rows 0).
     """
     seqs, num_new = scheduler_output.seqs, np.asarray(scheduler_output.num_new_tokens, np.int32)
     num_seqs, total = len(seqs), int(num_new.sum())
@@ -318,8 +322,18 @@ def prepare_step_input(
         logits_indices=logits_indices,
         prev_token_rows=prev_token_rows,
         lora_slots=lora_slots,
+        state_slots=_state_slots(seqs, bucket_seqs) if state_slots else None,
         decode_only=decode_bucket is not None,
     )
+
+
+def _state_slots(seqs, num_rows: int) -> np.ndarray:
+    slots = np.zeros(num_rows, np.int32)
+    slots[: len(seqs)] = [seq.state_slot for seq in seqs]
+    if not slots[: len(seqs)].all():
+        raise ValueError("a scheduled sequence of a hybrid model holds no state slot; the block manager must "
+                         "give it one at admission (planner/state_pool.py)")
+    return slots
 
 
 def pack_step_input(step_input: StepInput) -> tuple[np.ndarray, tuple[tuple[str, tuple[int, ...]], ...]]:

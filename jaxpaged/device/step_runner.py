@@ -76,6 +76,8 @@ class StepRunner:
             self.host_kv.swap_out(out.swap_out)
         if out.swap_in:  # before this step reads them
             self.host_kv.swap_in(out.swap_in)
+        if out.state_copies:  # a hybrid model's forks: before any step advances the parent's state
+            self.model.copy_states(out.state_copies)
         if not out.seqs:
             return None
         self.num_steps += 1

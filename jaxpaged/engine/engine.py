@@ -26,6 +26,7 @@ scheduler owns the sequences' states and pages. Everything runs on the caller's 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -51,6 +52,7 @@ from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
 from jaxpaged.planner.scheduler import make_scheduler
 from jaxpaged.planner.sequence import Sequence
+from jaxpaged.planner.state_pool import refuse_hybrid_features
 from jaxpaged.sample.step_sampler import StepSampler
 from jaxpaged.spec_decode.speculator import Speculator, verification_buckets
 
@@ -72,11 +74,18 @@ class LLMEngine:
         # besides the tokenizer's eos that stop requests unless ignore_eos (vLLM's).
         self.generation_defaults: dict = {}
         self.generation_eos_ids: tuple[int, ...] = ()
+        num_state_slots = 0
+        if model_config.is_hybrid:  # Qwen3-Next: a state pool beside the pages (planner/state_pool.py)
+            for warning in refuse_hybrid_features(config):
+                logger.warning(warning)
+            config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
+            num_state_slots = config.max_num_seqs
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
         num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
         self.scheduler = make_scheduler(  # every layer local (Mistral): pages behind the window are freed
             config, num_pages=num_pages, num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
-            sliding_window=model_config.sliding_window if model_config.all_layers_local else None)
+            sliding_window=model_config.sliding_window if model_config.all_layers_local else None,
+            num_state_slots=num_state_slots)
         self.runner = ModelRunner(
             model_config,
             params,
@@ -92,6 +101,7 @@ class LLMEngine:
             return_routed_experts=config.enable_return_routed_experts,
             batch_invariant=bool(config.batch_invariant),  # device/batch_invariant.py
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,  # device/lora_slots.py
+            num_state_slots=num_state_slots,
         )
         self.processor = OutputProcessor(tokenizer)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}
@@ -175,6 +185,9 @@ class LLMEngine:
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
         self.validate_prompt(prompt_token_ids)
+        if self.model_config.is_hybrid:  # its forks would need state slots admission never reserved
+            raise ValueError("beam search is not supported for hybrid linear-attention models (Qwen3-Next); "
+                             "use SamplingParams(n=...) or a model without linear_attention layers")
         max_tokens, stop_ids = check_beam_request(
             params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
             self.tokenizer.eos_token_id,

@@ -63,6 +63,17 @@ class ModelConfig:
     moe_bias: bool = False  # gpt-oss: a bias on the router's logits and on every expert projection
     # gpt-oss: one learned logit per query head joins each softmax's denominator (a key with value 0).
     attention_sinks: bool = False
+    # Qwen3-Next (models/qwen3_next.py): layer_types may name "linear_attention" layers (Gated DeltaNet,
+    # a recurrent state per sequence: planner/state_pool.py); full attention layers gate their output
+    # (sigmoid of a second half of q_proj) and rotate only the first partial_rotary_factor of head_dim.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, gated by sigmoid
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -86,11 +97,19 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
         if self.layer_types is not None:
-            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {"sliding_attention", "full_attention"}:
+            kinds = {"sliding_attention", "full_attention", "linear_attention"}
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= kinds:
                 raise ValueError(
                     f"layer_types={self.layer_types} must name each of the {self.num_layers} layers "
-                    "'sliding_attention' or 'full_attention'"
+                    "'sliding_attention', 'full_attention' or 'linear_attention'"
                 )
+            if self.is_hybrid and min(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                                      self.linear_value_head_dim, self.linear_conv_kernel_dim - 1) <= 0:
+                raise ValueError("linear_attention layers need positive linear_num_key_heads, linear_num_value_heads, "
+                                 "linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim >= 2")
+            if self.is_hybrid and self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be divisible by "
+                                 f"linear_num_key_heads={self.linear_num_key_heads}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")
         if self.hidden_act not in ("silu", "gelu_tanh", "swigluoai"):
@@ -112,6 +131,18 @@ class ModelConfig:
             return self
         use_long = max_model_len > scaling.original_max_position_embeddings
         return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, use_long=use_long))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention (Qwen3-Next): each sequence also holds a recurrent state."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the page pool (every layer but the linear-attention ones)."""
+        if self.layer_types is None:
+            return self.num_layers
+        return sum(t != "linear_attention" for t in self.layer_types)
 
     @property
     def num_queries_per_kv(self) -> int:

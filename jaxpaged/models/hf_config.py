@@ -15,6 +15,9 @@
                                              q/k/v/o bias, routed experts with router and expert biases and
                                              the clamped SwiGLU (models/moe.py), YaRN RoPE; MXFP4 expert
                                              weights dequantized at load (models/mxfp4.py)
+    qwen3_next     Qwen3NextForCausalLM      Gated DeltaNet linear-attention layers (models/qwen3_next.py) between
+                                             gated full-attention layers (partial RoPE, (1+w) q/k norms), MoE
+                                             with a sigmoid-gated shared expert, (1+w) norms
 """
 
 import math
@@ -27,7 +30,7 @@ from jaxpaged.models.hf_quant import check_quantization_config
 from jaxpaged.models.rope_scaling import LongRope, RopeScaling, Yarn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
-                         "gpt_oss")
+                         "gpt_oss", "qwen3_next")
 _GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -68,7 +71,7 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
         # Qwen2 always has q/k/v bias and never an output bias; the others use one flag for both.
         attention_bias=True if model_type == "qwen2" else bias,
         o_proj_bias=False if model_type == "qwen2" else bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next"),
         max_position_embeddings=get("max_position_embeddings", 2048),
         dtype=dtype,
         sliding_window=get("sliding_window"),
@@ -98,7 +101,9 @@ def config_from_hf(cls, hf_config: Any, dtype: str | None):
                       norm_topk_prob=True, moe_bias=True, attention_sinks=True, hidden_act="swigluoai",
                       layer_types=tuple(get("layer_types") or (  # GptOssConfig's default: even layers slide
                           "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))))
-    if fields["sliding_window"] is None:
+    if model_type == "qwen3_next":
+        fields.update(_qwen3_next_fields(get, num_layers, num_experts))
+    elif fields["sliding_window"] is None:
         fields.pop("layer_types", None)  # "sliding" layers without a window are global (HF alike)
     return cls(**fields)
 
@@ -205,6 +210,18 @@ def _refuse_unsupported(model_type: str, get) -> None:
             raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; only [] (every layer MoE) is")
         if get("shared_expert_intermediate_size"):
             raise ValueError("shared_expert_intermediate_size is not supported (Qwen3-MoE has no shared expert)")
+    if model_type == "qwen3_next":
+        if get("attention_bias", False):
+            raise ValueError("attention_bias=True is not supported for qwen3_next; only bias-free projections are")
+        if get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"decoder_sparse_step={get('decoder_sparse_step')} is not supported; only 1 (every layer MoE) is")
+        if get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; only [] (every layer MoE) is")
+        if (get("num_experts") or get("num_local_experts")) and not get("shared_expert_intermediate_size"):
+            raise ValueError("shared_expert_intermediate_size must be positive for qwen3_next (its MoE has a shared expert)")
+        factor = (get("rope_parameters") or {}).get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        if int(((get("head_dim") or get("hidden_size") // get("num_attention_heads")) * factor)) % 2:
+            raise ValueError(f"partial_rotary_factor={factor} must rotate an even number of head dimensions")
     if model_type == "phi3":
         rope = get("rope_parameters")
         factor = (rope if isinstance(rope, Mapping) else {}).get("partial_rotary_factor",
@@ -228,6 +245,26 @@ def _quant_method(quantization) -> str | None:
         return None
     return (quantization.get("quant_method") if isinstance(quantization, Mapping)
             else getattr(quantization, "quant_method", None))
+
+
+def _qwen3_next_fields(get, num_layers: int, num_experts: int) -> dict:
+    """Qwen3-Next's own fields: the layer pattern, the Gated DeltaNet shapes, the gated attention, the MoE."""
+    layer_types = get("layer_types")
+    if layer_types is None:  # HF's default: every full_attention_interval-th layer is full attention
+        interval = int(get("full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    params = dict(get("rope_parameters") or {})
+    return dict(
+        layer_types=tuple(layer_types), norm_plus_one=True, attn_output_gate=True,
+        partial_rotary_factor=float(params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))),
+        linear_num_key_heads=get("linear_num_key_heads"), linear_num_value_heads=get("linear_num_value_heads"),
+        linear_key_head_dim=get("linear_key_head_dim"), linear_value_head_dim=get("linear_value_head_dim"),
+        linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
+        num_experts=num_experts or 0, num_experts_per_tok=get("num_experts_per_tok") if num_experts else 0,
+        moe_intermediate_size=get("moe_intermediate_size") if num_experts else 0,
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=get("shared_expert_intermediate_size") if num_experts else 0,
+    )
 
 
 def _gemma_layer_types(get, model_type: str, num_layers: int) -> tuple[str, ...]:

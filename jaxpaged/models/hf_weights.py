@@ -16,6 +16,7 @@ from jaxpaged.models.hf_quant import Fp8Matrix, fp8_leaves
 from jaxpaged.models.moe import moe_params_from_hf
 from jaxpaged.models.mxfp4 import dequantize_experts
 from jaxpaged.models.phi3 import unfuse_phi3
+from jaxpaged.models.qwen3_next import params_from_hf as qwen3_next_params
 
 
 # Tensors that exist only in quantized checkpoints (block-FP8's scales, GPTQ / AWQ codes): their
@@ -51,6 +52,9 @@ def params_from_hf(config: ModelConfig, state_dict: Mapping[str, np.ndarray | Bl
         if isinstance(value, (BlockCodes, Fp8Matrix)):
             return value.dequantize()
         return np.asarray(value, dtype=np.float32)
+
+    if c.is_hybrid:  # Qwen3-Next: its own tree, layers of two kinds (models/qwen3_next.py)
+        return qwen3_next_params(c, tensor, lambda name: name in state_dict)
 
     def stacked(suffix: str, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         layers = [convert(tensor(f"model.layers.{i}.{suffix}")) for i in range(c.num_layers)]

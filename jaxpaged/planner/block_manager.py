@@ -323,6 +323,14 @@ class BlockManager:
             self.swap_pool.release(host_page_id)
         seq.host_block_table = []
 
+    def check_admissible(self, seq: Sequence) -> None:
+        """ValueError if `seq` could never be allocated for a reason beyond its pages (a hybrid model's
+        state slots: planner/state_pool.py); nothing here."""
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """State-slot copies planned since the last call (hybrid models only: planner/state_pool.py)."""
+        return []
+
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""
         if not parent.block_table:

@@ -29,6 +29,7 @@ from jaxpaged.planner.request import check_fits_pool, check_prompt_fits, placeho
 from jaxpaged.planner.scheduler_output import SchedulerOutput, UpdateOutput
 from jaxpaged.planner.sequence import Sequence, SequenceStatus, new_seq_id, num_live_slots
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
+from jaxpaged.planner.state_pool import HybridBlockManager
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
@@ -37,14 +38,17 @@ WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
 
 
 def make_scheduler(config, *, num_pages: int, num_swap_pages: int = 0, num_host_cache_pages: int = 0,
-                   sliding_window: int | None = None) -> Scheduler:
+                   sliding_window: int | None = None, num_state_slots: int = 0) -> Scheduler:
     """The engine's scheduler over its page pool (`config`: a resolved EngineConfig). `sliding_window`:
     every layer of the model attends that far back (Mistral), so pages behind it are freed
-    (sliding_window.py)."""
+    (sliding_window.py). `num_state_slots` > 0: a hybrid model's state pool (state_pool.py)."""
     pool = dict(num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
                 num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages)
-    block_manager = (BlockManager(**pool) if sliding_window is None
-                     else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
+    if num_state_slots:
+        block_manager = HybridBlockManager(**pool, num_state_slots=num_state_slots)
+    else:
+        block_manager = (BlockManager(**pool) if sliding_window is None
+                         else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
     return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                      preemption_mode=config.preemption_mode, max_loras=config.max_loras if config.enable_lora else 0)
@@ -102,6 +106,7 @@ class Scheduler:
         check_prompt_fits(len(seq.token_ids), self.max_model_len)
         max_len = min(seq.max_num_tokens, self.max_model_len)  # prompt + max_tokens (None: unbounded)
         check_fits_pool(max_len, self.block_manager.page_size, self.block_manager.num_pages - 1)
+        self.block_manager.check_admissible(seq)
         seq.max_num_tokens = max_len
         self._unfinished[seq.seq_id] = seq
         if seq.status is WAITING_FOR_GRAMMAR:
@@ -246,6 +251,7 @@ class Scheduler:
             samples=samples,
             swap_out=swap_out,
             swap_in=swap_in,
+            state_copies=block_manager.take_state_copies(),
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # readmitted, host-tier prefix hits). Planned even in a step that schedules no sequence.
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Hybrid models (planner/state_pool.py): (src, dst) recurrent-state slot copies of forks made since the
+    # last step, done by the device before this step (even one that schedules no sequence).
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Speculative decoding (jaxpaged/spec_decode/speculator.py): which sequences verify proposals
     # this step and their logits rows; None in a step without proposals.
     spec_plan: object = None

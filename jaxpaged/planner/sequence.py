@@ -77,6 +77,7 @@ class Sequence:
         "num_placeholders",  # trailing entries of token_ids sampled on device, not yet committed
         "arrival_time",  # time.monotonic() at creation (the request's arrival)
         "first_scheduled_time",  # time.monotonic() at its first admission to the running batch, or None
+        "state_slot",  # hybrid models: its recurrent-state slot while it holds pages (planner/state_pool.py); 0: none
     )
 
     def __init__(
@@ -116,6 +117,7 @@ class Sequence:
         self.num_placeholders = 0
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
+        self.state_slot = 0
 
     def admit(self) -> None:
         """Into the running batch (the scheduler's admission); the first one ends its queue time."""
@@ -171,6 +173,7 @@ class Sequence:
         child.max_num_tokens = self.max_num_tokens
         child.num_placeholders = self.num_placeholders
         child.arrival_time, child.first_scheduled_time = self.arrival_time, self.first_scheduled_time
+        child.state_slot = 0  # its own, from the state pool (HybridBlockManager.fork)
         return child
 
 

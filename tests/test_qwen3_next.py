@@ -1,0 +1,207 @@
+"""Qwen3-Next (models/qwen3_next.py, planner/state_pool.py): a tiny random Hugging Face checkpoint (2 Gated
+DeltaNet + 2 gated full-attention layers, 4 experts top-2 with a shared expert) against transformers'
+float32 model: logits of one forward, greedy tokens through the engine with chunked prefill,
+preemption (recompute), n > 1 and batched requests of different lengths; what it cannot serve is refused."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.engine.engine import LLMEngine
+from jaxpaged.models import ModelConfig, params_from_hf
+from jaxpaged.models.qwen3_next import state_bytes_per_slot
+from jaxpaged.ops.attention import chunked_paged_attention_from_buffer
+from jaxpaged.planner.request import SamplingParams
+from tp_fixtures import SilentTokenizer
+
+MAX_TOKENS = 16
+_MODEL = {}
+
+
+def tiny_qwen3_next():
+    """(hf_config, torch model, numpy state dict), every parameter redrawn (norm weights around 1)."""
+    if not _MODEL:
+        from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+        hf_config = Qwen3NextConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            full_attention_interval=2, max_position_embeddings=128, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config).float().eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+        model.generation_config.eos_token_id = None
+        _MODEL["model"] = (hf_config, model, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
+    return _MODEL["model"]
+
+
+def hf_greedy(prompts, max_tokens=MAX_TOKENS):
+    _, model, _ = tiny_qwen3_next()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def make_engine(**overrides):
+    hf_config, _, state_dict = tiny_qwen3_next()
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    num_pages = overrides.pop("num_pages", 64)
+    engine_config = EngineConfig(**{
+        # One shape for every engine here: the programs compile once (the persistent compilation cache).
+        **dict(page_size=4, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64, num_pages=num_pages,
+               warmup=False, enable_prefix_caching=False), **overrides,
+    }).resolved(on_gpu=False, model_max_len=config.max_position_embeddings)
+    return LLMEngine(config, params_from_hf(config, state_dict), SilentTokenizer(), engine_config,
+                     num_pages=num_pages, attention_fn=chunked_paged_attention_from_buffer)
+
+
+def run(engine, prompts, params):
+    """Every request's samples' tokens; `params` one SamplingParams for all, or one per prompt."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(list(p), q) for p, q in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [list(o.token_ids) for o in out.outputs]
+    return [done[i] for i in ids]
+
+
+def prompts_of(*lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lengths]
+
+
+def greedy(max_tokens=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_config_reads_the_layer_pattern_and_refuses_what_it_lacks():
+    hf_config, _, _ = tiny_qwen3_next()
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    assert config.layer_types == ("linear_attention", "full_attention") * 2
+    assert config.is_hybrid and config.num_kv_layers == 2 and config.partial_rotary_factor == 0.25
+    for field, value in [("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("attention_bias", True)]:
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_hf({**hf_config.to_dict(), field: value}, dtype="float32")
+
+
+def test_logits_equal_hf_prefill_chunks_and_decodes():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models.qwen3_next import Qwen3NextLM, zeros_linear_state
+
+    hf_config, model, state_dict = tiny_qwen3_next()
+    config = ModelConfig.from_hf(hf_config, dtype="float32")
+    params = jax.tree.map(jnp.asarray, params_from_hf(config, state_dict))
+    tokens = np.asarray(prompts_of(30)[0])
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens[None])).logits[0].numpy()
+    page_size, block_table = 4, np.arange(1, 9, dtype=np.int32)
+    apply = jax.jit(Qwen3NextLM(config).apply)  # one program per chunk length
+
+    def step(kv_state, start, n):  # one sequence in slot 2, tokens [start, start + n)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        logits, kv_state = apply(
+            params, kv_state, jnp.asarray(tokens[start:start + n]), jnp.asarray(pos),
+            jnp.asarray(block_table[pos // page_size] * page_size + pos % page_size), jnp.asarray(block_table[None]),
+            jnp.asarray([start + n], jnp.int32), jnp.asarray([0, n], jnp.int32), jnp.arange(n, dtype=jnp.int32),
+            state_slots=jnp.asarray([2], jnp.int32))
+        return np.asarray(logits), kv_state
+
+    kv = jnp.zeros((config.num_kv_layers, 2, config.num_kv_heads, 12, page_size, config.head_dim))
+    fresh = (kv, zeros_linear_state(config, 3))
+    np.testing.assert_allclose(step(fresh, 0, 30)[0], expected, atol=2e-4)
+    got, kv_state = [], fresh
+    for start, n in [(0, 10), (10, 10)] + [(t, 1) for t in range(20, 30)]:  # two prefill chunks, then decodes
+        logits, kv_state = step(kv_state, start, n)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got), expected, atol=2e-4)
+
+
+def test_chunked_delta_rule_equals_the_recurrent_one_on_ragged_rows():
+    """Blocks of 4 over rows of 13, 1, 20, 0 and 7 tokens (several blocks, a partial last block, empty rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models.qwen3_next import chunked_gated_delta_rule, gated_delta_rule
+
+    rng = np.random.default_rng(0)
+    lengths, num_tokens, heads, dk, dv = [13, 1, 20, 0, 7], 48, 3, 8, 6
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q, k, v = unit(draw(num_tokens, heads, dk)), unit(draw(num_tokens, heads, dk)), draw(num_tokens, heads, dv)
+    g, beta, state0 = -jnp.abs(draw(num_tokens, heads)), jax.nn.sigmoid(draw(num_tokens, heads)), draw(5, heads, dk, dv)
+    out, state = gated_delta_rule(q, k, v, g, beta, state0, starts)
+    chunked_out, chunked_state = chunked_gated_delta_rule(q, k, v, g, beta, state0, starts, chunk=4)
+    total = int(starts[-1])
+    np.testing.assert_allclose(chunked_out[:total], out[:total], atol=1e-5)
+    np.testing.assert_allclose(chunked_state, state, atol=1e-5)
+    assert not np.asarray(chunked_out[total:]).any()  # padding tokens get zeros
+
+
+def test_batched_requests_of_different_lengths_with_chunked_prefill_equal_hf():
+    """Four prompts of 21-37 tokens against a 16-token budget: every prompt is cut into chunks (its state
+    carried from chunk to chunk in its slot), decodes batched beside other rows' chunks."""
+    prompts = prompts_of(23, 37, 21, 31)
+    engine = make_engine()
+    assert run(engine, prompts, greedy()) == [[t] for t in hf_greedy(prompts)]
+    assert engine.scheduler.stats()["num_preemptions"] == 0
+
+
+def test_preemption_recomputes_and_equals_hf():
+    prompts = prompts_of(44, 46, 41, 43, 45, 42, seed=2)
+    # 7 sequences (the last request has n = 2) of up to 62 tokens (16 pages each) in 63 usable pages (the
+    # pool every engine here has, so no program compiles again): one is preempted (its slot freed) and
+    # recomputed from a zero state.
+    engine = make_engine()
+    outputs = run(engine, prompts, [greedy()] * 5 + [dataclasses.replace(greedy(), n=2)])
+    assert engine.scheduler.stats()["num_preemptions"] > 0
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    stats = engine.block_manager.stats()
+    assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
+
+
+def test_n_samples_fork_the_state():
+    """n = 3 greedy samples each equal HF's tokens: the children's states are copies of the parent's."""
+    prompts = prompts_of(26, 22, seed=3)
+    expected = hf_greedy(prompts)
+    engine = make_engine()
+    params = dataclasses.replace(greedy(), n=3)
+    assert run(engine, prompts, params) == [[e] * 3 for e in expected]
+    assert engine.block_manager.stats()["num_free_state_slots"] == 6
+    # 6 slots and the padding slot, as the GPU pool sizing counts them (device/kv_cache.py)
+    assert sum(x.nbytes for x in engine.runner.linear_state) == 7 * state_bytes_per_slot(engine.model_config)
+    engine.sleep(level=1)  # the state arrays go with the pages and come back zeroed
+    assert engine.runner.linear_state is None
+    engine.wake_up()
+    assert run(engine, prompts[:1], greedy()) == [[expected[0]]]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("preemption_mode", "swap"), ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
+                                                                                      "num_speculative_tokens": 2}),
+])
+def test_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        make_engine(**{field: value})
+
+
+def test_prefix_caching_is_turned_off_with_a_warning(caplog):
+    engine = make_engine(enable_prefix_caching=True)
+    assert not engine.block_manager.enable_prefix_caching
+    assert "prefix caching is turned off" in caplog.text
+    with pytest.raises(ValueError, match="beam search"):
+        from jaxpaged.engine.beam_search import BeamSearchParams
+        engine.add_beam_request([1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -1,0 +1,91 @@
+"""The hybrid models' state pool (planner/state_pool.py), on the host alone: a slot per running sequence,
+taken at admission (n for a request that forks), freed at finish and preemption, copied on fork."""
+
+import pytest
+
+from jaxpaged.planner.request import SamplingParams
+from jaxpaged.planner.scheduler import Scheduler
+from jaxpaged.planner.sequence import Sequence, SequenceStatus
+from jaxpaged.planner.state_pool import HybridBlockManager, StatePool
+
+
+def make_scheduler(num_pages=32, num_state_slots=3, max_num_seqs=3, budget=64):
+    block_manager = HybridBlockManager(num_pages=num_pages, page_size=4, enable_prefix_caching=False,
+                                       num_state_slots=num_state_slots)
+    return Scheduler(block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64)
+
+
+def held_slots(scheduler):
+    return sorted(seq.state_slot for seq in scheduler.running)
+
+
+def test_pool_hands_out_lowest_free_slots_and_never_slot_zero():
+    pool = StatePool(3)
+    assert [pool.take(), pool.take()] == [1, 2]
+    pool.release(1)
+    assert pool.take() == 1 and pool.take() == 3 and pool.num_free == 0
+    with pytest.raises(RuntimeError):
+        pool.take()
+    with pytest.raises(ValueError):
+        pool.release(0)
+
+
+def test_admission_takes_a_slot_and_finish_gives_it_back():
+    scheduler = make_scheduler()
+    seqs = [Sequence(list(range(5 + i)), SamplingParams(max_tokens=2)) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == seqs[:3] and held_slots(scheduler) == [1, 2, 3]  # the 4th waits for a slot
+    assert seqs[3].state_slot == 0 and scheduler.block_manager.state_pool.num_free == 0
+    scheduler.update(out, [7, 7, 7])
+    out = scheduler.schedule()
+    scheduler.update(out, [7, 7, 7])  # max_tokens 2: all three finish
+    assert all(seq.status is SequenceStatus.FINISHED and seq.state_slot == 0 for seq in seqs[:3])
+    out = scheduler.schedule()
+    assert out.seqs == [seqs[3]] and seqs[3].state_slot == 1
+
+
+def test_a_request_with_n_samples_reserves_its_forks_slots_and_the_fork_plans_copies():
+    scheduler = make_scheduler()
+    parent = Sequence(list(range(6)), SamplingParams(n=3, max_tokens=4))
+    other = Sequence(list(range(7)), SamplingParams(max_tokens=4))
+    scheduler.add(parent)
+    scheduler.add(other)
+    out = scheduler.schedule()
+    assert out.seqs == [parent]  # three slots for parent: none left for `other` yet
+    scheduler.update(out, [[5, 6, 7]])  # forks two children
+    children = [seq for seq in scheduler.running if seq is not parent]
+    assert len(children) == 2
+    out = scheduler.schedule()
+    assert sorted(out.state_copies) == sorted((parent.state_slot, child.state_slot) for child in children)
+    assert len({parent.state_slot, *(c.state_slot for c in children)}) == 3
+    assert scheduler.schedule().state_copies == []  # planned once
+
+
+def test_preemption_frees_the_slot_and_readmission_takes_one():
+    # 4 usable pages of 4 tokens: two 5-token prompts fit, the second one is preempted as they pass 8 tokens.
+    scheduler = make_scheduler(num_pages=5, max_num_seqs=2)
+    first, second = (Sequence(list(range(5)), SamplingParams(max_tokens=6)) for _ in range(2))
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(6):
+        out = scheduler.schedule()
+        if out.preempted:
+            break
+        scheduler.update(out, [1] * len(out.seqs))
+    assert out.preempted == [second] and second.state_slot == 0 and second.num_computed_tokens == 0
+    assert scheduler.block_manager.state_pool.num_free == 2
+
+
+def test_a_request_needing_more_slots_than_the_pool_is_refused_at_add():
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="state slots"):
+        scheduler.add(Sequence([1, 2, 3], SamplingParams(n=4)))
+
+
+def test_prefix_caching_and_swap_are_refused():
+    with pytest.raises(ValueError, match="prefix caching"):
+        HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True, num_state_slots=2)
+    block_manager = HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=False, num_state_slots=2)
+    assert not block_manager.can_swap_out(Sequence([1, 2]))
