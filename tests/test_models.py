@@ -135,10 +135,15 @@ def test_from_hf_rejects_what_it_cannot_run():
 
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         ModelConfig.from_hf(AutoConfig.for_model("gpt2"))
+    dynamic = tiny_hf_config("llama-tied")
+    dynamic.rope_parameters = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
+        ModelConfig.from_hf(dynamic)
+    # YaRN (read for every family, as HF does): the pretrained context defaults to max_position_embeddings
     yarn = tiny_hf_config("llama-tied")
     yarn.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0)
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
-        ModelConfig.from_hf(yarn)
+    scaling = ModelConfig.from_hf(yarn).rope_scaling
+    assert (scaling.factor, scaling.original_max_position_embeddings) == (4.0, yarn.max_position_embeddings)
     for model_type, field, value in [
         ("qwen2", "use_sliding_window", True), ("qwen3_moe", "decoder_sparse_step", 2),
         ("qwen3_moe", "mlp_only_layers", [0]), ("llama", "hidden_act", "gelu"), ("llama", "mlp_bias", True),

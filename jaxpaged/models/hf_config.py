@@ -189,7 +189,10 @@ def _check_values(model_type: str, get) -> None:
 def _refuse_unsupported(model_type: str, get) -> None:
     """ValueError naming the first config field whose value jaxpaged does not implement."""
     quantization = get("quantization_config")
-    if model_type == "gpt_oss" and _quant_method(quantization) == "mxfp4":
+    if model_type == "gpt_oss" and quantization:
+        if _quant_method(quantization) != "mxfp4":  # the other methods are tested on dense families only
+            raise ValueError(f"quantization_config with quant_method={_quant_method(quantization)!r} is not "
+                             "supported for gpt_oss; only its released MXFP4 experts ('mxfp4') or unquantized weights")
         quantization = None  # the released checkpoints: experts dequantized at load (models/mxfp4.py)
     if quantization:  # a method models/hf_quant.py reads, or refused by name (its weights would load as garbage)
         check_quantization_config(quantization)
@@ -300,7 +303,9 @@ def _read_rope(get, model_type: str):
             raise ValueError(f"yarn rope_parameters {unread or ['partial_rotary_factor']} are not supported; only "
                              "factor, beta_fast, beta_slow, truncate, attention_factor and "
                              "original_max_position_embeddings are (and partial_rotary_factor 1.0)")
-        original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings"))
+        # HF: the pretrained context defaults to max_position_embeddings (a config that names no original)
+        original = int(params.get("original_max_position_embeddings") or get("original_max_position_embeddings")
+                       or get("max_position_embeddings"))
         factor = float(params.get("factor") or get("max_position_embeddings") / original)
         attention = params.get("attention_factor") or (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
         return theta, Yarn(factor, original, float(params.get("beta_fast") or 32.0),
