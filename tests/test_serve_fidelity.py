@@ -324,3 +324,25 @@ def test_vllms_metric_names_are_served(served, client):
     generated = float(re.search(rf"^vllm:generation_tokens_total{re.escape(labels)} (\S+)$", text, re.M).group(1))
     assert generated == float(re.search(r"^jaxpaged_generation_tokens_total (\S+)$", text, re.M).group(1)) >= 2
     assert re.search(r'^vllm:request_success_total\{.*finished_reason="length".*\} [1-9]', text, re.M)
+
+
+def test_streamed_token_ids_add_up_to_the_whole_responses_even_where_text_is_held_back(served, client):
+    """vLLM's return_token_ids: every token id reaches a streaming client, also those whose text the
+    detokenizer holds back (part of a UTF-8 character: the tiny byte-level model writes many)."""
+    args = dict(model=MODEL, max_tokens=24, temperature=0.0)
+    tokenizer = served["llm"].get_tokenizer()
+    partial = [t for t in range(100, 300) if "\ufffd" in tokenizer.decode([t])]  # bytes of a UTF-8 character
+    assert len(partial) >= 8
+    body = {"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": partial}
+    whole = client.completions.create(**args, prompt=PROMPT, extra_body=body).choices[0].model_dump()
+    chunks = [c.choices[0].model_dump() for c in client.completions.create(**args, prompt=PROMPT, stream=True,
+                                                                            extra_body=body) if c.choices]
+    assert [t for c in chunks for t in c["token_ids"] or []] == whole["token_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(**args, messages=messages, extra_body=body).choices[0].model_dump()
+    chunks = [c.choices[0].model_dump() for c in client.chat.completions.create(**args, messages=messages,
+                                                                                 stream=True, extra_body=body)
+              if c.choices]
+    assert [t for c in chunks for t in c.get("token_ids") or []] == whole["token_ids"]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == whole["message"]["content"]

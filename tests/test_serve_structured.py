@@ -229,3 +229,42 @@ def test_bad_inputs_are_400_and_the_server_keeps_serving(served, body, param):
     ok = served["client"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_schemas_are_validated_on_a_worker_thread_once_never_on_the_engine_thread_or_the_event_loop(served,
+                                                                                                      monkeypatch):
+    """llguidance's validation of a large schema takes ~0.1 s: on the engine thread it would stall every
+    stream, on the event loop every handler. The server validates on a worker thread, and the engine
+    thread's submit does not validate it again; an invalid schema is still a 400 naming the field."""
+    import asyncio
+    import threading
+
+    import llguidance
+
+    calls = []
+    real = llguidance.LLMatcher.validate_grammar
+
+    def recording(grammar, tokenizer):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        calls.append("event loop" if on_loop else threading.current_thread().name)
+        return real(grammar, tokenizer)
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", staticmethod(recording))
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 7}},
+              "required": ["k"]}
+    r = served["client"].chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+        response_format={"type": "json_schema", "json_schema": {"name": "k", "schema": schema}})
+    assert json.loads(r.choices[0].message.content)["k"] in range(8)
+    assert len(calls) == 1, calls  # once: submit on the engine thread skipped it
+    assert calls[0] not in ("jaxpaged-engine", "event loop"), calls
+    bad = httpx.post(served["base"] + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "structured_outputs": {"json": {"type": "foo"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs", bad.text
+    assert len(calls) == 2 and calls[1] not in ("jaxpaged-engine", "event loop"), calls
+    _idle(served)

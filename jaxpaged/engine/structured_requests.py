@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 
 from jaxpaged.engine.features import StepFeature
@@ -42,8 +43,20 @@ class StructuredRequests(StepFeature):
         self.compile_timeout_s = compile_timeout_s  # EngineConfig.grammar_compile_timeout_s
         self.num_compile_timeouts = 0
         self.compiler = self.state = None  # built on first use
+        self._start_lock = threading.Lock()  # `validate` may run on another thread than the engine's
+
+    def validate(self, spec) -> None:
+        """ValueError if `spec` is invalid. The one call other threads may make (the server's handlers,
+        off the event loop): the engine thread's `hold` then skips the validation."""
+        self._start()
+        self.compiler.validate(spec)
 
     def _start(self) -> None:
+        with self._start_lock:
+            if self.compiler is None:
+                self._build()
+
+    def _build(self) -> None:
         from jaxpaged.structured.grammar import GrammarCompiler, make_ll_tokenizer
         from jaxpaged.structured.matchers import StructuredState
 
@@ -64,8 +77,7 @@ class StructuredRequests(StepFeature):
     def hold(self, request_id: str, seq, spec) -> None:
         """Validates the spec (ValueError), starts its compile, adds the sequence to the scheduler as
         WAITING_FOR_GRAMMAR (ValueError, and nothing queued, if it could never run)."""
-        if self.compiler is None:
-            self._start()
+        self._start()
         future = self.compiler.submit(spec)
         seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add(seq)

@@ -4,7 +4,8 @@
                                                                       step()
     handler ◄──RequestStream (asyncio.Queue) ◄── loop.call_soon_threadsafe ◄── RequestOutputs
 
-Only the engine thread touches the engine, so the engine needs no lock. Commands reach it between
+Only the engine thread touches the engine, so the engine needs no lock (one exception, thread-safe:
+`validate_structured`, a grammar's validation on a handler's worker thread). Commands reach it between
 steps: a request submitted while a step runs joins the batch at the next step, and an abort (a
 client that went away) frees its pages before the next step is planned.
 
@@ -179,6 +180,13 @@ class EngineBridge:
     def num_in_flight(self) -> int:
         with self._lock:
             return self._num_in_flight
+
+    def validate_structured(self, spec) -> None:
+        """ValueError if a request's structured_outputs spec is invalid. Handlers call it on a worker
+        thread before `submit` (llguidance's validation of a large schema takes ~0.1 s: never on the
+        engine thread or the event loop); the one engine call made off the engine thread, and
+        thread-safe (engine/structured_requests.py)."""
+        self.engine.structured.validate(spec)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None,
                request_id: str | None = None, external_ids: tuple[str, ...] = (), lora_request=None) -> RequestStream:

@@ -84,15 +84,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                 **_tool_delta(c, tool_streams[c.index], tool_how), "stop_reason": c.stop_reason,
                                 **ids_of(c.delta_token_ids)}
                                for c, new_lps in deltas_to_send(output, done)]
-                    choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None]
+                    choices = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"] is not None
+                               or c.get("token_ids")]
                 else:
                     # Never an empty delta: a choice goes out with new text, its finish, or (asked
-                    # for) the logprobs of tokens whose text is still held back ("content": "").
+                    # for) the logprobs or ids of tokens whose text is still held back ("content": "").
                     choices = [{"index": c.index, "delta": {"content": c.delta_text},
                                 "logprobs": logprobs_of(c.delta_token_ids, new_lps), "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason, **ids_of(c.delta_token_ids)}
                                for c, new_lps in deltas_to_send(output, done)
-                               if c.delta_text or c.finish_reason is not None or body.logprobs]
+                               if c.delta_text or c.finish_reason is not None or body.logprobs
+                               or (body.return_token_ids and c.delta_token_ids)]
                 if choices:
                     yield sse(chunk(choices))
             if include_usage and final is not None:

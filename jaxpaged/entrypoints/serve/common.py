@@ -149,6 +149,11 @@ def base_request_id(request: Request, body_request_id: str | None) -> str:
 
 async def start(state: ServerState, token_ids: list[int], params: SamplingParams,
                 cache_salt: str | None, lora_request=None, external_ids: tuple[str, ...] = ()) -> RequestStream:
+    if params.structured_outputs is not None:  # validated on a worker thread: never stalls the engine or the loop
+        try:
+            await asyncio.to_thread(state.bridge.validate_structured, params.structured_outputs)
+        except ValueError as err:
+            raise APIError(400, str(err), param="structured_outputs") from None
     try:
         stream = state.bridge.submit(token_ids, params, cache_salt=cache_salt, external_ids=external_ids,
                                      lora_request=lora_request)

@@ -116,8 +116,9 @@ async def completions(body: CompletionRequest, request: Request):
                     choices = []
                     for c, new_lps in deltas_to_send(output, done):
                         echo = body.echo and c.index not in echoed
-                        if not (c.delta_text or echo or c.finish_reason is not None or body.logprobs is not None):
-                            continue  # tokens whose text is held back: nothing to send yet
+                        if not (c.delta_text or echo or c.finish_reason is not None or body.logprobs is not None
+                                or (body.return_token_ids and c.delta_token_ids)):
+                            continue  # tokens whose text is held back, and no ids asked for: nothing to send yet
                         first = c.index not in echoed
                         echoed.add(c.index)
                         choices.append({
