@@ -4,7 +4,7 @@
     python -m benchmarks.bench_h100_static --quick    # decode at batch 256, context 1024; the one-row bucket; one H200 row
     python -m benchmarks.bench_h100_static --families # Mixtral-8x7B (16 layers), Gemma-2-9B, gpt-oss-20b decode steps only
     python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
-    python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block weights
+    python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block / W4A16 weights
     python -m benchmarks.bench_h100_static --lora     # a decode step with 4 rank-16 LoRA adapters, and without
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
@@ -75,11 +75,12 @@ def h200_cases() -> list[dict]:
 
 
 def quantized_cases() -> list[dict]:
-    """Qwen3-8B decode steps (context 2048) with bf16 weights and with FP8 ones (per channel, 128x128 blocks;
-    W8A8), batch 1 and 64: bytes against the ideal, which counts the weights as the step holds them."""
+    """Qwen3-8B decode steps (context 2048) with bf16 weights, with FP8 ones (per channel, 128x128 blocks;
+    W8A8) and with packed 4-bit ones (W4A16: ops/w4a16_matmul.py), batch 1 and 64: bytes against the ideal,
+    which counts the weights as the step holds them."""
     one = lambda w, b: dict(model="qwen3-8b", backend="pallas", kv_cache_dtype="auto", num_seqs=b, context=2048,
                             weights=w)
-    return [one(w, b) for w in ("auto", "fp8-channel", "fp8-block") for b in (1, 64)]
+    return [one(w, b) for w in ("auto", "fp8-channel", "fp8-block", "w4a16") for b in (1, 64)]
 
 
 def quick_cases() -> list[dict]:

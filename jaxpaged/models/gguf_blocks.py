@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.ops import fp8_matmul, gguf_panels
+from jaxpaged.ops import fp8_matmul, gguf_panels, w4a16_matmul
 from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either layout (used in the step)
 
 BLOCK = 32
@@ -244,6 +244,12 @@ def has_kept_weights(params) -> bool:
     return bool(kept_projections(params))
 
 
+def has_packed_codes(params) -> bool:
+    """Whether a layer projection of `params` keeps 4-bit codes packed two per byte (`is_packed`)."""
+    return any(leaf_name(path).endswith("_codes") and leaf_name(path) != EMBEDDING + "_codes" and is_packed(leaf)
+               for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
 REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf'), so new weights must come "
                   "in that same tree (`llm.params`: *_codes, *_scales, *_mins); to load float weights (a "
                   "trainer's, Hugging Face names) build the LLM with quantization=None")
@@ -274,7 +280,11 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     and reads it back (3x the weight's bytes); two rows make it a GEMM (jaxpaged/static_profile).
 
     A weight kept as FP8 (`name_fp8`, models/hf_quant.py) is multiplied by ops/fp8_matmul.py: W8A16, or
-    W8A8 with `fp8_matmul.W8A8` in `kernels` (ModelConfig.fp8_activations "fp8")."""
+    W8A8 with `fp8_matmul.W8A8` in `kernels` (ModelConfig.fp8_activations "fp8").
+
+    With `w4a16_matmul.NAME` in `kernels` (the runner sets it on a CUDA GPU), this layer's packed 4-bit
+    codes multiply x in the Pallas kernel of ops/w4a16_matmul.py, which reads them as stored; more than
+    its MAX_ROWS rows (a prefill: bound by compute) take XLA's path, the weight dequantized first."""
     own = stack is None
     if not module.is_initializing() and module.has_variable("params", name + "_fp8"):
         weight, scale, input_scale = (module.get_variable("params", name + s) if module.has_variable("params", name + s)
@@ -287,6 +297,17 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
                                   activations="fp8" if fp8_matmul.W8A8 in kernels else "float")
         out_dims = (shape[-1],) if matrix else shape[1:]
         return y[: math.prod(x.shape[:-1])].reshape(x.shape[:-1] + out_dims)
+    if w4a16_matmul.NAME in kernels and not module.is_initializing() and module.has_variable("params", name + "_codes"):
+        # packed 4-bit codes on a GPU: the Pallas kernel reads them as stored (ops/w4a16_matmul.py)
+        codes = module.get_variable("params", name + "_codes")  # this layer's [in/32, 16, out]
+        rows = math.prod(shape[:-1]) if matrix else shape[0]
+        flat = x.reshape(-1, rows)
+        if x.dtype in (jnp.bfloat16, jnp.float32) and w4a16_matmul.supports(flat.shape, codes.shape):
+            scales, mins = (module.get_variable("params", name + s) for s in SUFFIXES[1:])
+            out_dims = (shape[-1],) if matrix else shape[1:]
+            y = w4a16_matmul.w4a16_matmul(flat, codes, scales, mins)
+            return y.astype(dtype).reshape(x.shape[:-1] + out_dims)
+        # (one byte a code, more than MAX_ROWS rows, out-features not a multiple of 16: XLA's path below)
 
     def leaf(key):  # [L, ...] from the stack, or this layer's own leaf as [1, ...]
         if not own:
@@ -358,13 +379,16 @@ def cpu_matmul_kernels(params, platform: str, tp, model_config) -> frozenset:
     codes, `panels_head`), "gguf_matmul" for codes in GGUF's layout (SERVE_PANELS off), "dense_matmul"
     for float32 weights; on XLA:CPU, one device (a custom call has no sharding rule: no `tp`, the
     runner's TensorParallel, or a one-device mesh, as a data-parallel replica's), float32 activations,
-    each kernel built and not switched off (JAXPAGED_CPU_KERNELS).
+    each kernel built and not switched off (JAXPAGED_CPU_KERNELS). On a CUDA GPU (one device), packed
+    4-bit codes: "w4a16_matmul" (ops/w4a16_matmul.py, a Pallas kernel).
     With model_config.gguf_activations "q8_1": Q8_1 (on every platform; `linear`), and "gguf_panels_q8"
     (the panels against Q8_1 activations) where gguf_panels runs."""
     codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
     if model_config.fp8_activations == "fp8":  # FP8 weights multiply FP8 activations (on every platform)
         q8 = q8 | {fp8_matmul.W8A8}
+    if platform in ("cuda", "gpu") and (tp is None or tp.mesh.size == 1) and has_packed_codes(params):
+        q8 = q8 | {w4a16_matmul.NAME}  # packed 4-bit codes on a GPU: the Pallas kernel (a custom call: one device)
     if platform != "cpu" or (tp is not None and tp.mesh.size > 1) or jnp.dtype(model_config.dtype) != jnp.float32:
         return q8
     from jaxpaged.ops import dense_matmul, gguf_matmul

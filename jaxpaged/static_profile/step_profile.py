@@ -93,6 +93,8 @@ class StepCase:
     invariant_attention: bool = False
     # Layer projections as a quantized checkpoint keeps them (models/hf_quant.py): "auto" (the model dtype),
     # "fp8-channel" (float8 + a scale per output channel) or "fp8-block" (128x128 blocks); FP8 runs W8A8.
+    # "w4a16": 4-bit codes packed two per byte, float32 scales and mins per 32 in-features (an AWQ / GPTQ /
+    # compressed-tensors W4A16 checkpoint as models/hf_quant.py keeps it), multiplied by ops/w4a16_matmul.py.
     weights: str = "auto"
     # Multi-LoRA: this many adapter slots of rank lora_rank on every attention and MLP projection (the
     # step's cost does not depend on which slots the tokens use: models/lora.py); 0: no adapters.
@@ -158,8 +160,8 @@ def quantized_shapes(shapes, weights: str):
     `name_fp8_scale` [L, G, out] float32: G = 1 per channel, in / 128 for blocks); "auto": unchanged."""
     if weights == "auto":
         return shapes
-    if weights not in ("fp8-channel", "fp8-block"):
-        raise ValueError(f"weights={weights!r}: 'auto', 'fp8-channel' or 'fp8-block'")
+    if weights not in ("fp8-channel", "fp8-block", "w4a16"):
+        raise ValueError(f"weights={weights!r}: 'auto', 'fp8-channel', 'fp8-block' or 'w4a16'")
     layers = dict(shapes["params"]["layers"])
     for module in ("attn", "mlp"):
         leaves = dict(layers[module])
@@ -169,6 +171,10 @@ def quantized_shapes(shapes, weights: str):
             shape = leaves.pop(name).shape  # [L, in..., out...]: o_proj's in is (heads, head_dim)
             k = math.prod(shape[1:3]) if name == "o_proj" else shape[1]
             n = math.prod(shape[1:]) // k
+            if weights == "w4a16":  # models/gguf_blocks.py's leaves: codes [L, in/32, 16, out], scales and mins
+                leaves[name + "_codes"] = jax.ShapeDtypeStruct((shape[0], k // 32, 16, n), jnp.uint8)
+                leaves[name + "_scales"] = leaves[name + "_mins"] = jax.ShapeDtypeStruct((shape[0], k // 32, n), jnp.float32)
+                continue
             groups = 1 if weights == "fp8-channel" else k // 128
             leaves[name + "_fp8"] = jax.ShapeDtypeStruct((shape[0], k, n), jnp.float8_e4m3fn)
             leaves[name + "_fp8_scale"] = jax.ShapeDtypeStruct((shape[0], groups, n), jnp.float32)
@@ -217,7 +223,10 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     flat = jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
     fp8_bytes = _device_bytes([x for _, x in flat if x.dtype == jnp.float8_e4m3fn])
     scale_bytes = _device_bytes([x for path, x in flat if jax.tree_util.keystr(path).endswith(("_fp8_scale']", "_input_scale']"))])
-    matmul_params = (weight_bytes + fp8_bytes - scale_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
+    # (packed 4-bit codes: two weights a byte, counted as bf16 ones would be; their scales and mins not at all.)
+    codes_bytes = _device_bytes([x for path, x in flat if jax.tree_util.keystr(path).endswith("_codes']")])
+    scale_bytes += _device_bytes([x for path, x in flat if jax.tree_util.keystr(path).endswith(("_scales']", "_mins']"))])
+    matmul_params = (weight_bytes + fp8_bytes + 3 * codes_bytes - scale_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
         1 if config.tie_word_embeddings else 2)
     useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
     useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
