@@ -149,3 +149,24 @@ def test_steps_through_the_kernel_equal_the_cpu_paths(monkeypatch):
         text = kernel.trace_step(decode).lower(lowering_platforms=("cuda",)).as_text()
     # (the reference attention here: every Triton kernel is the matmul's; one function per shape, called per projection)
     assert TRITON_CALL in text and len(re.findall(r"call @w4a16_matmul(?:_\d+)?\b", text)) == 7 * TINY.num_layers
+
+
+def test_an_awq_checkpoint_served_through_the_kernel_gives_hf_greedy_tokens(tmp_path, monkeypatch):
+    """An engine on an AutoAWQ checkpoint (tests/quant_checkpoints.py) whose runner picks its matmul kernels
+    as on a GPU: every layer projection through the kernel (interpreted here; the prefill's 16 rows too),
+    greedy tokens equal Hugging Face float32's on the format's own dequantized weights."""
+    from quant_checkpoints import hf_greedy, hf_model, write_awq
+
+    from jaxpaged import LLM, SamplingParams
+
+    path, oracle = write_awq(str(tmp_path / "awq"))
+    choose = runner_module.cpu_matmul_kernels
+    monkeypatch.setattr(runner_module, "cpu_matmul_kernels", lambda p, platform, tp, c: choose(p, "cuda", tp, c))
+    llm = LLM(path, max_model_len=64, num_pages=32, max_num_batched_tokens=16, warmup=False, per_layer_weights=True)
+    assert w4a16_matmul.NAME in llm.engine.runner.matmul_kernels
+    prompts = [[5, 17, 99, 3, 200, 41], [250, 12, 7, 7, 88, 160, 33, 2, 9]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    hf = hf_model(oracle)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
