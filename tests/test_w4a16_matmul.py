@@ -170,3 +170,19 @@ def test_an_awq_checkpoint_served_through_the_kernel_gives_hf_greedy_tokens(tmp_
     hf = hf_model(oracle)
     for prompt, out in zip(prompts, outputs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
+
+
+def test_the_static_profiles_w4a16_tree_is_the_tree_an_awq_checkpoint_loads_as(tmp_path):
+    """benchmarks/bench_h100_static --quantized profiles abstract W4A16 leaves (static_profile.step_profile
+    quantized_shapes "w4a16"): the names, shapes and dtypes an AWQ checkpoint really loads as."""
+    from quant_checkpoints import write_awq
+
+    from jaxpaged.models.llama import param_shapes
+    from jaxpaged.models.weights import load_model
+    from jaxpaged.static_profile.step_profile import quantized_shapes
+
+    config, params, _ = load_model(write_awq(str(tmp_path / "awq"))[0], "float32")
+    profiled = quantized_shapes(param_shapes(config), "w4a16")
+    shape = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: (jax.tree_util.keystr(p), x.shape, x.dtype), tree)
+    assert sorted(jax.tree.leaves(shape(profiled), is_leaf=lambda x: isinstance(x, tuple))) == sorted(
+        jax.tree.leaves(shape(params), is_leaf=lambda x: isinstance(x, tuple)))
