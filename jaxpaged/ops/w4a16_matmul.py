@@ -104,11 +104,9 @@ def tiles(m: int, k: int, n: int) -> tuple[int, int, int, int]:
     block_m = min(64, max(16, pl.next_power_of_2(m)))
     block_n = next(b for b in (64, 32, 16) if n % b == 0)
     num_blocks = k // BLOCK
-    # A power of two dividing K/32: up to 8 blocks (256 in-features) a step, 4 with 64 rows (8 spilled
-    # registers on the H100: ptxas, benchmarks/results/h100_static_quantized.json "kernels").
+    # A power of two dividing K/32: up to 8 blocks (256 in-features) a step, 4 with 64 rows (ptxas for the
+    # H100: 8 took 255 registers and spilled, 4 takes 174 and does not; h100_static_quantized.json "kernels").
     blocks_per_step = math.gcd(num_blocks, 8 if block_m < 64 else 4)
-    while blocks_per_step & (blocks_per_step - 1):
-        blocks_per_step //= 2
     steps = num_blocks // blocks_per_step
     tiles_mn = (n // block_n) * pl.cdiv(m, block_m)
     # Splits of K: enough programs for every SM, while the partial sums (S x M x N float32, written and read
