@@ -102,3 +102,26 @@ def test_the_model_path_multiplies_through_the_kernel_where_selected():
         assert ("pallas_call" in traced) == (rows <= fp8_block_matmul.MAX_ROWS), rows
         np.testing.assert_allclose(np.asarray(apply(jnp.asarray(h))), fp8_matmul.reference(h, w, scale, activations="fp8"),
                                    rtol=2e-5, atol=1e-4)
+
+
+def test_a_block_fp8_checkpoint_through_the_kernel_gives_hf_greedy_tokens(tmp_path, monkeypatch):
+    """The engine on a block-FP8 checkpoint with the runner's kernels chosen as on a GPU (the platform
+    passed to cpu_matmul_kernels; the kernel interpreted here): greedy tokens equal Hugging Face's on the
+    dequantized weights (W8A16, float32), as the XLA path's do (tests/test_hf_quantized.py)."""
+    from quant_checkpoints import hf_greedy, hf_model, write_fp8
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.device import runner as runner_module
+    from jaxpaged.models import gguf_blocks
+
+    as_gpu = lambda params, platform, tp, config: gguf_blocks.cpu_matmul_kernels(params, "gpu", tp, config)
+    monkeypatch.setattr(runner_module, "cpu_matmul_kernels", as_gpu)
+    path, oracle = write_fp8(str(tmp_path / "block"), "block")
+    llm = LLM(path, max_model_len=64, num_pages=32, warmup=False)
+    assert fp8_block_matmul.NAME in llm.engine.runner.matmul_kernels
+    hf = hf_model(oracle)
+    prompts = [[5, 17, 99, 3, 200, 41], [250, 12, 7, 7, 88, 160, 33, 2, 9]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 6)

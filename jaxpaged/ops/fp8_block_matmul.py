@@ -13,7 +13,7 @@ the FP8 tile w[kB:(k+1)B, n tile] and the block's scale row, and accumulates in 
     "fp8"   (W8A8)   acc += dot(q[:, block], w tile) * x_scale[:, k] * scale[k, n tile]
 
 where q, x_scale are x quantized per token and block of K (fp8_matmul's dynamic per-token-group
-quantization, done by XLA before the kernel: M x K bytes). A dot of FP8 by FP8 is exact in float32
+quantization), in the kernel: each program quantizes the x tile it loads (no launches of its own). A dot of FP8 by FP8 is exact in float32
 (products of 4-bit mantissas, sums over one block of 128), so W8A8 equals fp8_matmul's to float32
 rounding; W8A16's dot of bf16 x by the exact bf16 image of the FP8 values does not round the
 dequantized weight to bf16 (fp8_matmul's XLA form does).
@@ -93,15 +93,7 @@ def _kernel_part(x, w, scale, activations, columns, block_n, dtype, interpret, n
     (m, k), groups = x.shape, scale.shape[0]
     rows = k // groups
     block_m = max(16, 1 << (m - 1).bit_length())
-    if activations == "fp8":  # per token and block of K, as fp8_matmul's dynamic W8A8
-        blocks = x.astype(jnp.float32).reshape(m, groups, rows)
-        x_scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=2) / fp8_matmul.FP8_MAX, fp8_matmul.TINY)  # [M, G]
-        lhs = fp8_matmul.quantize_fp8(blocks, x_scale[..., None]).reshape(m, k)
-    else:
-        x_scale = jnp.ones((m, groups), jnp.float32)  # unread
-        lhs = x
-    lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
-    x_scale = jnp.pad(x_scale, ((0, block_m - m), (0, 0))).T  # [G, block_m]: one block's scales a row
+    lhs = jnp.pad(x, ((0, block_m - m), (0, 0)))  # zero rows: their FP8 scale is TINY, their products 0
     kernel = functools.partial(_block_kernel, groups=groups, rows=rows, w8a8=activations == "fp8")
 
     def call(interpret_mode: bool):
@@ -110,30 +102,32 @@ def _kernel_part(x, w, scale, activations, columns, block_n, dtype, interpret, n
             out_shape=jax.ShapeDtypeStruct((block_m, columns), dtype),
             grid=(columns // block_n,),
             in_specs=[pl.BlockSpec((block_m, k), lambda j: (0, 0)),
-                      pl.BlockSpec((groups, block_m), lambda j: (0, 0)),
                       pl.BlockSpec((k, block_n), lambda j: (0, j)),
                       pl.BlockSpec((groups, block_n), lambda j: (0, j))],
             out_specs=pl.BlockSpec((block_m, block_n), lambda j: (0, j)),
             compiler_params=(None if TRITON_COMPILER_PARAMS is None
                              else TRITON_COMPILER_PARAMS(num_warps=num_warps, num_stages=num_stages)),
             interpret=interpret_mode,
-        )(lhs, x_scale, w, scale)
+        )(lhs, w, scale)
 
     out = call(bool(interpret)) if interpret is not None else lax.platform_dependent(
         cuda=lambda: call(False), default=lambda: call(True))
     return out[:m]
 
 
-def _block_kernel(x_ref, x_scale_ref, w_ref, scale_ref, out_ref, *, groups: int, rows: int, w8a8: bool):
+def _block_kernel(x_ref, w_ref, scale_ref, out_ref, *, groups: int, rows: int, w8a8: bool):
     """One tile of N columns: acc [block_m, block_n] float32 over the G blocks of K."""
 
     def step(g, acc):
         start = pl.multiple_of(g * rows, rows)
         xb = x_ref[:, pl.ds(start, rows)]  # [block_m, B]
         wb = w_ref[pl.ds(start, rows), :]  # [B, block_n] float8
-        if w8a8:  # FP8 x FP8, exact in float32
-            part = lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            part = part * x_scale_ref[g, :][:, None]
+        if w8a8:  # x quantized per token and block as fp8_matmul's dynamic W8A8; FP8 x FP8 exact in float32
+            xf = xb.astype(jnp.float32)
+            x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=1) / fp8_matmul.FP8_MAX, fp8_matmul.TINY)  # [block_m]
+            q = jnp.clip(xf / x_scale[:, None], -fp8_matmul.FP8_MAX, fp8_matmul.FP8_MAX).astype(wb.dtype)
+            part = lax.dot_general(q, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            part = part * x_scale[:, None]
         else:  # the FP8 values are exact in x's dtype (bf16 or wider)
             precision = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
             part = lax.dot_general(xb, wb.astype(xb.dtype), (((1,), (0,)), ((), ())), precision=precision,
