@@ -4,6 +4,11 @@ fp8_matmul.reference (numpy loops, one token and block at a time), and its selec
 Scales are random per (block of K, column), not repeated over 128 columns as a checkpoint's are, so a
 kernel that reads the scale of a wrong block or column fails; weights span FP8's range."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +78,8 @@ def test_a_gpu_runner_selects_it_for_block_scales_only():
     config = ModelConfig(vocab_size=320, hidden_size=256, intermediate_size=320, num_layers=1, num_heads=4,
                          num_kv_heads=2, head_dim=64, dtype="bfloat16", fp8_activations="fp8")
     block, channel = _block_and_channel_params()
-    assert fp8_block_matmul.NAME in cpu_matmul_kernels(block, "gpu", None, config)
-    assert fp8_block_matmul.NAME in cpu_matmul_kernels(block, "cuda", None, config)  # an abstract H100's
+    assert fp8_block_matmul.NAME in cpu_matmul_kernels(block, "gpu", None, config)  # a CUDA device's, an H100's
+    assert fp8_block_matmul.NAME in cpu_matmul_kernels(block, "cuda", None, config)  # the name lowering uses
     assert fp8_block_matmul.NAME not in cpu_matmul_kernels(channel, "gpu", None, config)
     assert fp8_block_matmul.NAME not in cpu_matmul_kernels(block, "cpu", None, config)
 
@@ -100,8 +105,8 @@ def test_the_model_path_multiplies_through_the_kernel_where_selected():
         h = np.resize(x, (rows, 256))
         traced = str(jax.make_jaxpr(apply)(jnp.asarray(h)))
         assert ("pallas_call" in traced) == (rows <= fp8_block_matmul.MAX_ROWS), rows
-        np.testing.assert_allclose(np.asarray(apply(jnp.asarray(h))), fp8_matmul.reference(h, w, scale, activations="fp8"),
-                                   rtol=2e-5, atol=1e-4)
+        want = fp8_matmul.reference(h, w, scale, activations="fp8")
+        np.testing.assert_allclose(np.asarray(apply(jnp.asarray(h))), want, rtol=2e-5, atol=1e-4)
 
 
 def test_a_block_fp8_checkpoint_through_the_kernel_gives_hf_greedy_tokens(tmp_path, monkeypatch):
@@ -125,3 +130,32 @@ def test_a_block_fp8_checkpoint_through_the_kernel_gives_hf_greedy_tokens(tmp_pa
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 6)
+
+
+H100_STEP = """
+import json
+from jaxpaged.static_profile.step_profile import StepCase, profile
+case = StepCase(model="qwen3-0.6b", backend="pallas", kv_cache_dtype="auto", num_seqs=2, context=256,
+                weights="fp8-block", num_layers=1)
+row = profile(case, kernels=False)
+print(json.dumps({"pallas": [p["detail"] for p in row["pallas"]], "bytes_to_ideal": row["bytes_to_ideal"]}))
+"""
+
+
+def test_the_h100_decode_step_multiplies_every_projection_in_the_kernel():
+    """The runner's own selection on a GPU target: a one-layer block-FP8 decode step compiled for an H100
+    (abstract weights; static_profile) runs each of the layer's 7 projections as one Pallas `_block_kernel`
+    and reads its weights about once (estimated from the compiled program)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    toolchain = os.environ.get("JAXPAGED_H100_TOOLCHAIN") or os.path.join(root, ".h100-toolchain")
+    if not os.path.isdir(os.path.join(toolchain, "jax_plugins")):
+        message = "no H100 toolchain: run scripts/install_h100_toolchain.sh (.ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.static_profile.target", "-c", H100_STEP], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sum(detail.startswith("_block_kernel ") for detail in row["pallas"]) == 7, row["pallas"]
+    assert row["bytes_to_ideal"] <= 1.15, row["bytes_to_ideal"]

@@ -3,20 +3,22 @@
 The weight and its scales in ops/fp8_matmul.py's layout: w float8_e4m3fn [K, N], scale float32 [G, N]
 with G > 1 blocks of B = K / G rows (Hugging Face's `weight_block_size` [128, 128]: each column block's
 scale repeated over its 128 columns). XLA has no block-scaled dot on Hopper: its forms of the product
-either write a dequantized bf16 copy of the weight and read it back, or write [M, G, N] float32 partial
-products, 2-5x the weight's bytes on the H100 profile (`jax.nn.scaled_matmul` falls back to the first).
+write a dequantized bf16 copy of the weight and read it back, or write [M, G, N] float32 partial
+products (or, at one row, a weight-sized product); `jax.nn.scaled_matmul` falls back to the first.
+On the H100 profile that is 2.1x the ideal bytes of a Qwen3-8B decode step, 4.7-35x one projection's.
 
-The kernel: a grid of (M tiles, N tiles); each program walks K in steps of one block (B rows), loads
-the FP8 tile w[kB:(k+1)B, n tile] and the block's scale row, and accumulates in float32
+The kernel: a grid over tiles of N columns, all M rows in one tile; each program walks K one block
+(B rows) at a time, loads the FP8 tile w[gB:(g+1)B, n tile] and the block's scale row, and adds
 
-    "float" (W8A16)  acc += dot(x[:, block], float(w tile)) * scale[k, n tile]
-    "fp8"   (W8A8)   acc += dot(q[:, block], w tile) * x_scale[:, k] * scale[k, n tile]
+    "float" (W8A16)  acc += dot(x[:, block g], float(w tile)) * scale[g, n tile]
+    "fp8"   (W8A8)   acc += dot(q[:, block g], w tile) * x_scale[:, g] * scale[g, n tile]
 
-where q, x_scale are x quantized per token and block of K (fp8_matmul's dynamic per-token-group
-quantization), in the kernel: each program quantizes the x tile it loads (no launches of its own). A dot of FP8 by FP8 is exact in float32
-(products of 4-bit mantissas, sums over one block of 128), so W8A8 equals fp8_matmul's to float32
-rounding; W8A16's dot of bf16 x by the exact bf16 image of the FP8 values does not round the
-dequantized weight to bf16 (fp8_matmul's XLA form does).
+to a float32 accumulator, where q, x_scale are x quantized per token and block of K (fp8_matmul's
+dynamic per-token-group arithmetic) inside the kernel: each program quantizes the x tile it loads,
+no launches of its own. Each block's partial is scaled and added in float32 on its own, so an FP8
+tensor-core dot never sums more than one block (Hopper's FP8 MMA keeps fewer accumulator bits than
+float32). W8A16 multiplies x by the FP8 values in x's dtype (exact in bf16) and scales in float32:
+the dequantized weight is never rounded to bf16 (fp8_matmul's XLA form rounds it).
 
 Columns: the grid covers the largest multiple of the tile width `block_n` in N; the last N % block_n
 columns (none at every Qwen3 / DeepSeek shape: the tile is chosen to divide N) go through
@@ -43,6 +45,9 @@ from pallas_kernels.jax_compat import TRITON_COMPILER_PARAMS
 NAME = "fp8_block_matmul"  # in a runner's matmul kernels: block-scaled FP8 projections through this kernel
 MAX_ROWS = 128  # the most rows of x the kernel serves (decode and small steps); more: XLA's GEMM (compute bound)
 BLOCK_N = (128, 64, 32, 16)  # tile widths tried, widest first: the first that divides N (else 16 and a tail)
+# Launch shapes with no register spills on the H100 (ptxas, from the compiled program, W8A8 the larger):
+# 16 rows x 128 columns on 4 warps; up to 64 x 128 on 8; 128 rows only with 64 columns on 8.
+WIDEST_TILE = {16: 128, 32: 128, 64: 128, 128: 64}  # block_m -> the widest block_n
 
 
 def available() -> bool:
@@ -59,16 +64,22 @@ def use_kernel(x, scale, input_scale=None) -> bool:
             and input_scale is None)
 
 
-def block_n_for(n: int) -> int:
-    return next((b for b in BLOCK_N if n % b == 0), BLOCK_N[-1])
+def block_m_for(m: int) -> int:
+    """The row tile: M padded to a power of two, 16 at least (Triton's smallest dot)."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def block_n_for(n: int, block_m: int = 16) -> int:
+    return next((b for b in BLOCK_N if n % b == 0 and b <= WIDEST_TILE[block_m]), BLOCK_N[-1])
 
 
 def block_matmul(x, w, scale, *, activations: str = "float", dtype=None, block_n: int | None = None,
-                 interpret: bool | None = None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                 interpret: bool | None = None, num_warps: int | None = None, num_stages: int = 3) -> jax.Array:
     """x [M, K] @ W [K, N] -> [M, N] in `dtype` (default x's); W = float(w) * scale by blocks of K rows.
 
-    block_n: the N tile (default `block_n_for(N)`); interpret: None = compiled when lowered for a CUDA
-    GPU and interpreted otherwise (pallas_kernels/_common.by_target), True / False as given."""
+    block_n: the N tile (default `block_n_for`); num_warps: default 4 for one 16-row tile, else 8
+    (WIDEST_TILE); interpret: None = compiled when lowered for a CUDA GPU and interpreted otherwise
+    (pallas_kernels/_common.by_target), True / False as given."""
     dtype = dtype or x.dtype
     (m, k), (groups, n) = x.shape, scale.shape
     if w.shape != (k, n) or w.dtype != jnp.float8_e4m3fn or not use_kernel(x, scale):
@@ -77,7 +88,8 @@ def block_matmul(x, w, scale, *, activations: str = "float", dtype=None, block_n
                          "fp8_matmul.fp8_matmul)")
     if activations not in fp8_matmul.ACTIVATIONS:
         raise ValueError(f"block_matmul: activations={activations!r} must be one of {fp8_matmul.ACTIVATIONS}")
-    block_n = block_n or block_n_for(n)
+    block_n = block_n or block_n_for(n, block_m_for(m))
+    num_warps = num_warps or (4 if block_m_for(m) == 16 else 8)
     main = n - n % block_n
     parts = []
     if main:
@@ -92,7 +104,7 @@ def _kernel_part(x, w, scale, activations, columns, block_n, dtype, interpret, n
     multiple of block_n) of W."""
     (m, k), groups = x.shape, scale.shape[0]
     rows = k // groups
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = block_m_for(m)
     lhs = jnp.pad(x, ((0, block_m - m), (0, 0)))  # zero rows: their FP8 scale is TINY, their products 0
     kernel = functools.partial(_block_kernel, groups=groups, rows=rows, w8a8=activations == "fp8")
 
