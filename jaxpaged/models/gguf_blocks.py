@@ -371,7 +371,8 @@ def cpu_matmul_kernels(params, platform: str, tp, model_config) -> frozenset:
     runner's TensorParallel, or a one-device mesh, as a data-parallel replica's), float32 activations,
     each kernel built and not switched off (JAXPAGED_CPU_KERNELS).
     With model_config.gguf_activations "q8_1": Q8_1 (on every platform; `linear`), and "gguf_panels_q8"
-    (the panels against Q8_1 activations) where gguf_panels runs."""
+    (the panels against Q8_1 activations) where gguf_panels runs. On a GPU, one device, FP8 weights with
+    block scales: "fp8_block_matmul" (ops/fp8_block_matmul.py's Pallas GEMM, where JAX has Triton)."""
     codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
     if model_config.fp8_activations == "fp8":  # FP8 weights multiply FP8 activations (on every platform)
