@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.ops import fp8_matmul, gguf_panels, w4a16_matmul
+from jaxpaged.ops import fp8_block_matmul, fp8_matmul, gguf_panels, w4a16_matmul
 from jaxpaged.ops.gguf_matmul import unpacked  # one code per byte from either layout (used in the step)
 
 BLOCK = 32
@@ -250,6 +250,12 @@ def has_packed_codes(params) -> bool:
                for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
+def has_block_fp8(params) -> bool:
+    """Whether a projection of `params` is FP8 with block scales (`name_fp8_scale` [..., G > 1, out])."""
+    return any(leaf_name(path).endswith("_fp8_scale") and x.shape[-2] > 1
+               for path, x in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
 REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf'), so new weights must come "
                   "in that same tree (`llm.params`: *_codes, *_scales, *_mins); to load float weights (a "
                   "trainer's, Hugging Face names) build the LLM with quantization=None")
@@ -280,7 +286,9 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
     and reads it back (3x the weight's bytes); two rows make it a GEMM (jaxpaged/static_profile).
 
     A weight kept as FP8 (`name_fp8`, models/hf_quant.py) is multiplied by ops/fp8_matmul.py: W8A16, or
-    W8A8 with `fp8_matmul.W8A8` in `kernels` (ModelConfig.fp8_activations "fp8").
+    W8A8 with `fp8_matmul.W8A8` in `kernels` (ModelConfig.fp8_activations "fp8"); block scales by
+    ops/fp8_block_matmul.py's kernel where `fp8_block_matmul.NAME` is in `kernels` (a GPU) and it
+    serves the call (`use_kernel`: up to MAX_ROWS rows, dynamic activations).
 
     With `w4a16_matmul.NAME` in `kernels` (the runner sets it on a CUDA GPU), this layer's packed 4-bit
     codes multiply x in the Pallas kernel of ops/w4a16_matmul.py, which reads them as stored; more than
@@ -293,8 +301,11 @@ def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, i
         flat = x.reshape(-1, rows)
         if flat.shape[0] < min_rows:
             flat = jnp.pad(flat, [(0, min_rows - flat.shape[0]), (0, 0)])
-        y = fp8_matmul.fp8_matmul(flat, weight, scale, input_scale, dtype=dtype,
-                                  activations="fp8" if fp8_matmul.W8A8 in kernels else "float")
+        activations = "fp8" if fp8_matmul.W8A8 in kernels else "float"
+        if fp8_block_matmul.NAME in kernels and fp8_block_matmul.use_kernel(flat, scale, input_scale):
+            y = fp8_block_matmul.block_matmul(flat, weight, scale, activations=activations, dtype=dtype)
+        else:
+            y = fp8_matmul.fp8_matmul(flat, weight, scale, input_scale, dtype=dtype, activations=activations)
         out_dims = (shape[-1],) if matrix else shape[1:]
         return y[: math.prod(x.shape[:-1])].reshape(x.shape[:-1] + out_dims)
     if w4a16_matmul.NAME in kernels and not module.is_initializing() and module.has_variable("params", name + "_codes"):
@@ -382,13 +393,17 @@ def cpu_matmul_kernels(params, platform: str, tp, model_config) -> frozenset:
     each kernel built and not switched off (JAXPAGED_CPU_KERNELS). On a CUDA GPU (one device), packed
     4-bit codes: "w4a16_matmul" (ops/w4a16_matmul.py, a Pallas kernel).
     With model_config.gguf_activations "q8_1": Q8_1 (on every platform; `linear`), and "gguf_panels_q8"
-    (the panels against Q8_1 activations) where gguf_panels runs."""
+    (the panels against Q8_1 activations) where gguf_panels runs. On a GPU, one device, FP8 weights with
+    block scales: "fp8_block_matmul" (ops/fp8_block_matmul.py's Pallas GEMM, where JAX has Triton)."""
     codes = has_kept_weights(params) or EMBEDDING + "_codes" in params.get("params", params)
     q8 = frozenset([Q8_1]) if model_config.gguf_activations == "q8_1" else frozenset()
     if model_config.fp8_activations == "fp8":  # FP8 weights multiply FP8 activations (on every platform)
         q8 = q8 | {fp8_matmul.W8A8}
     if platform in ("cuda", "gpu") and (tp is None or tp.mesh.size == 1) and has_packed_codes(params):
         q8 = q8 | {w4a16_matmul.NAME}  # packed 4-bit codes on a GPU: the Pallas kernel (a custom call: one device)
+    if platform in ("gpu", "cuda") and (tp is None or tp.mesh.size == 1) and fp8_block_matmul.available() \
+            and has_block_fp8(params):  # block-scaled FP8 through the Pallas GEMM (it has no sharding rule)
+        q8 = q8 | {fp8_block_matmul.NAME}
     if platform != "cpu" or (tp is not None and tp.mesh.size > 1) or jnp.dtype(model_config.dtype) != jnp.float32:
         return q8
     from jaxpaged.ops import dense_matmul, gguf_matmul

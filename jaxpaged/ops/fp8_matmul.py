@@ -31,7 +31,7 @@ ACTIVATIONS = ("float", "fp8")
 SUFFIXES = ("_fp8", "_fp8_scale", "_input_scale")
 # In a runner's matmul kernels (models/gguf_blocks.py linear): FP8 weights multiply FP8 activations (W8A8).
 W8A8 = "fp8_activations"
-_TINY = 1e-12  # the smallest activation scale: an all-zero row quantizes to zeros, not NaN
+TINY = 1e-12  # the smallest activation scale: an all-zero row quantizes to zeros, not NaN
 
 
 def dequantize(w, scale, dtype=jnp.float32) -> jax.Array:
@@ -63,14 +63,14 @@ def fp8_matmul(x, w, scale, input_scale=None, *, activations: str = "float", dty
     (m, k), (groups, n) = x.shape, scale.shape
     if groups == 1:
         if input_scale is None:  # dynamic, per token
-            x_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True) / FP8_MAX, _TINY)
+            x_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True) / FP8_MAX, TINY)
         else:
             x_scale = jnp.reshape(input_scale, (1, 1)).astype(jnp.float32)
         y = jnp.dot(quantize_fp8(x, x_scale), w, preferred_element_type=jnp.float32)
         return (y * x_scale * scale).astype(dtype)
     # Blocks of K: each token's block of K has its own scale (dynamic only: models/hf_quant.py refuses static).
     blocks = x.astype(jnp.float32).reshape(m, groups, k // groups)
-    x_scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=2) / FP8_MAX, _TINY)  # [M, G]
+    x_scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=2) / FP8_MAX, TINY)  # [M, G]
     partial = jnp.einsum("MGB,GBN->MGN", quantize_fp8(blocks, x_scale[..., None]), w.reshape(groups, k // groups, n),
                          preferred_element_type=jnp.float32)
     return jnp.einsum("MGN,MG,GN->MN", partial, x_scale, scale).astype(dtype)
@@ -89,7 +89,7 @@ def reference(x, w, scale, input_scale=None, *, activations: str = "float"):
     for row in range(m):
         for g in range(groups):
             part = x[row, g * (k // groups):(g + 1) * (k // groups)]
-            s = np.float32(input_scale) if input_scale is not None else max(np.abs(part).max() / FP8_MAX, _TINY)
+            s = np.float32(input_scale) if input_scale is not None else max(np.abs(part).max() / FP8_MAX, TINY)
             q = np.clip(part / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(np.float32)
             rows = w[g * (k // groups):(g + 1) * (k // groups)]
             out[row] += (q @ rows) * s * scale[g]
