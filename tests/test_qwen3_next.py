@@ -173,6 +173,24 @@ def test_preemption_recomputes_and_equals_hf():
     assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
 
 
+def test_swap_preemption_moves_the_state_to_host_and_back_and_equals_hf():
+    """The preemption test's batch under preemption_mode='swap': swapped sequences' states go to host state
+    slots beside their host pages and come back into (other) device slots; the tokens still equal HF's."""
+    prompts = prompts_of(44, 46, 41, 43, 45, 42, seed=2)
+    engine = make_engine(preemption_mode="swap", swap_space_bytes=1 << 20)
+    outputs = run(engine, prompts, [greedy()] * 5 + [dataclasses.replace(greedy(), n=2)])
+    stats = engine.scheduler.stats()
+    assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    assert engine.host_states.num_bytes_in == engine.host_states.num_bytes_out > 0
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    block_manager = engine.block_manager  # nothing leaked: device pages and slots, host pages and state slots
+    assert block_manager.stats()["num_used_pages"] == 0 and block_manager.stats()["num_free_state_slots"] == 6
+    assert block_manager.swap_pool.num_free_pages == block_manager.swap_pool.num_pages
+    assert block_manager.host_state_pool.num_free == block_manager.host_state_pool.num_slots
+    assert not block_manager.host_state_slot
+
+
 def test_n_samples_fork_the_state():
     """n = 3 greedy samples each equal HF's tokens: the children's states are copies of the parent's."""
     prompts = prompts_of(26, 22, seed=3)
@@ -190,7 +208,7 @@ def test_n_samples_fork_the_state():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("preemption_mode", "swap"), ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
+    ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
                                                                                       "num_speculative_tokens": 2}),
 ])
 def test_refused_by_name(field, value):

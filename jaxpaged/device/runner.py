@@ -274,6 +274,9 @@ class ModelRunner:
         self.num_transfer_compiles = 0
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
+        # A hybrid model's swapped states move in batches of max_num_seqs slots (every running sequence at most).
+        self._gather_state = jax.jit(self._gather_state_fn)
+        self._scatter_state = jax.jit(self._scatter_state_fn, donate_argnames=("linear_state",))
 
     @property
     def params(self):
@@ -332,6 +335,29 @@ class ModelRunner:
             dst = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
             self.linear_state = self._copy_state(self.linear_state, src, dst)
+
+    def _gather_state_fn(self, linear_state, slots):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf: leaf[:, slots], linear_state)
+
+    def _scatter_state_fn(self, linear_state, states, slots):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf, new: leaf.at[:, slots].set(new, mode="drop"), linear_state, states)
+
+    def gather_states(self, slots: Sequence[int]):
+        """Hybrid models: state slots `slots` (at most max_num_seqs) of every linear layer, on the device, slot
+        axis 1 padded to max_num_seqs (padding reads slot 0). Dispatched, not awaited: ordered after every
+        step already issued, before every later one."""
+        ids = np.zeros(self.max_num_copies, np.int32)
+        ids[: len(slots)] = slots
+        return self._gather_state(self.linear_state, ids)
+
+    def scatter_states(self, states, slots: Sequence[int]) -> None:
+        """Writes host `states` (a pair like `linear_state`, slot axis 1 of size max_num_seqs) into state slots
+        `slots`; rows past `len(slots)` are dropped."""
+        ids = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
+        ids[: len(slots)] = slots
+        self.linear_state = self._scatter_state(self.linear_state, states, ids)
 
     def _kv_state(self):  # the step's donated state: kv_pages, or (kv_pages, linear_state) for a hybrid model
         return (self.kv_pages, self.linear_state) if self.hybrid else self.kv_pages
@@ -465,6 +491,9 @@ class ModelRunner:
                 self.kv_pages,
             )
             self.scatter_pages(empty, [])  # all rows dropped: changes nothing
+            if self.hybrid:  # swapped states
+                states = jax.block_until_ready(self.gather_states([]))
+                self.scatter_states(jax.tree.map(np.asarray, states), [])
 
     def update_params(self, params) -> None:
         """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.

@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from jaxpaged.config import EngineConfig, strict_json_schemas
-from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts
-from jaxpaged.device.kv_transfer import HostKVStore
+from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts, split_swap_space
+from jaxpaged.device.kv_transfer import HostKVStore, HostStateStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_runner import StepResult, StepRunner
 from jaxpaged.engine.adapters import LoRAAdapters
@@ -48,6 +48,7 @@ from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine.weights import WeightLifecycle, reset_prefix_cache
 from jaxpaged.models.gguf_blocks import has_kept_weights
+from jaxpaged.models.qwen3_next import state_bytes_per_slot
 from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
 from jaxpaged.planner.scheduler import make_scheduler
@@ -74,18 +75,23 @@ class LLMEngine:
         # besides the tokenizer's eos that stop requests unless ignore_eos (vLLM's).
         self.generation_defaults: dict = {}
         self.generation_eos_ids: tuple[int, ...] = ()
-        num_state_slots = 0
+        num_state_slots = num_host_state_slots = 0
         if model_config.is_hybrid:  # Qwen3-Next: a state pool beside the pages (planner/state_pool.py)
             for warning in refuse_hybrid_features(config):
                 logger.warning(warning)
             config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
             num_state_slots = config.max_num_seqs
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
-        num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
+        if model_config.is_hybrid and config.swap_space_bytes:  # swapped states come out of the swap space
+            num_host_state_slots, swap_page_bytes = split_swap_space(config, state_bytes_per_slot(model_config))
+            num_swap_pages, num_host_cache_pages = host_page_counts(
+                dataclasses.replace(config, swap_space_bytes=swap_page_bytes), page_bytes)
+        else:
+            num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
         self.scheduler = make_scheduler(  # every layer local (Mistral): pages behind the window are freed
             config, num_pages=num_pages, num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
             sliding_window=model_config.sliding_window if model_config.all_layers_local else None,
-            num_state_slots=num_state_slots)
+            num_state_slots=num_state_slots, num_host_state_slots=num_host_state_slots)
         self.runner = ModelRunner(
             model_config,
             params,
@@ -121,8 +127,9 @@ class LLMEngine:
             max_cpu_loras=config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self.features = [f for f in (self.routed, self.spec, self.structured, self.beams, self.lora) if f is not None]
         self.host_kv = HostKVStore(self.runner, num_host_pages)
+        self.host_states = HostStateStore(self.runner, num_host_state_slots) if num_host_state_slots else None
         self.step_runner = StepRunner(self.runner, self.host_kv, sampler, max_num_seqs=config.max_num_seqs,
-                                      features=self.features, timings=self.timings)
+                                      features=self.features, timings=self.timings, host_states=self.host_states)
         self.lifecycle = RequestLifecycle(self.scheduler, self.processor, sampler, self.features, self.timings)
         self.weights = WeightLifecycle(  # version, epoch, sleep level, aborted outputs (engine/weights.py)
             self.runner, self.scheduler, self.processor, keeps_gguf_codes=has_kept_weights(params),
