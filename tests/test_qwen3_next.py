@@ -207,6 +207,49 @@ def test_n_samples_fork_the_state():
     assert run(engine, prompts[:1], greedy()) == [[expected[0]]]
 
 
+def hf_beams(prompt, beam_width, max_tokens):
+    """HF's beams, best first: (generated tokens, score)."""
+    _, model, _ = tiny_qwen3_next()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=beam_width, num_return_sequences=beam_width,
+                             do_sample=False, max_new_tokens=max_tokens, early_stopping=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    return [(out.sequences[i, len(prompt):].tolist(), float(out.sequences_scores[i])) for i in range(beam_width)]
+
+
+def test_beam_search_forks_copy_the_state_and_equal_hf():
+    """Two searches of width 3 fill the 6 state slots (each holds its 3 while it lives) beside a greedy request
+    that waits for a slot: every beam equals HF's beam search, and each beam's cumulative logprob equals a fresh
+    full forward over its tokens (an oracle without HF's cache reordering)."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    prompts = prompts_of(13, 17, 11, seed=4)
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    engine = make_engine()
+    ids = [engine.add_beam_request(p, params) for p in prompts[:2]]
+    greedy_id = engine.add_request(prompts[2], greedy(8))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    _, model, _ = tiny_qwen3_next()
+    for request_id, prompt in zip(ids, prompts):
+        got = [(beam.token_ids, beam.score) for beam in done[request_id].beams]
+        want = hf_beams(prompt, 3, 8)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], rtol=1e-4, atol=1e-5)
+        for beam in done[request_id].beams:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + beam.token_ids])).logits[0, len(prompt) - 1:-1]
+            logprobs = torch.log_softmax(logits, -1)[torch.arange(8), torch.tensor(beam.token_ids)]
+            assert beam.cumulative_logprob == pytest.approx(float(logprobs.sum()), abs=1e-4)
+    assert [list(o.token_ids) for o in done[greedy_id].outputs] == [hf_greedy(prompts[2:], 8)[0]]
+    stats = engine.block_manager.stats()
+    assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
+    assert not engine.block_manager._group_reserve and not engine.block_manager._group_of
+
+
 @pytest.mark.parametrize("field,value", [
     ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
                                                                                       "num_speculative_tokens": 2}),
@@ -220,6 +263,3 @@ def test_prefix_caching_is_turned_off_with_a_warning(caplog):
     engine = make_engine(enable_prefix_caching=True)
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching is turned off" in caplog.text
-    with pytest.raises(ValueError, match="beam search"):
-        from jaxpaged.engine.beam_search import BeamSearchParams
-        engine.add_beam_request([1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))

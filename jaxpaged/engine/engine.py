@@ -192,9 +192,6 @@ class LLMEngine:
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
         self.validate_prompt(prompt_token_ids)
-        if self.model_config.is_hybrid:  # its forks would need state slots admission never reserved
-            raise ValueError("beam search is not supported for hybrid linear-attention models (Qwen3-Next); "
-                             "use SamplingParams(n=...) or a model without linear_attention layers")
         max_tokens, stop_ids = check_beam_request(
             params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
             self.tokenizer.eos_token_id,
@@ -208,7 +205,12 @@ class LLMEngine:
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
             cache_salt=versioned_salt(None, self.weights.epoch, adapter_salt), lora_int_id=lora_int_id,
         )
-        self.scheduler.add(seq)
+        self.block_manager.open_fork_group(seq, params.beam_width)  # a hybrid model: the beams' k state slots
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            self.block_manager.close_fork_group(seq)
+            raise
         self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
         return request_id
 
