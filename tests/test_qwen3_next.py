@@ -250,6 +250,46 @@ def test_beam_search_forks_copy_the_state_and_equal_hf():
     assert not engine.block_manager._group_reserve and not engine.block_manager._group_of
 
 
+def test_the_80b_config_reads_as_the_static_profiles_model_and_a_compile_only_runner_traces():
+    """Qwen3-Next-80B-A3B's config.json (as published; written out here) reads to the shapes the H100 static
+    profile compiles (static_profile MODELS, the 3 linear : 1 full pattern repeated); a compile-only (abstract)
+    runner of a hybrid model holds abstract states and traces its decode step without allocating anything."""
+    import jax
+
+    from jaxpaged.device.runner import ModelRunner
+    from jaxpaged.models.qwen3_next import param_shapes
+    from jaxpaged.static_profile.step_profile import StepCase, model_config
+
+    published = {
+        "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+        "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+        "mlp_only_layers": [], "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+        "num_key_value_heads": 2, "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    config = ModelConfig.from_hf(published, dtype="bfloat16")
+    profiled = model_config(StepCase("qwen3-next-80b-a3b", "pallas", "auto", 1, 128))
+    assert config == dataclasses.replace(profiled, max_position_embeddings=262144)
+    assert state_bytes_per_slot(config) == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)  # 36 linear layers
+
+    hf_config, _, _ = tiny_qwen3_next()
+    tiny = ModelConfig.from_hf(hf_config, dtype="float32")
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), param_shapes(tiny))
+    runner = ModelRunner(tiny, params, num_pages=9, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                         max_model_len=16, num_state_slots=2)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in runner.linear_state)
+    assert [leaf.shape[1] for leaf in runner.linear_state] == [3, 3]  # 2 slots and the padding slot
+    traced = runner.trace_step(runner.dummy_step_input(2, decode_only=True))
+    logits, (kv_pages, state) = traced.out_info
+    assert logits.shape == (2, tiny.vocab_size) and [x.shape for x in state] == [x.shape for x in runner.linear_state]
+
+
 @pytest.mark.parametrize("field,value", [
     ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
                                                                                       "num_speculative_tokens": 2}),

@@ -79,12 +79,11 @@ def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
     return "; this engine keeps these GGUF codes one per byte ([..., 32, out]): unpack them with gguf_blocks.unpacked"
 
 
-def check_hybrid_runner(num_state_slots: int, *, abstract: bool, tp, kv_cache_dtype: str, return_routed_experts: bool,
+def check_hybrid_runner(num_state_slots: int, *, tp, kv_cache_dtype: str, return_routed_experts: bool,
                         batch_invariant: bool) -> None:
     """ValueError naming what a hybrid (linear-attention) model's runner does not implement."""
     refusals = [
         (num_state_slots < 1, f"{num_state_slots=}", "a hybrid model needs >= 1 state slot (max_num_seqs)"),
-        (abstract, "abstract params (a compile-only runner)", "the static profile has no Qwen3-Next row yet"),
         (tp is not None, "a mesh (tensor parallelism)", "run it on one device"),
         (kv_cache_dtype != "auto", f"{kv_cache_dtype=}", "use 'auto'"),
         (return_routed_experts, "return_routed_experts", "leave it off"),
@@ -172,7 +171,7 @@ class ModelRunner:
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
         self.hybrid, self.num_state_slots = c.is_hybrid, num_state_slots
         if self.hybrid:
-            check_hybrid_runner(num_state_slots, abstract=self.abstract, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
+            check_hybrid_runner(num_state_slots, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
                                 return_routed_experts=return_routed_experts, batch_invariant=batch_invariant)
             per_layer_weights = False  # its layers are unrolled already (models/qwen3_next.py)
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
@@ -243,7 +242,9 @@ class ModelRunner:
             placement=self.placement, abstract=self._abstract if self.abstract else None,
             per_layer=self.per_layer_weights)  # unrolled layers read their own slot buffers
         # Hybrid models: (conv, recurrent) state per slot, slot 0 the padding slot; donated with kv_pages.
-        self.linear_state = zeros_linear_state(c, num_state_slots + 1, self.zeros_on_device) if self.hybrid else None
+        self.linear_state = None if not self.hybrid else jax.tree.map(  # the compile-only runner's: abstract
+            self._abstract, jax.eval_shape(lambda: zeros_linear_state(c, num_state_slots + 1))) if self.abstract else \
+            zeros_linear_state(c, num_state_slots + 1, self.zeros_on_device)
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
