@@ -189,6 +189,19 @@ def test_swap_preemption_moves_the_state_to_host_and_back_and_equals_hf():
     assert block_manager.swap_pool.num_free_pages == block_manager.swap_pool.num_pages
     assert block_manager.host_state_pool.num_free == block_manager.host_state_pool.num_slots
     assert not block_manager.host_state_slot
+    # The host store alone, slots chosen so that no host slot equals its device slot: states come back whole.
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    runner = engine.runner
+    states = [rng.standard_normal(leaf.shape).astype(leaf.dtype) for leaf in runner.linear_state]
+    runner.linear_state = tuple(jnp.asarray(x) for x in states)
+    engine.host_states.swap_out([(2, 3), (4, 1)])
+    runner.linear_state = tuple(jnp.zeros_like(leaf) for leaf in runner.linear_state)
+    engine.host_states.swap_in([(3, 5), (1, 6)])
+    for leaf, want in zip(runner.linear_state, states):
+        np.testing.assert_array_equal(np.asarray(leaf)[:, [5, 6]], want[:, [2, 4]])
+        assert not np.asarray(leaf)[:, [0, 1, 2, 3, 4]].any()  # nothing else written
 
 
 def test_n_samples_fork_the_state():
