@@ -138,3 +138,25 @@ def test_a_beam_group_holds_its_width_in_slots_and_forks_from_its_reserve():
         scheduler.finish(seq, "stop")
     scheduler.block_manager.close_fork_group(child)
     assert scheduler.block_manager.state_pool.num_free == 2
+
+
+def test_a_swapped_beam_comes_back_into_its_searchs_reserve_not_the_pool():
+    block_manager = HybridBlockManager(num_pages=16, page_size=4, enable_prefix_caching=False, num_state_slots=3,
+                                       num_swap_pages=8, num_host_state_slots=1)
+    beam = Sequence(list(range(6)), SamplingParams(max_tokens=4))
+    block_manager.open_fork_group(beam, 2)
+    block_manager.allocate(beam)
+    slot = beam.state_slot
+    beam.num_computed_tokens = 6
+    block_manager.swap_out_seq(beam)
+    assert block_manager.take_state_transfers() == ([(slot, 1)], []) and beam.state_slot == 0
+    other = Sequence(list(range(5)), SamplingParams(max_tokens=4))
+    block_manager.allocate(other)  # the pool's last slot: the search's two stay with it
+    assert block_manager.state_pool.num_free == 0 and block_manager.can_swap_in(beam)
+    block_manager.swap_in_seq(beam)
+    assert block_manager.take_state_transfers() == ([], [(1, beam.state_slot)]) and beam.state_slot != other.state_slot
+    block_manager.take_transfers()  # the swap-in was issued: its host slot is free again
+    assert block_manager.host_state_pool.num_free == 1
+    block_manager.free(beam)
+    block_manager.close_fork_group(beam)
+    assert block_manager.state_pool.num_free == 2

@@ -369,7 +369,9 @@ class LLMEngine:
             "num_steps": self.step_runner.num_steps,
             "num_compiles": self.runner.num_compiles,
             "weight_version": self.weights.version, "sleep_level": self.weights.sleep_level,
-            "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
-            "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
+            # device -> host: swaps (a hybrid model's states too) and host-tier stores
+            "swap_bytes_out": self.host_kv.num_bytes_out + (self.host_states.num_bytes_out if self.host_states else 0),
+            # host -> device: swaps and host-tier hits
+            "swap_bytes_in": self.host_kv.num_bytes_in + (self.host_states.num_bytes_in if self.host_states else 0),
             **{key: value for feature in self.features for key, value in feature.stats().items()},
         }
