@@ -6,6 +6,7 @@
     python -m benchmarks.bench_h100_static --batch-invariant  # decode with batch_invariant's GPU attention beside the default
     python -m benchmarks.bench_h100_static --quantized  # Qwen3-8B decode, bf16 / FP8 channel / FP8 block / W4A16 weights
     python -m benchmarks.bench_h100_static --lora     # a decode step with 4 rank-16 LoRA adapters, and without
+    python -m benchmarks.bench_h100_static --hybrid   # a Qwen3-Next-80B-A3B slice (3 Gated DeltaNet : 1 full) decode step
 
 Needs the toolchain once: `scripts/install_h100_toolchain.sh` (the CUDA PJRT plugin and ptxas in
 their own folder; the system python is unchanged). The compiling runs in a child process
@@ -53,6 +54,14 @@ def family_cases() -> list[dict]:
             dict(model="gpt-oss-20b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048)]
 
 
+def hybrid_cases() -> list[dict]:
+    """A Qwen3-Next-80B-A3B decode step on a slice of 4 of its 48 layers (3 Gated DeltaNet, then 1 gated full
+    attention: the model's pattern), batch 64, context 2048: the ideal counts each sequence's recurrent state
+    read and written once beside the weights and the full-attention layer's live K/V."""
+    return [dict(model="qwen3-next-80b-a3b", backend="pallas", kv_cache_dtype="auto", num_seqs=64, context=2048,
+                 num_layers=4)]
+
+
 def smallest_bucket_cases() -> list[dict]:
     """max_num_seqs=1 (the one-row bucket) for each KV dtype and backend, and a verification step of one
     sequence (k=3: 4 rows), Qwen3-0.6B, context 1024."""
@@ -95,7 +104,10 @@ def lora_cases() -> list[dict]:
     return [base, dict(base, num_loras=4, lora_rank=16)]
 
 
-def cases(quick: bool, families: bool = False, quantized: bool = False, lora: bool = False) -> list[dict]:
+def cases(quick: bool, families: bool = False, quantized: bool = False, lora: bool = False,
+          hybrid: bool = False) -> list[dict]:
+    if hybrid:
+        return hybrid_cases()
     if lora:
         return lora_cases()
     if families:
@@ -163,7 +175,7 @@ def child(args) -> None:
 
     rows = []
     specs = (spec_decode_cases(args.k) if args.spec_decode else batch_invariant_cases() if args.batch_invariant
-             else cases(args.quick, args.families, args.quantized, args.lora))
+             else cases(args.quick, args.families, args.quantized, args.lora, args.hybrid))
     for spec in specs:
         case = StepCase(**spec)
         try:
@@ -249,6 +261,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quantized", action="store_true",
                         help="Qwen3-8B decode steps with bf16 and FP8 (per channel, block) weights, batch 1 and 64")
     parser.add_argument("--lora", action="store_true", help="a decode step with 4 rank-16 LoRA adapters, and without")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="a Qwen3-Next-80B-A3B 4-layer slice decode step (recurrent states in the ideal)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--spec-decode", action="store_true",
                         help="speculative decoding: decode vs verification steps (k proposals), bytes per token")
@@ -266,10 +280,12 @@ def main(argv=None) -> int:
     if args.batch_invariant:
         return batch_invariant_main(args)
     name = ("h100_static_quick" if args.quick else "h100_static_families" if args.families else
-            "h100_static_quantized" if args.quantized else "h100_static_lora" if args.lora else "h100_static")
+            "h100_static_quantized" if args.quantized else "h100_static_lora" if args.lora else
+            "h100_static_hybrid" if args.hybrid else "h100_static")
     rows = h100_child_rows("benchmarks.bench_h100_static",
                            [*(["--quick"] if args.quick else []), *(["--families"] if args.families else []),
-                            *(["--quantized"] if args.quantized else []), *(["--lora"] if args.lora else [])],
+                            *(["--quantized"] if args.quantized else []), *(["--lora"] if args.lora else []),
+                            *(["--hybrid"] if args.hybrid else [])],
                            args.out, name)
     predictions = vllm_predictions(rows)
     for r in rows:
@@ -289,7 +305,7 @@ def main(argv=None) -> int:
               "per_launch_s": PER_LAUNCH_S, "rows": rows}
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if not (args.quick or args.families or args.quantized or args.lora):
+    if not (args.quick or args.families or args.quantized or args.lora or args.hybrid):
         plot(rows, os.path.join(args.out, "h100_static.png"))
     print("\n(estimates; vLLM = aiconfigurator prediction)")
     for r in rows:

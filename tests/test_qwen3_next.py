@@ -173,6 +173,37 @@ def test_preemption_recomputes_and_equals_hf():
     assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
 
 
+def test_swap_preemption_moves_the_state_to_host_and_back_and_equals_hf():
+    """The preemption test's batch under preemption_mode='swap': swapped sequences' states go to host state
+    slots beside their host pages and come back into (other) device slots; the tokens still equal HF's."""
+    prompts = prompts_of(44, 46, 41, 43, 45, 42, seed=2)
+    engine = make_engine(preemption_mode="swap", swap_space_bytes=1 << 20)
+    outputs = run(engine, prompts, [greedy()] * 5 + [dataclasses.replace(greedy(), n=2)])
+    stats = engine.scheduler.stats()
+    assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    assert engine.host_states.num_bytes_in == engine.host_states.num_bytes_out > 0
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    block_manager = engine.block_manager  # nothing leaked: device pages and slots, host pages and state slots
+    assert block_manager.stats()["num_used_pages"] == 0 and block_manager.stats()["num_free_state_slots"] == 6
+    assert block_manager.swap_pool.num_free_pages == block_manager.swap_pool.num_pages
+    assert block_manager.host_state_pool.num_free == block_manager.host_state_pool.num_slots
+    assert not block_manager.host_state_slot
+    # The host store alone, slots chosen so that no host slot equals its device slot: states come back whole.
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    runner = engine.runner
+    states = [rng.standard_normal(leaf.shape).astype(leaf.dtype) for leaf in runner.linear_state]
+    runner.linear_state = tuple(jnp.asarray(x) for x in states)
+    engine.host_states.swap_out([(2, 3), (4, 1)])
+    runner.linear_state = tuple(jnp.zeros_like(leaf) for leaf in runner.linear_state)
+    engine.host_states.swap_in([(3, 5), (1, 6)])
+    for leaf, want in zip(runner.linear_state, states):
+        np.testing.assert_array_equal(np.asarray(leaf)[:, [5, 6]], want[:, [2, 4]])
+        assert not np.asarray(leaf)[:, [0, 1, 2, 3, 4]].any()  # nothing else written
+
+
 def test_n_samples_fork_the_state():
     """n = 3 greedy samples each equal HF's tokens: the children's states are copies of the parent's."""
     prompts = prompts_of(26, 22, seed=3)
@@ -189,8 +220,91 @@ def test_n_samples_fork_the_state():
     assert run(engine, prompts[:1], greedy()) == [[expected[0]]]
 
 
+def hf_beams(prompt, beam_width, max_tokens):
+    """HF's beams, best first: (generated tokens, score)."""
+    _, model, _ = tiny_qwen3_next()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=beam_width, num_return_sequences=beam_width,
+                             do_sample=False, max_new_tokens=max_tokens, early_stopping=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    return [(out.sequences[i, len(prompt):].tolist(), float(out.sequences_scores[i])) for i in range(beam_width)]
+
+
+def test_beam_search_forks_copy_the_state_and_equal_hf():
+    """Two searches of width 3 fill the 6 state slots (each holds its 3 while it lives) beside a greedy request
+    that waits for a slot: every beam equals HF's beam search, and each beam's cumulative logprob equals a fresh
+    full forward over its tokens (an oracle without HF's cache reordering)."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    prompts = prompts_of(13, 17, 11, seed=4)
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    engine = make_engine()
+    ids = [engine.add_beam_request(p, params) for p in prompts[:2]]
+    greedy_id = engine.add_request(prompts[2], greedy(8))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    _, model, _ = tiny_qwen3_next()
+    for request_id, prompt in zip(ids, prompts):
+        got = [(beam.token_ids, beam.score) for beam in done[request_id].beams]
+        want = hf_beams(prompt, 3, 8)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], rtol=1e-4, atol=1e-5)
+        for beam in done[request_id].beams:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + beam.token_ids])).logits[0, len(prompt) - 1:-1]
+            logprobs = torch.log_softmax(logits, -1)[torch.arange(8), torch.tensor(beam.token_ids)]
+            assert beam.cumulative_logprob == pytest.approx(float(logprobs.sum()), abs=1e-4)
+    assert [list(o.token_ids) for o in done[greedy_id].outputs] == [hf_greedy(prompts[2:], 8)[0]]
+    stats = engine.block_manager.stats()
+    assert stats["num_used_pages"] == 0 and stats["num_free_state_slots"] == 6  # nothing leaked
+    assert not engine.block_manager._group_reserve and not engine.block_manager._group_of
+
+
+def test_the_80b_config_reads_as_the_static_profiles_model_and_a_compile_only_runner_traces():
+    """Qwen3-Next-80B-A3B's config.json (as published; written out here) reads to the shapes the H100 static
+    profile compiles (static_profile MODELS, the 3 linear : 1 full pattern repeated); a compile-only (abstract)
+    runner of a hybrid model holds abstract states and traces its decode step without allocating anything."""
+    import jax
+
+    from jaxpaged.device.runner import ModelRunner
+    from jaxpaged.models.qwen3_next import param_shapes
+    from jaxpaged.static_profile.step_profile import StepCase, model_config
+
+    published = {
+        "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+        "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+        "mlp_only_layers": [], "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+        "num_key_value_heads": 2, "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    config = ModelConfig.from_hf(published, dtype="bfloat16")
+    profiled = model_config(StepCase("qwen3-next-80b-a3b", "pallas", "auto", 1, 128))
+    assert config == dataclasses.replace(profiled, max_position_embeddings=262144)
+    assert state_bytes_per_slot(config) == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)  # 36 linear layers
+
+    hf_config, _, _ = tiny_qwen3_next()
+    tiny = ModelConfig.from_hf(hf_config, dtype="float32")
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), param_shapes(tiny))
+    runner = ModelRunner(tiny, params, num_pages=9, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                         max_model_len=16, num_state_slots=2)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in runner.linear_state)
+    assert [leaf.shape[1] for leaf in runner.linear_state] == [3, 3]  # 2 slots and the padding slot
+    traced = runner.trace_step(runner.dummy_step_input(2, decode_only=True))
+    logits, (kv_pages, state) = traced.out_info
+    assert logits.shape == (2, tiny.vocab_size) and [x.shape for x in state] == [x.shape for x in runner.linear_state]
+
+
 @pytest.mark.parametrize("field,value", [
-    ("preemption_mode", "swap"), ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
+    ("kv_cache_dtype", "int8"), ("speculative_config", {"method": "ngram",
                                                                                       "num_speculative_tokens": 2}),
 ])
 def test_refused_by_name(field, value):
@@ -202,6 +316,3 @@ def test_prefix_caching_is_turned_off_with_a_warning(caplog):
     engine = make_engine(enable_prefix_caching=True)
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching is turned off" in caplog.text
-    with pytest.raises(ValueError, match="beam search"):
-        from jaxpaged.engine.beam_search import BeamSearchParams
-        engine.add_beam_request([1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -89,3 +89,74 @@ def test_prefix_caching_and_swap_are_refused():
         HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True, num_state_slots=2)
     block_manager = HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=False, num_state_slots=2)
     assert not block_manager.can_swap_out(Sequence([1, 2]))
+
+
+def test_swap_moves_the_state_to_a_host_slot_and_back_into_a_fresh_slot():
+    block_manager = HybridBlockManager(num_pages=5, page_size=4, enable_prefix_caching=False, num_state_slots=2,
+                                       num_swap_pages=8, num_host_state_slots=1)
+    scheduler = Scheduler(block_manager, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                          preemption_mode="swap")
+    first, second = (Sequence(list(range(5)), SamplingParams(max_tokens=6)) for _ in range(2))
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(6):
+        out = scheduler.schedule()
+        if out.preempted:
+            break
+        scheduler.update(out, [1] * len(out.seqs))
+    assert out.preempted == [second] and second.status is SequenceStatus.SWAPPED
+    assert out.state_swap_out == [(2, 1)] and second.state_slot == 0 and block_manager.host_state_pool.num_free == 0
+    assert block_manager.state_pool.num_free == 1
+    other = Sequence(list(range(5)), SamplingParams(max_tokens=6))  # recomputed, not swapped: no host slot left
+    assert not block_manager.can_swap_out(other)
+    scheduler.update(out, [1])
+    while second.status is SequenceStatus.SWAPPED:
+        out = scheduler.schedule()
+        scheduler.update(out, [1] * len(out.seqs))
+    # `first` finished (slot 1 back), then `second` came back into the lowest free slot with its host state
+    assert out.state_swap_in == [(1, second.state_slot)] and second.state_slot == 1
+    assert block_manager.host_state_pool.num_free == 1 and not block_manager.host_state_slot
+
+
+def test_a_beam_group_holds_its_width_in_slots_and_forks_from_its_reserve():
+    scheduler = make_scheduler()
+    root = Sequence(list(range(6)), SamplingParams(max_tokens=4))
+    other = Sequence(list(range(7)), SamplingParams(max_tokens=4))
+    scheduler.block_manager.open_fork_group(root, 2)
+    scheduler.add(root)
+    scheduler.add(other)
+    out = scheduler.schedule()
+    assert out.seqs == [root, other] and scheduler.block_manager.state_pool.num_free == 0  # 2 for the search
+    scheduler.update(out, [3, 3])
+    child = scheduler.fork(root)
+    assert scheduler.block_manager.take_state_copies() == [(root.state_slot, child.state_slot)]
+    scheduler.finish(root, "stop")  # a dropped beam: its slot stays with the search
+    assert scheduler.block_manager.state_pool.num_free == 0
+    grandchild = scheduler.fork(child)
+    assert {child.state_slot, grandchild.state_slot} == {1, 2}
+    for seq in (child, grandchild):
+        scheduler.finish(seq, "stop")
+    scheduler.block_manager.close_fork_group(child)
+    assert scheduler.block_manager.state_pool.num_free == 2
+
+
+def test_a_swapped_beam_comes_back_into_its_searchs_reserve_not_the_pool():
+    block_manager = HybridBlockManager(num_pages=16, page_size=4, enable_prefix_caching=False, num_state_slots=3,
+                                       num_swap_pages=8, num_host_state_slots=1)
+    beam = Sequence(list(range(6)), SamplingParams(max_tokens=4))
+    block_manager.open_fork_group(beam, 2)
+    block_manager.allocate(beam)
+    slot = beam.state_slot
+    beam.num_computed_tokens = 6
+    block_manager.swap_out_seq(beam)
+    assert block_manager.take_state_transfers() == ([(slot, 1)], []) and beam.state_slot == 0
+    other = Sequence(list(range(5)), SamplingParams(max_tokens=4))
+    block_manager.allocate(other)  # the pool's last slot: the search's two stay with it
+    assert block_manager.state_pool.num_free == 0 and block_manager.can_swap_in(beam)
+    block_manager.swap_in_seq(beam)
+    assert block_manager.take_state_transfers() == ([], [(1, beam.state_slot)]) and beam.state_slot != other.state_slot
+    block_manager.take_transfers()  # the swap-in was issued: its host slot is free again
+    assert block_manager.host_state_pool.num_free == 1
+    block_manager.free(beam)
+    block_manager.close_fork_group(beam)
+    assert block_manager.state_pool.num_free == 2

@@ -57,6 +57,17 @@ def host_page_counts(config: EngineConfig, page_bytes: int) -> tuple[int, int]:
     return num_swap_pages, num_host_cache_pages
 
 
+def split_swap_space(config: EngineConfig, state_bytes: int) -> tuple[int, int]:
+    """A hybrid model's swap space: (host state slots, bytes left for swap pages). A swapped sequence keeps its
+    recurrent state beside its pages, so max_num_seqs states (every running sequence's) come out of
+    swap_space_bytes first, at most half of it; ValueError when half holds no state."""
+    num_slots = min(config.max_num_seqs, config.swap_space_bytes // 2 // state_bytes)
+    if num_slots == 0:
+        raise ValueError(f"swap_space_bytes={config.swap_space_bytes} holds no swapped sequence's recurrent state "
+                         f"({state_bytes} bytes, at most half the space); raise it to at least {2 * state_bytes}")
+    return num_slots, config.swap_space_bytes - num_slots * state_bytes
+
+
 def device_bytes_per_page(config: ModelConfig, page_size: int, kv_cache_dtype: str = "auto",
                           tensor_parallel_size: int = 1) -> int:
     """Bytes of one page on each device of a tensor-parallel mesh: its KV heads (repeated

@@ -9,6 +9,9 @@ step's planned transfers through the runner's fixed-size jitted gather and scatt
                                           swap-in reads host pages, or at the next swap-out)
     swap_in  [(host page, device page)]   materialise pending; numpy rows -> scatter into the buffer
 
+A hybrid model's swapped recurrent states travel the same way in `HostStateStore` (host state slots,
+planner/state_pool.py), through the runner's `gather_states` / `scatter_states`.
+
 The gather is dispatched behind the step already in flight (it reads the buffer that step returns)
 and ahead of this step's writes, and its device-to-host copy runs while the host plans; nothing
 waits for it until its host pages are read. A swap-in's host-to-device copy is an argument of the
@@ -64,4 +67,57 @@ class HostKVStore:
                 host[:, :, :, host_ids] = np.asarray(dev)[:, :, :, : len(host_ids)]
 
             jax.tree.map(write, self.pages, pages)
+        self._pending.clear()
+
+
+class HostStateStore:
+    """A hybrid model's swapped recurrent states: one numpy array per state leaf (conv, recurrent), the slot
+    axis (1) sized to host state slots 1..num_host_slots (0 unused), moved as `HostKVStore` moves pages:
+
+        swap_out [(device slot, host slot)]   gather on device -> copy_to_host_async -> pending
+        swap_in  [(host slot, device slot)]   materialise pending; numpy rows -> scatter into the state
+    """
+
+    def __init__(self, runner, num_host_slots: int) -> None:
+        self.runner = runner
+        self.num_host_slots = num_host_slots
+        self.states = jax.tree.map(
+            lambda leaf: np.zeros(leaf.shape[:1] + (num_host_slots + 1,) + leaf.shape[2:], leaf.dtype),
+            runner.linear_state,
+        ) if num_host_slots else None
+        self._pending: list[tuple[list[int], object]] = []  # (host slots, device states on their way)
+        self.num_bytes_out = 0
+        self.num_bytes_in = 0
+
+    def _bytes_per_slot(self) -> int:
+        return sum(leaf.nbytes // leaf.shape[1] for leaf in jax.tree.leaves(self.states))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._materialise()
+        batch = self.runner.max_num_copies
+        for i in range(0, len(pairs), batch):
+            chunk = pairs[i : i + batch]
+            states = self.runner.gather_states([slot for slot, _ in chunk])
+            for leaf in jax.tree.leaves(states):
+                leaf.copy_to_host_async()
+            self._pending.append(([host_slot for _, host_slot in chunk], states))
+            self.num_bytes_out += len(chunk) * self._bytes_per_slot()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._materialise()
+        batch = self.runner.max_num_copies
+        for i in range(0, len(pairs), batch):
+            chunk = pairs[i : i + batch]
+            host_ids = np.zeros(batch, np.int64)
+            host_ids[: len(chunk)] = [host_slot for host_slot, _ in chunk]
+            states = jax.tree.map(lambda leaf: leaf[:, host_ids], self.states)  # a copy: later writes cannot race
+            self.runner.scatter_states(states, [slot for _, slot in chunk])
+            self.num_bytes_in += len(chunk) * self._bytes_per_slot()
+
+    def _materialise(self) -> None:
+        for host_ids, states in self._pending:
+            def write(host, dev, host_ids=host_ids):
+                host[:, host_ids] = np.asarray(dev)[:, : len(host_ids)]
+
+            jax.tree.map(write, self.states, states)
         self._pending.clear()

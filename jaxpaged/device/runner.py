@@ -79,12 +79,11 @@ def codes_layout_hint(path: str, got: tuple, want: tuple) -> str:
     return "; this engine keeps these GGUF codes one per byte ([..., 32, out]): unpack them with gguf_blocks.unpacked"
 
 
-def check_hybrid_runner(num_state_slots: int, *, abstract: bool, tp, kv_cache_dtype: str, return_routed_experts: bool,
+def check_hybrid_runner(num_state_slots: int, *, tp, kv_cache_dtype: str, return_routed_experts: bool,
                         batch_invariant: bool) -> None:
     """ValueError naming what a hybrid (linear-attention) model's runner does not implement."""
     refusals = [
         (num_state_slots < 1, f"{num_state_slots=}", "a hybrid model needs >= 1 state slot (max_num_seqs)"),
-        (abstract, "abstract params (a compile-only runner)", "the static profile has no Qwen3-Next row yet"),
         (tp is not None, "a mesh (tensor parallelism)", "run it on one device"),
         (kv_cache_dtype != "auto", f"{kv_cache_dtype=}", "use 'auto'"),
         (return_routed_experts, "return_routed_experts", "leave it off"),
@@ -172,7 +171,7 @@ class ModelRunner:
         self.abstract = bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
         self.hybrid, self.num_state_slots = c.is_hybrid, num_state_slots
         if self.hybrid:
-            check_hybrid_runner(num_state_slots, abstract=self.abstract, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
+            check_hybrid_runner(num_state_slots, tp=self.tp, kv_cache_dtype=kv_cache_dtype,
                                 return_routed_experts=return_routed_experts, batch_invariant=batch_invariant)
             per_layer_weights = False  # its layers are unrolled already (models/qwen3_next.py)
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
@@ -243,7 +242,9 @@ class ModelRunner:
             placement=self.placement, abstract=self._abstract if self.abstract else None,
             per_layer=self.per_layer_weights)  # unrolled layers read their own slot buffers
         # Hybrid models: (conv, recurrent) state per slot, slot 0 the padding slot; donated with kv_pages.
-        self.linear_state = zeros_linear_state(c, num_state_slots + 1, self.zeros_on_device) if self.hybrid else None
+        self.linear_state = None if not self.hybrid else jax.tree.map(  # the compile-only runner's: abstract
+            self._abstract, jax.eval_shape(lambda: zeros_linear_state(c, num_state_slots + 1))) if self.abstract else \
+            zeros_linear_state(c, num_state_slots + 1, self.zeros_on_device)
         centres = calibrate_kv_centres(c, self.served_params, kv_cache_dtype, abstract=self.abstract)  # device/kv_centres.py
         place = (self._abstract if self.tp is None else lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=self.tp.kv_pages_sharding(x.shape))) if self.abstract else \
@@ -274,6 +275,9 @@ class ModelRunner:
         self.num_transfer_compiles = 0
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnames=("kv_pages",), **copy_shardings)
+        # A hybrid model's swapped states move in batches of max_num_seqs slots (every running sequence at most).
+        self._gather_state = jax.jit(self._gather_state_fn)
+        self._scatter_state = jax.jit(self._scatter_state_fn, donate_argnames=("linear_state",))
 
     @property
     def params(self):
@@ -332,6 +336,29 @@ class ModelRunner:
             dst = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
             self.linear_state = self._copy_state(self.linear_state, src, dst)
+
+    def _gather_state_fn(self, linear_state, slots):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf: leaf[:, slots], linear_state)
+
+    def _scatter_state_fn(self, linear_state, states, slots):
+        self.num_transfer_compiles += 1  # runs only while tracing
+        return jax.tree.map(lambda leaf, new: leaf.at[:, slots].set(new, mode="drop"), linear_state, states)
+
+    def gather_states(self, slots: Sequence[int]):
+        """Hybrid models: state slots `slots` (at most max_num_seqs) of every linear layer, on the device, slot
+        axis 1 padded to max_num_seqs (padding reads slot 0). Dispatched, not awaited: ordered after every
+        step already issued, before every later one."""
+        ids = np.zeros(self.max_num_copies, np.int32)
+        ids[: len(slots)] = slots
+        return self._gather_state(self.linear_state, ids)
+
+    def scatter_states(self, states, slots: Sequence[int]) -> None:
+        """Writes host `states` (a pair like `linear_state`, slot axis 1 of size max_num_seqs) into state slots
+        `slots`; rows past `len(slots)` are dropped."""
+        ids = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
+        ids[: len(slots)] = slots
+        self.linear_state = self._scatter_state(self.linear_state, states, ids)
 
     def _kv_state(self):  # the step's donated state: kv_pages, or (kv_pages, linear_state) for a hybrid model
         return (self.kv_pages, self.linear_state) if self.hybrid else self.kv_pages
@@ -465,6 +492,9 @@ class ModelRunner:
                 self.kv_pages,
             )
             self.scatter_pages(empty, [])  # all rows dropped: changes nothing
+            if self.hybrid:  # swapped states
+                states = jax.block_until_ready(self.gather_states([]))
+                self.scatter_states(jax.tree.map(np.asarray, states), [])
 
     def update_params(self, params) -> None:
         """Swaps in a copy of new weights with the same tree and shapes; the compiled step is reused.

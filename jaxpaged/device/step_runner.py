@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpaged.device.kv_transfer import HostKVStore
+from jaxpaged.device.kv_transfer import HostKVStore, HostStateStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_input import BlockTableRows
 from jaxpaged.planner.scheduler_output import SchedulerOutput
@@ -61,8 +61,9 @@ class StepRunner:
     """Prepares, executes and samples the engine's steps on one `ModelRunner`."""
 
     def __init__(self, model: ModelRunner, host_kv: HostKVStore, sampler: StepSampler, *, max_num_seqs: int,
-                 features: list, timings: dict):
+                 features: list, timings: dict, host_states: HostStateStore | None = None):
         self.model, self.host_kv, self.sampler = model, host_kv, sampler
+        self.host_states = host_states  # a hybrid model's swapped recurrent states (None: no swap)
         self.features = features  # engine/features.py, called in order
         self.timings = timings  # seconds per phase, shared with the engine ("prepare", "postprocess")
         self.block_table_rows = BlockTableRows(2 * max_num_seqs, model.pages_per_seq)
@@ -78,6 +79,10 @@ class StepRunner:
             self.host_kv.swap_in(out.swap_in)
         if out.state_copies:  # a hybrid model's forks: before any step advances the parent's state
             self.model.copy_states(out.state_copies)
+        if out.state_swap_out:  # after the copies (a child swapped out before its copy ran), before the step
+            self.host_states.swap_out(out.state_swap_out)
+        if out.state_swap_in:
+            self.host_states.swap_in(out.state_swap_in)
         if not out.seqs:
             return None
         self.num_steps += 1

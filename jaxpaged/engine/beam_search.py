@@ -18,9 +18,11 @@ semantics (`GenerationMixin._beam_search`, transformers 5.x):
         cum / g' ** length_penalty <= min score, g' = g + 1 (or max_tokens with early_stopping
         "never" and length_penalty > 0)
 
-On the pages: a running candidate continues its parent beam. The parent's first continuation
-keeps the parent's sequence; each further one is `Scheduler.fork(parent)` (every page shared,
-ref counts up, no copy); a parent with no continuation is finished at once, freeing its pages.
+On the pages: a running candidate continues its parent beam. A parent with no continuation is
+finished first, freeing its pages; the parent's first continuation keeps the parent's sequence; each
+further one is `Scheduler.fork(parent)` (every page shared, ref counts up, no copy). On a hybrid model
+(Qwen3-Next) a fork also copies its parent's recurrent state into a slot of the search's own k
+(`open_fork_group` at the request, `close_fork_group` when it ends: planner/state_pool.py).
 Forks share the partial last page too: the scheduler's `append_slot` gives a beam that writes into a
 shared page its copy-on-write copy (`SchedulerOutput.copies`) before the step's K/V writes.
 
@@ -225,9 +227,16 @@ class BeamSearch:
         if self.done:
             for seq in self.live:
                 scheduler.finish(seq, "stop")
+            scheduler.block_manager.close_fork_group(self.live[0])  # a hybrid model's state slots go back
             ended, self.live, self.live_cum = self.live, [], []
             return [], ended
-        # Forks first, while every parent still holds exactly the tokens its children inherit.
+        # Beams that fell out of the top k end first (their pages, and a hybrid model's state slots, go back
+        # for the forks); then forks, while every parent still holds exactly the tokens its children inherit.
+        parents = {parent for parent, _, _ in running}
+        for idx, seq in enumerate(self.live):
+            if idx not in parents:
+                scheduler.finish(seq, "stop")
+                ended.append(seq)
         claimed: set[int] = set()
         new_seqs: list[Sequence] = []
         children: list[Sequence] = []
@@ -241,10 +250,6 @@ class BeamSearch:
                 new_seqs.append(self.live[parent])
         for seq, (_, token, _) in zip(new_seqs, running):
             seq.append_token(token)
-        for idx, seq in enumerate(self.live):
-            if idx not in claimed:
-                scheduler.finish(seq, "stop")  # fell out of the top k: its pages go back now
-                ended.append(seq)
         ref_counts = scheduler.block_manager.ref_counts
         for seq in new_seqs:
             self.max_page_ref_count = max([self.max_page_ref_count] + [ref_counts[p] for p in seq.block_table])
@@ -255,6 +260,8 @@ class BeamSearch:
     def abort(self, scheduler: Scheduler) -> None:
         for seq in self.live:
             scheduler.finish(seq, "abort")
+        if self.live:
+            scheduler.block_manager.close_fork_group(self.live[0])
         self.live, self.live_cum, self.done = [], [], True
 
     def output(self, decode) -> BeamSearchOutput:

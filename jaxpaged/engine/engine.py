@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from jaxpaged.config import EngineConfig, strict_json_schemas
-from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts
-from jaxpaged.device.kv_transfer import HostKVStore
+from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts, split_swap_space
+from jaxpaged.device.kv_transfer import HostKVStore, HostStateStore
 from jaxpaged.device.runner import ModelRunner
 from jaxpaged.device.step_runner import StepResult, StepRunner
 from jaxpaged.engine.adapters import LoRAAdapters
@@ -48,6 +48,7 @@ from jaxpaged.engine.step_log import log_step
 from jaxpaged.engine.structured_requests import StructuredRequests
 from jaxpaged.engine.weights import WeightLifecycle, reset_prefix_cache
 from jaxpaged.models.gguf_blocks import has_kept_weights
+from jaxpaged.models.qwen3_next import state_bytes_per_slot
 from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
 from jaxpaged.planner.scheduler import make_scheduler
@@ -74,18 +75,23 @@ class LLMEngine:
         # besides the tokenizer's eos that stop requests unless ignore_eos (vLLM's).
         self.generation_defaults: dict = {}
         self.generation_eos_ids: tuple[int, ...] = ()
-        num_state_slots = 0
+        num_state_slots = num_host_state_slots = 0
         if model_config.is_hybrid:  # Qwen3-Next: a state pool beside the pages (planner/state_pool.py)
             for warning in refuse_hybrid_features(config):
                 logger.warning(warning)
             config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
             num_state_slots = config.max_num_seqs
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
-        num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
+        if model_config.is_hybrid and config.swap_space_bytes:  # swapped states come out of the swap space
+            num_host_state_slots, swap_page_bytes = split_swap_space(config, state_bytes_per_slot(model_config))
+            num_swap_pages, num_host_cache_pages = host_page_counts(
+                dataclasses.replace(config, swap_space_bytes=swap_page_bytes), page_bytes)
+        else:
+            num_swap_pages, num_host_cache_pages = host_page_counts(config, page_bytes)
         self.scheduler = make_scheduler(  # every layer local (Mistral): pages behind the window are freed
             config, num_pages=num_pages, num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages,
             sliding_window=model_config.sliding_window if model_config.all_layers_local else None,
-            num_state_slots=num_state_slots)
+            num_state_slots=num_state_slots, num_host_state_slots=num_host_state_slots)
         self.runner = ModelRunner(
             model_config,
             params,
@@ -121,8 +127,9 @@ class LLMEngine:
             max_cpu_loras=config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self.features = [f for f in (self.routed, self.spec, self.structured, self.beams, self.lora) if f is not None]
         self.host_kv = HostKVStore(self.runner, num_host_pages)
+        self.host_states = HostStateStore(self.runner, num_host_state_slots) if num_host_state_slots else None
         self.step_runner = StepRunner(self.runner, self.host_kv, sampler, max_num_seqs=config.max_num_seqs,
-                                      features=self.features, timings=self.timings)
+                                      features=self.features, timings=self.timings, host_states=self.host_states)
         self.lifecycle = RequestLifecycle(self.scheduler, self.processor, sampler, self.features, self.timings)
         self.weights = WeightLifecycle(  # version, epoch, sleep level, aborted outputs (engine/weights.py)
             self.runner, self.scheduler, self.processor, keeps_gguf_codes=has_kept_weights(params),
@@ -185,9 +192,6 @@ class LLMEngine:
     ) -> str:
         """Queues a beam search; its BeamSearchOutput comes out of step() when it finishes."""
         self.validate_prompt(prompt_token_ids)
-        if self.model_config.is_hybrid:  # its forks would need state slots admission never reserved
-            raise ValueError("beam search is not supported for hybrid linear-attention models (Qwen3-Next); "
-                             "use SamplingParams(n=...) or a model without linear_attention layers")
         max_tokens, stop_ids = check_beam_request(
             params, len(prompt_token_ids), self.config, self.model_config.vocab_size, self.block_manager.num_pages - 1,
             self.tokenizer.eos_token_id,
@@ -201,7 +205,12 @@ class LLMEngine:
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),  # the search stops it
             cache_salt=versioned_salt(None, self.weights.epoch, adapter_salt), lora_int_id=lora_int_id,
         )
-        self.scheduler.add(seq)
+        self.block_manager.open_fork_group(seq, params.beam_width)  # a hybrid model: the beams' k state slots
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            self.block_manager.close_fork_group(seq)
+            raise
         self.beams.add(BeamSearch(request_id, prompt, seq, params, max_tokens, stop_ids))
         return request_id
 
@@ -360,7 +369,9 @@ class LLMEngine:
             "num_steps": self.step_runner.num_steps,
             "num_compiles": self.runner.num_compiles,
             "weight_version": self.weights.version, "sleep_level": self.weights.sleep_level,
-            "swap_bytes_out": self.host_kv.num_bytes_out,  # device -> host: swaps and host-tier stores
-            "swap_bytes_in": self.host_kv.num_bytes_in,  # host -> device: swaps and host-tier hits
+            # device -> host: swaps (a hybrid model's states too) and host-tier stores
+            "swap_bytes_out": self.host_kv.num_bytes_out + (self.host_states.num_bytes_out if self.host_states else 0),
+            # host -> device: swaps and host-tier hits
+            "swap_bytes_in": self.host_kv.num_bytes_in + (self.host_states.num_bytes_in if self.host_states else 0),
             **{key: value for feature in self.features for key, value in feature.stats().items()},
         }

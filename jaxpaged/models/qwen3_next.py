@@ -352,6 +352,15 @@ class Qwen3NextLM(nn.Module):
         return logits, (kv_pages, (conv, recurrent))
 
 
+def param_shapes(config: ModelConfig):
+    """The parameter tree as `jax.ShapeDtypeStruct`s (`eval_shape` of the module's init: nothing runs)."""
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    kv_pages = jax.ShapeDtypeStruct((config.num_kv_layers, 2, config.num_kv_heads, 2, 4, config.head_dim), config.dtype)
+    state = jax.eval_shape(lambda: zeros_linear_state(config, 1))
+    return jax.eval_shape(Qwen3NextLM(config).init, jax.random.key(0), (kv_pages, state), ints(4), ints(4), ints(4),
+                          ints(1, 1), ints(1), ints(2), ints(1))
+
+
 def params_from_hf(config: ModelConfig, tensor, has) -> dict:
     """Qwen3-Next's parameter tree from HF names (`tensor(name)` float32 numpy, `has(name)`), `(out, in)` ->
     `(in, out)`, cast to the model dtype."""

@@ -331,6 +331,16 @@ class BlockManager:
         """State-slot copies planned since the last call (hybrid models only: planner/state_pool.py)."""
         return []
 
+    def take_state_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(state swap-outs, state swap-ins) planned since the last call (hybrid models only: planner/state_pool.py)."""
+        return [], []
+
+    def open_fork_group(self, seq: Sequence, width: int) -> None:
+        """`seq` starts a beam search of `width` beams (a hybrid model reserves their state slots); nothing here."""
+
+    def close_fork_group(self, seq: Sequence) -> None:
+        """The beam search of `seq` ended (hybrid models: its state slots go back); nothing here."""
+
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""
         if not parent.block_table:

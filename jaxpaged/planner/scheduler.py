@@ -38,14 +38,17 @@ WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
 
 
 def make_scheduler(config, *, num_pages: int, num_swap_pages: int = 0, num_host_cache_pages: int = 0,
-                   sliding_window: int | None = None, num_state_slots: int = 0) -> Scheduler:
+                   sliding_window: int | None = None, num_state_slots: int = 0,
+                   num_host_state_slots: int = 0) -> Scheduler:
     """The engine's scheduler over its page pool (`config`: a resolved EngineConfig). `sliding_window`:
     every layer of the model attends that far back (Mistral), so pages behind it are freed
-    (sliding_window.py). `num_state_slots` > 0: a hybrid model's state pool (state_pool.py)."""
+    (sliding_window.py). `num_state_slots` > 0: a hybrid model's state pool (state_pool.py), with
+    `num_host_state_slots` for swapped sequences' states."""
     pool = dict(num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching,
                 num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages)
     if num_state_slots:
-        block_manager = HybridBlockManager(**pool, num_state_slots=num_state_slots)
+        block_manager = HybridBlockManager(**pool, num_state_slots=num_state_slots,
+                                           num_host_state_slots=num_host_state_slots)
     else:
         block_manager = (BlockManager(**pool) if sliding_window is None
                          else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
@@ -242,6 +245,7 @@ class Scheduler:
             budget -= num_new
 
         swap_out, swap_in = block_manager.take_transfers()
+        state_swap_out, state_swap_in = block_manager.take_state_transfers()
         return SchedulerOutput(
             seqs=seqs,
             num_new_tokens=num_new_tokens,
@@ -252,6 +256,8 @@ class Scheduler:
             swap_out=swap_out,
             swap_in=swap_in,
             state_copies=block_manager.take_state_copies(),
+            state_swap_out=state_swap_out,
+            state_swap_in=state_swap_in,
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -43,6 +43,10 @@ class SchedulerOutput:
     # Hybrid models (planner/state_pool.py): (src, dst) recurrent-state slot copies of forks made since the
     # last step, done by the device before this step (even one that schedules no sequence).
     state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Hybrid models under swap preemption: (device slot, host state slot) states of swapped-out sequences and
+    # (host state slot, device slot) states of swapped-in ones, moved after `state_copies`, before this step.
+    state_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Speculative decoding (jaxpaged/spec_decode/speculator.py): which sequences verify proposals
     # this step and their logits rows; None in a step without proposals.
     spec_plan: object = None

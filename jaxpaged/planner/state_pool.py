@@ -11,9 +11,18 @@ it), so slot ids run 1..num_slots.
     fork                   the child takes a reserved (else a free) slot; (parent slot, child slot) is
                            queued in `state_copies`, which the device copies before the next step runs
     free                   finished, aborted or preempted: the slot and any reservation go back
-    preemption             recompute only: a readmitted sequence starts again from position 0, and
-                           a row whose step starts at position 0 starts from a zero state (whatever
-                           its slot held), so a slot never needs clearing. Swap is refused.
+    preemption (recompute) a readmitted sequence starts again from position 0, and a row whose step
+                           starts at position 0 starts from a zero state (whatever its slot held),
+                           so a slot never needs clearing
+    preemption (swap)      the slot's state goes to a host state slot beside its host pages
+                           (`state_swap_out`, device slot -> host slot) and the device slot is freed;
+                           swapped in, it takes a device slot and the host state comes back
+                           (`state_swap_in`, host slot -> device slot) before the step that reads it
+    beam search            a search of width k holds k slots while it lives (`open_fork_group`): its
+                           beams' slots and a reserve. A dropped, finished or preempted beam's slot
+                           goes back to the reserve, a fork or a readmitted beam takes one from it,
+                           so a fork always finds a slot; the reserve returns to the pool when the
+                           search closes its group (`close_fork_group`)
 
 Chunked prefill needs nothing here: a later chunk continues from its slot. Prefix caching cannot be
 served (a cached page would need the state at its boundary): the engine turns it off for hybrid models.
@@ -29,7 +38,6 @@ def refuse_hybrid_features(config) -> list[str]:
     """ValueError naming the first EngineConfig field a hybrid (linear-attention) model cannot serve; else the
     warnings for what is turned off (prefix caching)."""
     refusals = [
-        (config.preemption_mode == "swap", "preemption_mode='swap'", "use preemption_mode='recompute'"),
         (bool(config.host_cache_bytes), "host_cache_bytes", "leave it None"),
         (config.speculative_config is not None, "speculative_config",
          "leave it None (a rejected proposal would have to roll the recurrent state back)"),
@@ -75,7 +83,7 @@ class StatePool:
 class HybridBlockManager(BlockManager):
     """A `BlockManager` whose sequences also hold a state slot (see the module docstring)."""
 
-    def __init__(self, *args, num_state_slots: int, **kwargs):
+    def __init__(self, *args, num_state_slots: int, num_host_state_slots: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         if self.enable_prefix_caching:
             raise ValueError("prefix caching cannot serve a hybrid linear-attention model; pass "
@@ -83,11 +91,61 @@ class HybridBlockManager(BlockManager):
         self.state_pool = StatePool(num_state_slots)
         self._reserved: dict[int, list[int]] = {}  # seq_id -> slots kept for its forks at the first token
         self.state_copies: list[tuple[int, int]] = []  # (src slot, dst slot), taken by the next schedule()
+        # Swap preemption: host state slots (ids 1..num_host_state_slots), one per swapped sequence.
+        self.host_state_pool = StatePool(num_host_state_slots) if num_host_state_slots else None
+        self.host_state_slot: dict[int, int] = {}  # seq_id of a swapped sequence -> its host state slot
+        self.state_swap_out: list[tuple[int, int]] = []  # (device slot, host slot), taken by the next schedule()
+        self.state_swap_in: list[tuple[int, int]] = []  # (host slot, device slot)
+        self._host_slots_in_transit: list[int] = []  # read by a planned swap-in: free after take_transfers()
+        # Beam searches (fork groups): group id -> k (beam_width), the group of each member, its reserve.
+        self._group_width: dict[int, int] = {}
+        self._group_of: dict[int, int] = {}
+        self._group_reserve: dict[int, list[int]] = {}  # filled at the group's first admission
 
-    @staticmethod
-    def _slots_needed(seq: Sequence) -> int:
+    def _slots_needed(self, seq: Sequence) -> int:
+        """Free pool slots admitting `seq` takes."""
+        group = self._group_of.get(seq.seq_id)
+        if group is not None:  # a beam: k slots at the search's first admission, later from its reserve
+            return 0 if group in self._group_reserve else self._group_width[group]
         # A request with n > 1 forks n - 1 children when it samples its first token.
         return seq.sampling_params.n if not seq.output_token_ids else 1
+
+    def _take_slot(self, seq: Sequence) -> int:
+        group = self._group_of.get(seq.seq_id)
+        if group is None:
+            return self.state_pool.take()
+        if group not in self._group_reserve:  # the group's first admission: its k slots leave the pool together
+            self._group_reserve[group] = [self.state_pool.take() for _ in range(self._group_width[group])]
+        return self._group_reserve[group].pop()
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot:
+            group = self._group_of.get(seq.seq_id)
+            if group is None:
+                self.state_pool.release(seq.state_slot)
+            else:
+                self._group_reserve[group].append(seq.state_slot)
+            seq.state_slot = 0
+
+    def open_fork_group(self, seq: Sequence, width: int) -> None:
+        """`seq` (not admitted yet) starts a beam search of `width` beams: the search holds `width` slots from
+        its first admission until `close_fork_group`; its forks join the group."""
+        if width > self.state_pool.num_slots:
+            raise ValueError(f"beam_width={width} needs {width} state slots but the pool has "
+                             f"{self.state_pool.num_slots} (max_num_seqs); lower beam_width or raise max_num_seqs")
+        self._group_width[seq.seq_id] = width
+        self._group_of[seq.seq_id] = seq.seq_id
+
+    def close_fork_group(self, seq: Sequence) -> None:
+        """The search `seq` (any of its beams) belongs to has ended and its beams are freed: its slots go back."""
+        group = self._group_of.get(seq.seq_id)
+        if group is None:
+            return
+        for slot in self._group_reserve.pop(group, []):
+            self.state_pool.release(slot)
+        del self._group_width[group]
+        for seq_id in [s for s, g in self._group_of.items() if g == group]:
+            del self._group_of[seq_id]
 
     def check_admissible(self, seq: Sequence) -> None:
         needed = self._slots_needed(seq)
@@ -102,20 +160,32 @@ class HybridBlockManager(BlockManager):
         if self.state_pool.num_free < self._slots_needed(seq):
             raise RuntimeError(f"sequence {seq.seq_id} needs {self._slots_needed(seq)} state slots but "
                                f"{self.state_pool.num_free} are free; call can_allocate() first")
+        needed = self._slots_needed(seq)
         super().allocate(seq)
-        seq.state_slot = self.state_pool.take()
-        if self._slots_needed(seq) > 1:
-            self._reserved[seq.seq_id] = [self.state_pool.take() for _ in range(self._slots_needed(seq) - 1)]
+        seq.state_slot = self._take_slot(seq)
+        if needed > 1 and seq.seq_id not in self._group_of:
+            self._reserved[seq.seq_id] = [self.state_pool.take() for _ in range(needed - 1)]
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
-        if seq.state_slot:
-            self.state_pool.release(seq.state_slot)
-            seq.state_slot = 0
+        self._release_slot(seq)
         for slot in self._reserved.pop(seq.seq_id, []):
             self.state_pool.release(slot)
+        host_slot = self.host_state_slot.pop(seq.seq_id, 0)
+        if host_slot:  # a swapped sequence finished or aborted: nothing reads its host state
+            self.host_state_pool.release(host_slot)
 
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
+        group = self._group_of.get(parent.seq_id)
+        if group is not None:  # a beam: from its search's reserve (k slots cover k live beams)
+            if not self._group_reserve.get(group):
+                raise RuntimeError(f"no state slot for a fork of beam {parent.seq_id}: its search's "
+                                   f"{self._group_width[group]} slots are held; free dropped beams first")
+            child = super().fork(parent, child_seq_id)
+            self._group_of[child.seq_id] = group
+            child.state_slot = self._group_reserve[group].pop()
+            self.state_copies.append((parent.state_slot, child.state_slot))
+            return child
         reserved = self._reserved.get(parent.seq_id)
         if not reserved and not self.state_pool.num_free:
             raise RuntimeError(f"no state slot for a fork of sequence {parent.seq_id}: the pool's "
@@ -127,8 +197,44 @@ class HybridBlockManager(BlockManager):
         self.state_copies.append((parent.state_slot, child.state_slot))
         return child
 
+    # Swap: the state goes with the pages (the module docstring). The gather of `state_swap_out` is issued after
+    # the step in flight, which advanced the state through the sequence's computed tokens, as the page
+    # gathers are; a sequence that still holds reserved fork slots (n > 1 before its first token) is recomputed.
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return False  # refused for hybrid models (refuse_hybrid_features); recompute instead
+        return (self.host_state_pool is not None and self.host_state_pool.num_free > 0
+                and seq.seq_id not in self._reserved and super().can_swap_out(seq))
+
+    def swap_out_seq(self, seq: Sequence) -> None:
+        host_slot = self.host_state_pool.take()
+        self.state_swap_out.append((seq.state_slot, host_slot))
+        self.host_state_slot[seq.seq_id] = host_slot
+        super().swap_out_seq(seq)
+        self._release_slot(seq)
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return self.state_pool.num_free >= self._slots_needed_to_swap_in(seq) and super().can_swap_in(seq)
+
+    def _slots_needed_to_swap_in(self, seq: Sequence) -> int:
+        return 0 if self._group_of.get(seq.seq_id) in self._group_reserve else 1
+
+    def swap_in_seq(self, seq: Sequence) -> None:
+        super().swap_in_seq(seq)
+        seq.state_slot = self._take_slot(seq)
+        host_slot = self.host_state_slot.pop(seq.seq_id)
+        self.state_swap_in.append((host_slot, seq.state_slot))
+        self._host_slots_in_transit.append(host_slot)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        for host_slot in self._host_slots_in_transit:  # the swap-ins that read them were issued
+            self.host_state_pool.release(host_slot)
+        self._host_slots_in_transit = []
+        return super().take_transfers()
+
+    def take_state_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        transfers = self.state_swap_out, self.state_swap_in
+        self.state_swap_out, self.state_swap_in = [], []
+        return transfers
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         copies, self.state_copies = self.state_copies, []

@@ -39,6 +39,7 @@ from jaxpaged.device.step_input import pack_step_input
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gguf_blocks import PROJECTIONS
 from jaxpaged.models.llama import param_shapes
+from jaxpaged.models.qwen3_next import param_shapes as hybrid_param_shapes, state_bytes_per_slot
 from jaxpaged.models.rope_scaling import Yarn
 from jaxpaged.ops.kv_quant import bytes_per_token_head
 
@@ -72,6 +73,18 @@ MODELS = {  # shapes only: weights are abstract
                         attention_bias=True, o_proj_bias=True, sliding_window=128,
                         layer_types=("sliding_attention", "full_attention") * 12, num_experts=32, num_experts_per_tok=4,
                         moe_intermediate_size=2880, moe_bias=True, attention_sinks=True, hidden_act="swigluoai"),
+    # Qwen3-Next-80B-A3B (its published config.json, written out here): 48 layers, every 4th gated full attention
+    # (16 query / 2 KV heads of 256, RoPE on a quarter of head_dim), the others Gated DeltaNet (16 key / 32 value
+    # heads of 128, conv kernel 4: a 72 MiB float32 state per sequence over 36 layers); top-10 of 512 experts
+    # of 512 plus a shared expert of 512. 160 GB of bf16 weights: the cases run a slice (num_layers).
+    "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_layers=48,
+                               num_heads=16, num_kv_heads=2, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
+                               qk_norm=True, norm_plus_one=True, attn_output_gate=True, partial_rotary_factor=0.25,
+                               layer_types=("linear_attention",) * 3 + ("full_attention",),  # repeated
+                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                               num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True,
+                               shared_expert_intermediate_size=512),
 }
 
 
@@ -112,6 +125,9 @@ def model_config(case: StepCase) -> ModelConfig:
         shape["fp8_activations"] = "fp8"
     if case.num_layers is not None:
         shape["num_layers"] = case.num_layers
+    if shape.get("layer_types") is not None:  # a pattern repeated over the layers (a slice keeps it)
+        pattern = shape["layer_types"]
+        shape["layer_types"] = tuple(pattern[i % len(pattern)] for i in range(shape["num_layers"]))
     return ModelConfig(**shape)
 
 
@@ -120,8 +136,8 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
     config = model_config(case)
     mesh = chip_mesh(case.chip, case.tp) if case.tp > 1 else None  # the runner lays params out over it
     sharding = chip_sharding(case.chip) if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                          quantized_shapes(param_shapes(config), case.weights))
+    shapes = hybrid_param_shapes(config) if config.is_hybrid else quantized_shapes(param_shapes(config), case.weights)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
     pages_per_seq = math.ceil(case.context / PAGE_SIZE)
     num_tokens = case.num_seqs if case.decode else case.num_tokens
     max_num_seqs = case.max_num_seqs or max(case.num_seqs, 2)
@@ -132,6 +148,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
                                                                              batch_invariant=case.invariant_attention),
         buckets=(max(num_tokens, max_num_seqs),), decode_buckets=None if case.decode else (),
         kv_cache_dtype=case.kv_cache_dtype, mesh=mesh, lora=(case.num_loras, case.lora_rank) if case.num_loras else None,
+        num_state_slots=max_num_seqs if config.is_hybrid else 0,  # a hybrid model: a state slot per sequence
     )
     bucket = min(b for b in runner.decode_buckets if b >= case.num_seqs) if case.decode else num_tokens
     step_input = runner.dummy_step_input(bucket, decode_only=case.decode)
@@ -139,7 +156,7 @@ def profile(case: StepCase, *, kernels: bool = True) -> dict:
         step_input = dataclasses.replace(step_input, logits_indices=np.zeros(case.num_logits, np.int32))
     packed, layout = pack_step_input(step_input)
     out = compile_for_h100(
-        runner._step, (runner.served_params, runner.kv_pages, runner._abstract(packed), runner._no_prev_tokens,
+        runner._step, (runner.served_params, runner._kv_state(), runner._abstract(packed), runner._no_prev_tokens,
                       runner.kv_centres, None if runner.lora is None else runner.lora.stacks),
         kwargs=dict(layout=layout, decode_only=case.decode), dump_dir=True)
     try:
@@ -195,19 +212,25 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     # per launch, so windowed models use the mean over layers (exact when context <= window).
     read = [min(case.context, w) if w is not None else case.context for w in config.layer_windows]
     live_kv_per_layer = case.num_seqs * (sum(read) // len(read)) * kv_heads * 2 * token_head  # K and V
+    kv_layers = config.num_kv_layers  # a hybrid model's full-attention layers (its linear ones keep no K/V)
     # The pool is one entry parameter, or two for a quantized one (values, scales): one buffer to the
     # accounting, read per launch as the live context's values and scales (token_head counts both).
-    kv_param = (entry_param_number(out.hlo_text, "kv_pages") if case.kv_cache_dtype == "auto" else
+    # (A hybrid model's step state is the pair (kv_pages, (conv, recurrent)): the pool is its first element.)
+    kv_name = "kv_pages[0]" if config.is_hybrid else "kv_pages"
+    kv_param = (entry_param_number(out.hlo_text, kv_name) if case.kv_cache_dtype == "auto" else
                 tuple(entry_param_number(out.hlo_text, f"kv_pages.{leaf}") for leaf in ("pages", "scales")))
     acc = account(out.hlo_text, BufferOverride(kv_param, bytes_read=live_kv_per_layer))
     weight_bytes = _device_bytes(runner.served_params)
     # MoE: a step needs only the experts its tokens are routed to; with uniform routing, an expert is
     # hit by some of T tokens with probability 1 - (1 - k/E)^T. Experts' FLOPs are k/E of theirs per token.
     expert_bytes = _device_bytes([x for path, x in jax.tree_util.tree_flatten_with_path(runner.served_params)[0]
-                                  if "expert_" in jax.tree_util.keystr(path)])
+                                  if "expert_" in jax.tree_util.keystr(path) and "shared_expert" not in
+                                  jax.tree_util.keystr(path)])
     active = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
     touched = 1 - (1 - active) ** num_tokens if config.num_experts else 0.0
-    new_kv = num_tokens * config.num_layers * kv_heads * 2 * token_head
+    new_kv = num_tokens * kv_layers * kv_heads * 2 * token_head
+    # A hybrid model's decode reads and writes every sequence's recurrent state (conv + delta rule) once.
+    state_bytes = 2 * case.num_seqs * state_bytes_per_slot(config) if config.is_hybrid else 0
     num_logits = case.num_logits or case.num_seqs
     io = new_kv + num_logits * config.vocab_size * 4 + 4 * (8 * num_tokens + case.num_seqs * runner.pages_per_seq)
     # An untied embedding is only gathered (the step's tokens' rows); a tied one is the LM head, read whole.
@@ -216,7 +239,7 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     # Adapters: every slot but the base model's zeros, read once (the ideal counts the adapters' bytes).
     lora_bytes = 0 if runner.lora is None else _device_bytes(runner.lora.stacks) * case.num_loras // (case.num_loras + 1)
     ideal = (weight_bytes - embedding_bytes + gathered - expert_bytes + touched * expert_bytes
-             + live_kv_per_layer * config.num_layers + io + lora_bytes)
+             + live_kv_per_layer * kv_layers + io + lora_bytes + state_bytes)
     # Useful FLOPs: 2 x matmul weights x tokens (the LM head for the sampled rows only) + attention.
     embed = config.vocab_size * config.hidden_size // case.tp  # split by vocabulary under tensor parallelism
     # (FP8 weights: their elements counted as bf16 ones would be, their scales not at all.)
@@ -229,7 +252,10 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
     matmul_params = (weight_bytes + fp8_bytes + 3 * codes_bytes - scale_bytes - expert_bytes + active * expert_bytes) // 2 - embed * (
         1 if config.tie_word_embeddings else 2)
     useful_matmul = 2 * matmul_params * num_tokens + 2 * embed * num_logits
-    useful = useful_matmul + 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    useful = useful_matmul + 4 * kv_layers * config.num_heads * config.head_dim * num_tokens * case.context
+    if config.is_hybrid:  # the delta rule per token and linear layer: decay, S^T k, rank-1 update, S^T q
+        useful += (4 * 2 * (config.num_layers - kv_layers) * config.linear_num_value_heads * config.linear_key_head_dim
+                   * config.linear_value_head_dim * num_tokens)
     memory = out.compiled.memory_analysis()
     pool_bytes = _device_bytes(runner.kv_pages)
     copies = [launch for launch in acc.launches if launch.kind == "copy"]
@@ -254,11 +280,14 @@ def _figures(case: StepCase, config: ModelConfig, runner, out, num_tokens: int) 
         # does not size): > 1 would mean padded rows or logits computed for tokens that sample nothing.
         "useful_matmul_flops": useful_matmul, "matmul_flops_to_useful": round(acc.flops / useful_matmul, 4),
         "compute_floor_ms": round(useful / target.bf16_dense_flops * 1e3, 4),
-        "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes,
+        "temp_bytes": int(memory.temp_size_in_bytes), "kv_pool_bytes": pool_bytes, "state_ideal_bytes": state_bytes,
         "kv_aliased": int(memory.alias_size_in_bytes) >= pool_bytes,
         "by_kind": acc.by_kind(), "largest_copies": sorted(
             ({"name": c.name, "count": c.count, "bytes": c.hbm_bytes, "detail": c.detail} for c in copies),
             key=lambda c: -c["bytes"])[:6],
+        "largest_kernels": sorted(  # where the bytes go
+            ({"name": k.name, "count": k.count, "bytes": k.hbm_bytes, "flops": k.count * k.flops, "detail": k.detail}
+             for k in acc.launches if k.kind in ("kernel", "gemm")), key=lambda k: -k["bytes"])[:8],
         "pallas": [{"name": p.name, "count": p.count, "bytes": p.hbm_bytes, "detail": p.detail}
                    for p in acc.pallas_kernels()],
         "lower_s": round(out.lower_seconds, 2), "compile_s": round(out.compile_seconds, 2),
