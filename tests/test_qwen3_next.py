@@ -198,10 +198,92 @@ def test_refused_by_name(field, value):
         make_engine(**{field: value})
 
 
-def test_prefix_caching_is_turned_off_with_a_warning(caplog):
-    engine = make_engine(enable_prefix_caching=True)
-    assert not engine.block_manager.enable_prefix_caching
-    assert "prefix caching is turned off" in caplog.text
+def test_beam_search_is_refused():
+    engine = make_engine()
     with pytest.raises(ValueError, match="beam search"):
         from jaxpaged.engine.beam_search import BeamSearchParams
         engine.add_beam_request([1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+# ---------------------------------------------------------------- prefix caching (state snapshots)
+
+
+def hit_tokens(engine, prompts, params):
+    """(the requests' outputs, prefix-cache hit tokens they added), the prompts run one after another."""
+    before = engine.block_manager.stats()["prefix_hit_tokens"]
+    outputs = [run(engine, [p], params)[0] for p in prompts]
+    return outputs, engine.block_manager.stats()["prefix_hit_tokens"] - before
+
+
+def sharing(prompt, num_shared, length, seed):
+    """`prompt`'s first `num_shared` tokens, then other tokens up to `length`."""
+    tail = [(t + 1) % 256 if i == 0 and t == prompt[num_shared] else t
+            for i, t in enumerate(prompts_of(length - num_shared, seed=seed)[0])]
+    return prompt[:num_shared] + tail
+
+
+def warm_engine():
+    """An engine that served one 22-token prompt alone: with a 16-token budget its chunks end at 16, 20
+    (cut to the page boundary) and 22, so the states at the ends of pages 3 and 4 are snapshots."""
+    engine = make_engine(enable_prefix_caching=True)
+    prompt = prompts_of(22, seed=5)[0]
+    expected = hf_greedy([prompt])[0]
+    assert run(engine, [prompt], greedy()) == [[expected]]
+    stats = engine.block_manager.stats()
+    assert stats["num_state_snapshots"] == 2 and stats["prefix_hit_tokens"] == 0
+    return engine, prompt, expected
+
+
+def test_prefix_cache_hits_up_to_the_deepest_snapshot_and_equals_hf():
+    engine, a, a_out = warm_engine()
+    # A prefix ending mid-page (21 tokens: pages 0-4 hit, 20 tokens); one ending inside page 4 (18: 16
+    # tokens); one running past pages A filled while decoding, cached but without a snapshot (its KV could
+    # hit 28 tokens, the state only 20): a hit never uses a page past its snapshot.
+    prompts = [sharing(a, 21, 27, seed=6), sharing(a, 18, 23, seed=7), sharing(a + a_out, 28, 30, seed=8)]
+    expected = hf_greedy(prompts)
+    for prompt, want, hit in zip(prompts, expected, [20, 16, 20]):
+        assert hit_tokens(engine, [prompt], greedy()) == ([[want]], hit)
+    assert engine.block_manager.leaks() == []
+
+
+def test_prefix_cache_with_unaligned_chunks_and_n_samples():
+    """A 34-token prompt computed beside a 9-token one and its decodes: its shares of the 16-token budget (8,
+    15, 15) are not page-aligned by the flags, and its chunks end on page boundaries anyway: 8, 20, 32 (the
+    snapshots), 34. Two samples of a prompt sharing its first 33 tokens then start from the snapshot at 32."""
+    engine = make_engine(enable_prefix_caching=True)
+    first, other = prompts_of(34, 9, seed=9)
+    second = sharing(first, 33, 36, seed=10)
+    expected = hf_greedy([first, other, second])
+    assert run(engine, [other, first], greedy()) == [[expected[1]], [expected[0]]]
+    assert engine.block_manager.stats()["num_snapshot_saves"] == 4  # the other prompt's chunk ended at 8 too
+    assert hit_tokens(engine, [second], dataclasses.replace(greedy(), n=2)) == ([[expected[2]] * 2], 32)
+    assert engine.block_manager.leaks() == []
+
+
+def test_prefix_cache_eviction_frees_snapshots_and_preemption_recomputes():
+    """The warm prefix's pages are evicted by seven sequences that preempt each other in 63 pages: their
+    snapshots go with them (leaks() checks every snapshot's page is still cached), and the tokens stay HF's."""
+    engine, a, _ = warm_engine()
+    prompts = prompts_of(44, 46, 41, 43, 45, 42, seed=2)
+    outputs = run(engine, prompts, [greedy()] * 5 + [dataclasses.replace(greedy(), n=2)])
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    stats = engine.block_manager.stats()
+    assert stats["num_evictions"] > 0 and engine.scheduler.stats()["num_preemptions"] > 0
+    assert stats["num_snapshot_restores"] > 0  # a preempted sequence readmitted from its own prompt's snapshot
+    assert engine.block_manager.leaks() == []
+    again = sharing(a, 21, 25, seed=11)
+    assert run(engine, [again], greedy()) == [[hf_greedy([again])[0]]]
+    assert engine.block_manager.leaks() == []
+
+
+def test_state_copies_apply_in_list_order():
+    """A snapshot saved and restored in one list (slot 1 -> 7 -> 2) reaches slot 2."""
+    import jax.numpy as jnp
+
+    engine = make_engine(enable_prefix_caching=True)
+    runner = engine.runner
+    conv, rec = runner.linear_state
+    runner.linear_state = (conv.at[:, 1].set(1.0), rec.at[:, 1].set(1.0))
+    runner.copy_states([(1, 7), (7, 2)])
+    assert float(jnp.min(runner.linear_state[1][:, 2])) == 1.0 and float(jnp.min(runner.linear_state[0][:, 2])) == 1.0

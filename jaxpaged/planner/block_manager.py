@@ -331,6 +331,16 @@ class BlockManager:
         """State-slot copies planned since the last call (hybrid models only: planner/state_pool.py)."""
         return []
 
+    # Hybrid models with prefix caching (planner/state_pool.py) end prompt chunks on page boundaries and
+    # save the state there; nothing here.
+    aligns_chunks = False
+
+    def aligned_chunk(self, seq: Sequence, num_new: int) -> int:
+        return num_new
+
+    def snapshot_state(self, seq: Sequence) -> None:
+        """Called at dispatch when a step filled a page of `seq` (only when `aligns_chunks`)."""
+
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""
         if not parent.block_table:
