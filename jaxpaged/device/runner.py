@@ -335,8 +335,8 @@ class ModelRunner:
                 batch, written = [], set()
             batch.append((src, dst))
             written.add(dst)
-        for batch in batches + [batch] if batch else batches:
-            chunk = np.asarray(batch, np.int32).reshape(-1, 2)
+        for pairs in batches + [batch] if batch else batches:
+            chunk = np.asarray(pairs, np.int32).reshape(-1, 2)
             src = np.zeros(self.max_num_copies, np.int32)
             dst = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
