@@ -156,7 +156,7 @@ def test_eviction_reset_and_a_full_pool_free_snapshots():
     scheduler.add(other)
     scheduler.schedule()
     assert block_manager.num_evictions >= 2 and first.page_hashes[1] not in block_manager.hash_to_page
-    assert first.page_hashes[1] not in block_manager.snapshots
+    assert first.page_hashes[1] not in block_manager.snapshots and block_manager.num_snapshot_evictions == 1
     scheduler.abort(other.seq_id)
     assert block_manager.leaks() == []
     for _ in range(3):  # again, to the snapshot at 8; then the cache is reset
@@ -176,3 +176,22 @@ def test_leaks_names_what_is_held():
     assert scheduler.block_manager.leaks() == ["3 pages held", "1 state slots held"]
     scheduler.abort(seq.seq_id)  # mid-prompt, a save planned: the slot goes back, the snapshot stays cached
     assert scheduler.block_manager.leaks() == [] and len(scheduler.block_manager.snapshots) == 1
+
+
+def test_a_preempted_sequence_is_readmitted_from_its_own_snapshot():
+    # 6 usable pages: two 8-token prompts growing to 16 tokens need 8; the second is preempted at 12, and
+    # readmitted once the first finishes, from the snapshot at its prompt's end (its pages still cached).
+    scheduler = caching_scheduler(num_pages=7, budget=16)
+    block_manager = scheduler.block_manager
+    first, second = (Sequence(list(range(i, i + 8)), SamplingParams(max_tokens=8)) for i in (0, 50))
+    scheduler.add(first)
+    scheduler.add(second)
+    preempted = False
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        preempted |= second in out.preempted
+        if second.num_cached_tokens:
+            assert out.state_copies == [(block_manager.snapshots[second.page_hashes[1]], second.state_slot)]
+            break
+        scheduler.update(out, [1] * len(out.seqs))
+    assert preempted and second.num_cached_tokens == 8 and block_manager.num_snapshot_restores == 1

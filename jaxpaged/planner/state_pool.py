@@ -117,6 +117,7 @@ class HybridBlockManager(BlockManager):
         self.num_snapshot_saves = 0
         self.num_snapshot_restores = 0
         self.num_snapshot_drops = 0  # dropped for room in the snapshot pool (their pages stay cached, unusable)
+        self.num_snapshot_evictions = 0  # freed with their page, evicted from the prefix cache
 
     @staticmethod
     def _slots_needed(seq: Sequence) -> int:
@@ -210,8 +211,9 @@ class HybridBlockManager(BlockManager):
 
     def _take_fresh_page(self) -> int:
         page_hash = self.page_hash[next(iter(self.free_page_ids))]
-        if page_hash is not None and self.snapshots:  # evicted from the cache: its snapshot goes too
+        if page_hash in self.snapshots:  # evicted from the cache: its snapshot goes too
             self._drop_snapshot(page_hash)
+            self.num_snapshot_evictions += 1
         return super()._take_fresh_page()
 
     def reset_prefix_cache(self) -> int:
@@ -250,5 +252,6 @@ class HybridBlockManager(BlockManager):
     def stats(self) -> dict[str, int | float]:
         snapshot_stats = {} if self.snapshot_pool is None else {
             "num_state_snapshots": len(self.snapshots), "num_snapshot_saves": self.num_snapshot_saves,
-            "num_snapshot_restores": self.num_snapshot_restores, "num_snapshot_drops": self.num_snapshot_drops}
+            "num_snapshot_restores": self.num_snapshot_restores, "num_snapshot_drops": self.num_snapshot_drops,
+            "num_snapshot_evictions": self.num_snapshot_evictions}
         return {**super().stats(), "num_free_state_slots": self.state_pool.num_free, **snapshot_stats}
