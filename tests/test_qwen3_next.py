@@ -247,15 +247,16 @@ def test_prefix_cache_hits_up_to_the_deepest_snapshot_and_equals_hf():
 
 
 def test_prefix_cache_with_unaligned_chunks_and_n_samples():
-    """A 34-token prompt computed beside a 9-token one and its decodes: its shares of the 16-token budget (8,
-    15, 15) are not page-aligned by the flags, and its chunks end on page boundaries anyway: 8, 20, 32 (the
-    snapshots), 34. Two samples of a prompt sharing its first 33 tokens then start from the snapshot at 32."""
-    engine = make_engine(enable_prefix_caching=True)
+    """A 34-token prompt computed beside a 9-token one and its decodes under a 10-token budget (not a multiple
+    of the 4-token page): its shares of the budget are cut so that its chunks end on page boundaries: 8, 16,
+    24, 32 (the snapshots), then 34. Two samples of a prompt sharing its first 33 tokens then start from the
+    snapshot at 32. (Its own step programs: the budget sets the token buckets.)"""
+    engine = make_engine(enable_prefix_caching=True, max_num_batched_tokens=10)
     first, other = prompts_of(34, 9, seed=9)
     second = sharing(first, 33, 36, seed=10)
     expected = hf_greedy([first, other, second])
     assert run(engine, [other, first], greedy()) == [[expected[1]], [expected[0]]]
-    assert engine.block_manager.stats()["num_snapshot_saves"] == 4  # the other prompt's chunk ended at 8 too
+    assert engine.block_manager.stats()["num_snapshot_saves"] == 5  # the other prompt's chunk ended at 8 too
     assert hit_tokens(engine, [second], dataclasses.replace(greedy(), n=2)) == ([[expected[2]] * 2], 32)
     assert engine.block_manager.leaks() == []
 
