@@ -114,7 +114,8 @@ def test_chunks_end_on_page_boundaries_and_each_end_saves_the_state_once():
     scheduler.add(seq)
     outs = [step(scheduler) for _ in range(3)]
     # A 7-token budget over a 10-token prompt: [0, 7) cut to [0, 4), [4, 10) cut to [4, 8), then [8, 10).
-    assert [out.num_new_tokens for out in outs] == [[4], [4], [2]] and [out.samples for out in outs] == [[False]] * 2 + [[True]]
+    assert [out.num_new_tokens for out in outs] == [[4], [4], [2]]
+    assert [out.samples for out in outs] == [[False], [False], [True]]
     # The state after each boundary step is saved by the next step's copies, before that step runs.
     assert [out.state_copies for out in outs] == [[], [(1, 3)], [(1, 4)]]
     assert seq.status is SequenceStatus.FINISHED

@@ -210,9 +210,10 @@ class HybridBlockManager(BlockManager):
         return hit_page_ids
 
     def _take_fresh_page(self) -> int:
-        page_hash = self.page_hash[next(iter(self.free_page_ids))]
-        if page_hash in self.snapshots:  # evicted from the cache: its snapshot goes too
-            self._drop_snapshot(page_hash)
+        # The page the base class hands out (None: it raises) leaves the cache: its snapshot goes too.
+        page_id = next(iter(self.free_page_ids), None)
+        if page_id is not None and self.page_hash[page_id] in self.snapshots:
+            self._drop_snapshot(self.page_hash[page_id])
             self.num_snapshot_evictions += 1
         return super()._take_fresh_page()
 
