@@ -312,7 +312,87 @@ def test_refused_by_name(field, value):
         make_engine(**{field: value})
 
 
-def test_prefix_caching_is_turned_off_with_a_warning(caplog):
+# ---------------------------------------------------------------- prefix caching (state snapshots)
+
+
+def hit_tokens(engine, prompts, params):
+    """(the requests' outputs, prefix-cache hit tokens they added), the prompts run one after another."""
+    before = engine.block_manager.stats()["prefix_hit_tokens"]
+    outputs = [run(engine, [p], params)[0] for p in prompts]
+    return outputs, engine.block_manager.stats()["prefix_hit_tokens"] - before
+
+
+def sharing(prompt, num_shared, length, seed):
+    """`prompt`'s first `num_shared` tokens, then other tokens up to `length`."""
+    tail = [(t + 1) % 256 if i == 0 and t == prompt[num_shared] else t
+            for i, t in enumerate(prompts_of(length - num_shared, seed=seed)[0])]
+    return prompt[:num_shared] + tail
+
+
+def warm_engine():
+    """An engine that served one 22-token prompt alone: with a 16-token budget its chunks end at 16, 20
+    (cut to the page boundary) and 22, so the states at the ends of pages 3 and 4 are snapshots."""
     engine = make_engine(enable_prefix_caching=True)
-    assert not engine.block_manager.enable_prefix_caching
-    assert "prefix caching is turned off" in caplog.text
+    prompt = prompts_of(22, seed=5)[0]
+    expected = hf_greedy([prompt])[0]
+    assert run(engine, [prompt], greedy()) == [[expected]]
+    stats = engine.block_manager.stats()
+    assert stats["num_state_snapshots"] == 2 and stats["prefix_hit_tokens"] == 0
+    return engine, prompt, expected
+
+
+def test_prefix_cache_hits_up_to_the_deepest_snapshot_and_equals_hf():
+    engine, a, a_out = warm_engine()
+    # A prefix ending mid-page (21 tokens: pages 0-4 hit, 20 tokens); one ending inside page 4 (18: 16
+    # tokens); one running past pages A filled while decoding, cached but without a snapshot (its KV could
+    # hit 28 tokens, the state only 20): a hit never uses a page past its snapshot.
+    prompts = [sharing(a, 21, 27, seed=6), sharing(a, 18, 23, seed=7), sharing(a + a_out, 28, 30, seed=8)]
+    expected = hf_greedy(prompts)
+    for prompt, want, hit in zip(prompts, expected, [20, 16, 20]):
+        assert hit_tokens(engine, [prompt], greedy()) == ([[want]], hit)
+    assert engine.block_manager.leaks() == []
+
+
+def test_prefix_cache_with_unaligned_chunks_and_n_samples():
+    """A 34-token prompt computed beside a 9-token one and its decodes under a 10-token budget (not a multiple
+    of the 4-token page): its shares of the budget are cut so that its chunks end on page boundaries: 8, 16,
+    24, 32 (the snapshots), then 34. Two samples of a prompt sharing its first 33 tokens then start from the
+    snapshot at 32. (Its own step programs: the budget sets the token buckets.)"""
+    engine = make_engine(enable_prefix_caching=True, max_num_batched_tokens=10)
+    first, other = prompts_of(34, 9, seed=9)
+    second = sharing(first, 33, 36, seed=10)
+    expected = hf_greedy([first, other, second])
+    assert run(engine, [other, first], greedy()) == [[expected[1]], [expected[0]]]
+    assert engine.block_manager.stats()["num_snapshot_saves"] == 5  # the other prompt's chunk ended at 8 too
+    assert hit_tokens(engine, [second], dataclasses.replace(greedy(), n=2)) == ([[expected[2]] * 2], 32)
+    assert engine.block_manager.leaks() == []
+
+
+def test_prefix_cache_eviction_frees_snapshots_and_preemption_recomputes():
+    """Five 3-token prompts decoding 56 tokens and a 44-token one with n = 2 need more than the 63 pages:
+    the last to arrive is preempted (recomputed), the warm prefix's pages are evicted and their snapshots
+    freed with them (leaks() checks every snapshot's page is still cached), the tokens stay HF's."""
+    engine, a, _ = warm_engine()
+    prompts = prompts_of(3, 3, 3, 3, 3, 44, seed=2)
+    long, forked = greedy(max_tokens=56), dataclasses.replace(greedy(), n=2)
+    outputs = run(engine, prompts, [long] * 5 + [forked])
+    expected = hf_greedy(prompts[:5], max_tokens=56) + hf_greedy(prompts[5:])
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    assert engine.scheduler.stats()["num_preemptions"] > 0
+    assert engine.block_manager.stats()["num_snapshot_evictions"] > 0  # snapshots freed with their evicted pages
+    assert engine.block_manager.leaks() == []
+    again = sharing(a, 21, 25, seed=11)
+    assert run(engine, [again], greedy()) == [[hf_greedy([again])[0]]]
+    assert engine.block_manager.leaks() == []
+
+
+def test_state_copies_apply_in_list_order():
+    """A snapshot saved and restored in one list (slot 1 -> 7 -> 2) reaches slot 2."""
+    import jax.numpy as jnp
+
+    engine = make_engine(enable_prefix_caching=True)
+    runner = engine.runner
+    conv, rec = runner.linear_state
+    runner.linear_state = (conv.at[:, 1].set(1.0), rec.at[:, 1].set(1.0))
+    runner.copy_states([(1, 7), (7, 2)])
+    assert float(jnp.min(runner.linear_state[1][:, 2])) == 1.0 and float(jnp.min(runner.linear_state[0][:, 2])) == 1.0

@@ -84,7 +84,7 @@ def test_a_request_needing_more_slots_than_the_pool_is_refused_at_add():
         scheduler.add(Sequence([1, 2, 3], SamplingParams(n=4)))
 
 
-def test_prefix_caching_and_swap_are_refused():
+def test_prefix_caching_needs_snapshot_slots_and_swap_needs_host_state_slots():
     with pytest.raises(ValueError, match="prefix caching"):
         HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True, num_state_slots=2)
     block_manager = HybridBlockManager(num_pages=8, page_size=4, enable_prefix_caching=False, num_state_slots=2)
@@ -160,3 +160,108 @@ def test_a_swapped_beam_comes_back_into_its_searchs_reserve_not_the_pool():
     block_manager.free(beam)
     block_manager.close_fork_group(beam)
     assert block_manager.state_pool.num_free == 2
+# ---------------------------------------------------------------- prefix caching: state snapshots
+
+
+def caching_scheduler(num_pages=16, budget=7, num_snapshot_slots=2):
+    """Running slots 1-2, snapshot slots 3.. ; pages of 4 tokens."""
+    block_manager = HybridBlockManager(num_pages=num_pages, page_size=4, enable_prefix_caching=True,
+                                       num_state_slots=2, num_snapshot_slots=num_snapshot_slots)
+    return Scheduler(block_manager, max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=64)
+
+
+def step(scheduler, token=9):
+    out = scheduler.schedule()
+    scheduler.update(out, [token] * len(out.seqs))
+    return out
+
+
+def test_chunks_end_on_page_boundaries_and_each_end_saves_the_state_once():
+    scheduler = caching_scheduler()
+    block_manager = scheduler.block_manager
+    seq = Sequence(list(range(10)), SamplingParams(max_tokens=1))
+    scheduler.add(seq)
+    outs = [step(scheduler) for _ in range(3)]
+    # A 7-token budget over a 10-token prompt: [0, 7) cut to [0, 4), [4, 10) cut to [4, 8), then [8, 10).
+    assert [out.num_new_tokens for out in outs] == [[4], [4], [2]]
+    assert [out.samples for out in outs] == [[False], [False], [True]]
+    # The state after each boundary step is saved by the next step's copies, before that step runs.
+    assert [out.state_copies for out in outs] == [[], [(1, 3)], [(1, 4)]]
+    assert seq.status is SequenceStatus.FINISHED
+    assert dict(block_manager.snapshots) == {seq.page_hashes[0]: 3, seq.page_hashes[1]: 4}
+    assert block_manager.leaks() == []
+
+
+def test_a_hit_restores_the_deepest_snapshot_and_never_uses_a_page_past_it():
+    scheduler = caching_scheduler(budget=16)
+    block_manager = scheduler.block_manager
+    first = Sequence(list(range(8)), SamplingParams(max_tokens=5))
+    scheduler.add(first)
+    for _ in range(5):
+        step(scheduler, token=50)
+    # Its prompt's end (8) has a snapshot; page 2 (tokens 8-11) filled while decoding: cached, no snapshot.
+    assert first.status is SequenceStatus.FINISHED and len(block_manager.hash_to_page) == 3
+    assert list(block_manager.snapshots) == [first.page_hashes[1]]
+    second = Sequence(list(range(8)) + [50] * 4 + [7], SamplingParams(max_tokens=1))
+    scheduler.add(second)
+    out = scheduler.schedule()
+    assert second.num_cached_tokens == second.num_computed_tokens == 8
+    assert out.num_new_tokens == [4]  # [8, 13) cut to the prompt page boundary 12: recomputed, then saved
+    assert out.state_copies == [(block_manager.snapshots[first.page_hashes[1]], second.state_slot)]
+    assert block_manager.stats()["num_snapshot_restores"] == 1
+
+
+def test_eviction_reset_and_a_full_pool_free_snapshots():
+    scheduler = caching_scheduler(num_pages=6, num_snapshot_slots=1)
+    block_manager = scheduler.block_manager
+    first = Sequence(list(range(10)), SamplingParams(max_tokens=1))
+    scheduler.add(first)
+    for _ in range(3):
+        step(scheduler)
+    # Saves at 4 and 8 into a one-slot pool: the second drops the first (its page stays cached, unusable).
+    assert dict(block_manager.snapshots) == {first.page_hashes[1]: 3}
+    assert block_manager.stats()["num_snapshot_drops"] == 1 and block_manager.leaks() == []
+    # 5 usable pages: a 19-token prompt takes them all, evicting the first prompt's cached pages.
+    other = Sequence(list(range(100, 119)), SamplingParams(max_tokens=1))
+    scheduler.add(other)
+    scheduler.schedule()
+    assert block_manager.num_evictions >= 2 and first.page_hashes[1] not in block_manager.hash_to_page
+    assert first.page_hashes[1] not in block_manager.snapshots and block_manager.num_snapshot_evictions == 1
+    scheduler.abort(other.seq_id)
+    assert block_manager.leaks() == []
+    for _ in range(3):  # again, to the snapshot at 8; then the cache is reset
+        scheduler.add(Sequence(list(range(10)), SamplingParams(max_tokens=1)))
+        while scheduler.has_unfinished():
+            step(scheduler)
+        block_manager.reset_prefix_cache()
+        assert not block_manager.snapshots and block_manager.snapshot_pool.num_free == 1
+        assert block_manager.leaks() == []
+
+
+def test_leaks_names_what_is_held():
+    scheduler = caching_scheduler()
+    seq = Sequence(list(range(10)), SamplingParams(max_tokens=4))
+    scheduler.add(seq)
+    step(scheduler)
+    assert scheduler.block_manager.leaks() == ["3 pages held", "1 state slots held"]
+    scheduler.abort(seq.seq_id)  # mid-prompt, a save planned: the slot goes back, the snapshot stays cached
+    assert scheduler.block_manager.leaks() == [] and len(scheduler.block_manager.snapshots) == 1
+
+
+def test_a_preempted_sequence_is_readmitted_from_its_own_snapshot():
+    # 6 usable pages: two 8-token prompts growing to 16 tokens need 8; the second is preempted at 12, and
+    # readmitted once the first finishes, from the snapshot at its prompt's end (its pages still cached).
+    scheduler = caching_scheduler(num_pages=7, budget=16)
+    block_manager = scheduler.block_manager
+    first, second = (Sequence(list(range(i, i + 8)), SamplingParams(max_tokens=8)) for i in (0, 50))
+    scheduler.add(first)
+    scheduler.add(second)
+    preempted = False
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        preempted |= second in out.preempted
+        if second.num_cached_tokens:
+            assert out.state_copies == [(block_manager.snapshots[second.page_hashes[1]], second.state_slot)]
+            break
+        scheduler.update(out, [1] * len(out.seqs))
+    assert preempted and second.num_cached_tokens == 8 and block_manager.num_snapshot_restores == 1

@@ -24,6 +24,7 @@ from jaxpaged.device.sharding import TensorParallel, kv_head_replicas, replica_m
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.qwen3_next import state_bytes_per_slot
 from jaxpaged.ops.kv_quant import bytes_per_token_head
+from jaxpaged.planner.state_pool import num_snapshot_slots
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default KV pool: at most 2 GiB of host memory
 # GPU pool sizing leaves this much, besides the step's own scratch memory and the
@@ -123,7 +124,8 @@ def num_pages_for(config: EngineConfig, model_config: ModelConfig, params, atten
     if config.kv_memory_bytes is not None:
         return num_pages_for_budget(model_config, config.page_size, config.kv_memory_bytes, config.kv_cache_dtype)
     if on_gpu():
-        num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
+        # a hybrid model's running slots and prefix-cache snapshots (planner/state_pool.py)
+        num_state_slots = config.max_num_seqs + num_snapshot_slots(config) if model_config.is_hybrid else 0
         tp_size = config.tensor_parallel_size
         if tp_size == 1:
             params = jax.block_until_ready(jax.device_put(params))  # the engine's copy will sit where these do

@@ -329,9 +329,18 @@ class ModelRunner:
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Hybrid models: copies state slot `src -> dst` in every linear layer (a fork's child starts from its
-        parent's state); call before the step that runs the child. Padded to max_num_seqs pairs."""
-        for i in range(0, len(copies), self.max_num_copies):
-            chunk = np.asarray(copies[i : i + self.max_num_copies], np.int32).reshape(-1, 2)
+        parent's state, a prefix hit from a snapshot, a snapshot from a sequence's slot), in list order;
+        call before the step that runs them. Batches of max_num_seqs pairs, a new batch wherever a copy
+        reads or writes a slot an earlier copy of the batch writes (a batch reads all, then writes all)."""
+        batches, batch, written = [], [], set()
+        for src, dst in copies:
+            if len(batch) == self.max_num_copies or src in written or dst in written:
+                batches.append(batch)
+                batch, written = [], set()
+            batch.append((src, dst))
+            written.add(dst)
+        for pairs in batches + [batch] if batch else batches:
+            chunk = np.asarray(pairs, np.int32).reshape(-1, 2)
             src = np.zeros(self.max_num_copies, np.int32)
             dst = np.full(self.max_num_copies, self.linear_state[0].shape[1], np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]

@@ -26,7 +26,6 @@ scheduler owns the sequences' states and pages. Everything runs on the caller's 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -53,7 +52,7 @@ from jaxpaged.planner.prefix_cache import versioned_salt
 from jaxpaged.planner.request import SEED_MASK, SamplingParams, check_prompt_token_ids, request_params
 from jaxpaged.planner.scheduler import make_scheduler
 from jaxpaged.planner.sequence import Sequence
-from jaxpaged.planner.state_pool import refuse_hybrid_features
+from jaxpaged.planner.state_pool import num_snapshot_slots, refuse_hybrid_features
 from jaxpaged.sample.step_sampler import StepSampler
 from jaxpaged.spec_decode.speculator import Speculator, verification_buckets
 
@@ -79,7 +78,6 @@ class LLMEngine:
         if model_config.is_hybrid:  # Qwen3-Next: a state pool beside the pages (planner/state_pool.py)
             for warning in refuse_hybrid_features(config):
                 logger.warning(warning)
-            config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
             num_state_slots = config.max_num_seqs
         self.kv_bytes_per_page = page_bytes = bytes_per_page(model_config, config.page_size, config.kv_cache_dtype)
         if model_config.is_hybrid and config.swap_space_bytes:  # swapped states come out of the swap space
@@ -107,7 +105,8 @@ class LLMEngine:
             return_routed_experts=config.enable_return_routed_experts,
             batch_invariant=bool(config.batch_invariant),  # device/batch_invariant.py
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,  # device/lora_slots.py
-            num_state_slots=num_state_slots,
+            # the running slots, then the prefix cache's state snapshots (planner/state_pool.py)
+            num_state_slots=num_state_slots + (num_snapshot_slots(config) if num_state_slots else 0),
         )
         self.processor = OutputProcessor(tokenizer)
         self.timings = {"schedule": 0.0, "prepare": 0.0, "device": 0.0, "postprocess": 0.0}

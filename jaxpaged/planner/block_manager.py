@@ -340,6 +340,15 @@ class BlockManager:
 
     def close_fork_group(self, seq: Sequence) -> None:
         """The beam search of `seq` ended (hybrid models: its state slots go back); nothing here."""
+    # Hybrid models with prefix caching (planner/state_pool.py) end prompt chunks on page boundaries and
+    # save the state there; nothing here.
+    aligns_chunks = False
+
+    def aligned_chunk(self, seq: Sequence, num_new: int) -> int:
+        return num_new
+
+    def snapshot_state(self, seq: Sequence) -> None:
+        """Called at dispatch when a step filled a page of `seq` (only when `aligns_chunks`)."""
 
     def fork(self, parent: Sequence, child_seq_id: int | None = None) -> Sequence:
         """A child sequence sharing all of `parent`'s pages (ref counts go up; copies happen on write)."""

@@ -29,7 +29,7 @@ from jaxpaged.planner.request import check_fits_pool, check_prompt_fits, placeho
 from jaxpaged.planner.scheduler_output import SchedulerOutput, UpdateOutput
 from jaxpaged.planner.sequence import Sequence, SequenceStatus, new_seq_id, num_live_slots
 from jaxpaged.planner.sliding_window import SlidingWindowBlockManager
-from jaxpaged.planner.state_pool import HybridBlockManager
+from jaxpaged.planner.state_pool import HybridBlockManager, num_snapshot_slots
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
@@ -48,7 +48,8 @@ def make_scheduler(config, *, num_pages: int, num_swap_pages: int = 0, num_host_
                 num_swap_pages=num_swap_pages, num_host_cache_pages=num_host_cache_pages)
     if num_state_slots:
         block_manager = HybridBlockManager(**pool, num_state_slots=num_state_slots,
-                                           num_host_state_slots=num_host_state_slots)
+                                           num_host_state_slots=num_host_state_slots,
+                                           num_snapshot_slots=num_snapshot_slots(config))
     else:
         block_manager = (BlockManager(**pool) if sliding_window is None
                          else SlidingWindowBlockManager(**pool, sliding_window=sliding_window))
@@ -163,6 +164,7 @@ class Scheduler:
         block_manager = self.block_manager
         page_size = block_manager.page_size
         ref_counts = block_manager.ref_counts
+        aligns_chunks = block_manager.aligns_chunks
         running = self.running
         num_new_tokens: list[int] = []
         copies: list[tuple[int, int]] = []
@@ -187,6 +189,9 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget  # a chunk of a long prompt; the rest runs next step
                 samples_now = False
+            if aligns_chunks and num_new > 1:  # a hybrid model's prefix cache: end on a page boundary
+                num_new = block_manager.aligned_chunk(seq, num_new)
+                samples_now = num_computed + num_new == num_tokens
             # Fast path, the common decode: the slot for token `num_computed` lies inside a page this
             # sequence already holds alone (offset > 0, so the page exists; ref count 1, so no copy).
             if not (
@@ -234,10 +239,10 @@ class Scheduler:
             waiting.popleft()
             seq.admit()  # RUNNING; the first admission ends its time in the queue
             running.append(seq)
-            num_new = len(seq.token_ids) - seq.num_computed_tokens
-            samples.append(num_new <= budget)
-            if num_new > budget:
-                num_new = budget
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if aligns_chunks and num_new > 1:
+                num_new = block_manager.aligned_chunk(seq, num_new)
+            samples.append(seq.num_computed_tokens + num_new == len(seq.token_ids))
             if seq.num_computed_tokens < len(seq.prompt_token_ids):  # later admissions hit its prompt pages
                 block_manager.cache_scheduled_prompt_pages(seq, num_new)
             seqs.append(seq)
@@ -300,6 +305,7 @@ class Scheduler:
         sampled = output.sampled = []
         filled = self._filled_pages
         page_size = self.block_manager.page_size
+        snapshots = self.block_manager.aligns_chunks
         forked: list[Sequence] = []
         for seq, num_new, row in zip(output.seqs, output.num_new_tokens, rows):
             if seq.status is not RUNNING:
@@ -308,6 +314,8 @@ class Scheduler:
             seq.num_computed_tokens = num_computed = num_before + num_new
             if num_before // page_size != num_computed // page_size:
                 filled.append((seq, num_before))
+                if snapshots:  # a hybrid model's state at a cached page's end (planner/state_pool.py)
+                    self.block_manager.snapshot_state(seq)
             if row is None:
                 continue
             if type(row) is list:
