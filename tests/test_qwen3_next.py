@@ -224,7 +224,8 @@ def hf_beams(prompt, beam_width, max_tokens):
     """HF's beams, best first: (generated tokens, score)."""
     _, model, _ = tiny_qwen3_next()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), num_beams=beam_width, num_return_sequences=beam_width,
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=beam_width, num_return_sequences=beam_width,
                              do_sample=False, max_new_tokens=max_tokens, early_stopping=False, eos_token_id=None,
                              pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     return [(out.sequences[i, len(prompt):].tolist(), float(out.sequences_scores[i])) for i in range(beam_width)]
@@ -396,3 +397,34 @@ def test_state_copies_apply_in_list_order():
     runner.linear_state = (conv.at[:, 1].set(1.0), rec.at[:, 1].set(1.0))
     runner.copy_states([(1, 7), (7, 2)])
     assert float(jnp.min(runner.linear_state[1][:, 2])) == 1.0 and float(jnp.min(runner.linear_state[0][:, 2])) == 1.0
+
+
+def test_prefix_cache_warm_under_swap_preemption_and_beams():
+    """Prefix caching, swap preemption and beam search on one engine: batches sharing a warm prefix swap out
+    and back (their states through host slots, their hits from snapshots); a beam search on a prompt
+    sharing the prefix equals HF's; every page, slot, snapshot and host slot is accounted for after."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    engine = make_engine(enable_prefix_caching=True, preemption_mode="swap", swap_space_bytes=1 << 20, num_pages=40)
+    warm = prompts_of(22, seed=5)[0]
+    assert run(engine, [warm], greedy()) == [[hf_greedy([warm])[0]]]
+    prompts = [sharing(warm, 21, n, seed=20 + i) for i, n in enumerate((44, 46, 41, 43, 45, 42))]
+    before = engine.block_manager.stats()["prefix_hit_tokens"]
+    outputs = run(engine, prompts, [greedy()] * 5 + [dataclasses.replace(greedy(), n=2)])
+    expected = hf_greedy(prompts)
+    assert outputs == [[t] for t in expected[:5]] + [[expected[5]] * 2]
+    stats = engine.scheduler.stats()
+    assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    assert engine.block_manager.stats()["prefix_hit_tokens"] - before >= 20
+    beam_prompt = sharing(warm, 21, 25, seed=30)
+    request_id = engine.add_beam_request(beam_prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [beam.token_ids for beam in done[request_id].beams] == [w[0] for w in hf_beams(beam_prompt, 3, 6)]
+    block_manager = engine.block_manager
+    assert block_manager.leaks() == []
+    assert block_manager.swap_pool.num_free_pages == block_manager.swap_pool.num_pages
+    assert block_manager.host_state_pool.num_free == block_manager.host_state_pool.num_slots

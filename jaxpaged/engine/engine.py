@@ -26,6 +26,7 @@ scheduler owns the sequences' states and pages. Everything runs on the caller's 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
