@@ -160,6 +160,31 @@ def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_servi
     assert bridge.num_in_flight == 0
 
 
+def test_exactly_max_header_count_headers_are_served_and_one_more_is_a_431(limited):
+    """The boundary of --h11-max-header-count (16 here), counting every header the client itself sends
+    (Host, User-Agent, Content-Length, ...), not only the ones the test adds."""
+    base, bridge, engine = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        def request_with(num_headers: int) -> httpx.Response:
+            request = client.build_request("POST", base + "/v1/completions", json=body)
+            for i in range(num_headers - len(request.headers)):  # filler up to exactly `num_headers`
+                request.headers[f"x-filler-{i}"] = "1"
+            assert len(request.headers.raw) == num_headers  # what goes on the wire
+            return client.send(request)
+
+        at_limit = request_with(16)
+        assert at_limit.status_code == 200, at_limit.text
+        past = request_with(17)
+        assert past.status_code == 431, past.text
+        error = past.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}  # OpenAI's error shape
+        assert error["code"] == 431 and error["type"] == "invalid_request_error" and error["param"] is None
+        assert "17 headers" in error["message"] and "at most 16" in error["message"]
+        assert "--h11-max-header-count" in error["message"]
+    assert bridge.num_in_flight == 0
+
+
 def test_the_header_flags_default_to_vllms():
     from jaxpaged.entrypoints.serve.cli import build_parser
 
