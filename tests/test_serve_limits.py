@@ -142,6 +142,30 @@ def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, pa
     assert ok.status_code == 200, ok.text
 
 
+def test_a_stop_string_of_exactly_the_limit_is_served_and_one_character_more_is_refused(limited):
+    """--max-stop-string-length 8 here: 8 characters pass, 9 are a 400 naming `stop` (the other tests
+    sent 26 against 8, so an off-by-one passed)."""
+    base, bridge, engine = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    ok = httpx.post(base + "/v1/completions", json={**body, "stop": ["x" * 8, "y"]}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    refused = httpx.post(base + "/v1/completions", json={**body, "stop": "x" * 9}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop", refused.text
+    assert "--max-stop-string-length" in refused.json()["error"]["message"]
+
+
+def test_n_up_to_max_num_seqs_is_served_and_one_more_is_refused(limited):
+    """n fans out to n sequences of one step: at most max_num_seqs (4 here), a 400 naming `n` past it."""
+    base, bridge, engine = limited
+    assert engine.config.max_num_seqs == 4
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 1.0, "seed": 0}
+    ok = httpx.post(base + "/v1/completions", json={**body, "n": 4}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4, ok.text
+    refused = httpx.post(base + "/v1/completions", json={**body, "n": 5}, timeout=30)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "n" and refused.json()["error"]["code"] == 400
+
+
 def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_serving(limited):
     """--h11-max-incomplete-event-size and --h11-max-header-count, vLLM's flags (here 8 KiB and 16
     headers): 431 in OpenAI's shape; past h11's buffer across reads, uvicorn's own 400."""
