@@ -145,7 +145,7 @@ def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, pa
 def test_a_stop_string_of_exactly_the_limit_is_served_and_one_character_more_is_refused(limited):
     """--max-stop-string-length 8 here: 8 characters pass, 9 are a 400 naming `stop` (the other tests
     sent 26 against 8, so an off-by-one passed)."""
-    base, bridge, engine = limited
+    base, _, _ = limited
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
     ok = httpx.post(base + "/v1/completions", json={**body, "stop": ["x" * 8, "y"]}, timeout=60)
     assert ok.status_code == 200, ok.text
@@ -156,7 +156,7 @@ def test_a_stop_string_of_exactly_the_limit_is_served_and_one_character_more_is_
 
 def test_n_up_to_max_num_seqs_is_served_and_one_more_is_refused(limited):
     """n fans out to n sequences of one step: at most max_num_seqs (4 here), a 400 naming `n` past it."""
-    base, bridge, engine = limited
+    base, _, engine = limited
     assert engine.config.max_num_seqs == 4
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 1.0, "seed": 0}
     ok = httpx.post(base + "/v1/completions", json={**body, "n": 4}, timeout=60)
