@@ -65,16 +65,20 @@ def enable_compilation_cache() -> str:
     return jax.config.jax_compilation_cache_dir
 
 
+_MAX_COMPILE_THREADS = 8
+
+
 def compile_in_parallel(jobs, num_threads: int | None = None) -> None:
     """Runs `jobs` on a thread pool: callables that each compile a program, by lowering it (nothing
     runs) or by running it on inputs nothing else reads or donates.
 
     XLA's compiler releases the GIL, so programs compile side by side (tracing and lowering, in
     Python, still take turns); the first error is raised. `num_threads` defaults to the CPUs this
-    process may run on. What warm-up calls afterwards finds compiled, in memory.
+    process may run on, at most `_MAX_COMPILE_THREADS` (each compile holds its program's HLO and
+    LLVM state in host memory). What warm-up calls afterwards finds compiled, in memory.
     """
     jobs = list(jobs)
-    num_threads = num_threads or len(os.sched_getaffinity(0))
+    num_threads = num_threads or min(len(os.sched_getaffinity(0)), _MAX_COMPILE_THREADS)
     if num_threads <= 1 or len(jobs) <= 1:
         for job in jobs:
             job()
