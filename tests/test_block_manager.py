@@ -337,5 +337,7 @@ def test_page_digests_separate_salt_and_tokens():
     digest = BlockManager.hash_page
     assert digest(None, None, (1, 2)) != digest(None, "", (1, 2))
     assert digest(None, "a", (1, 2)) != digest(None, "a\x00", (1, 2))
+    # The salt's length is hashed: without it, salt "a" + token 0 (8 zero bytes) reads as salt "a\0...\0".
+    assert digest(None, "a", (0, 1)) != digest(None, "a" + "\x00" * 8, (1,))
     assert digest(None, None, (1, 2)) != digest(digest(None, None, (1,)), None, (2,))
     assert digest(None, None, (1, 2)) == digest(None, None, (1, 2))

@@ -135,6 +135,42 @@ def test_sampling_params_reject_non_int_counts(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_the_parallel_compile_pass_leaves_warm_up_nothing_to_compile():
+    """Engine.warmup first compiles every step and sampler program on threads (compile_in_parallel),
+    then runs each warm-up call in order: those calls must find every program compiled (the same
+    cache entries), or the parallel pass only added work."""
+    from compile_watch import backend_compiles
+    from jaxpaged.device.runner import compile_in_parallel
+
+    engine = tiny_llm(enable_prefix_caching=True).engine
+    jobs = engine.runner.compile_jobs() + engine.step_runner.sampler.warmup_jobs(engine.config.max_num_seqs)
+    with backend_compiles() as parallel:
+        compile_in_parallel(jobs, num_threads=4)
+    assert parallel.count("jit(_step_fn)") == engine.runner.num_step_programs, parallel
+    assert {"jit(sample_ext)", "jit(sample_padded)", "jit(init_slot)", "jit(_copy_fn)"} <= set(parallel), parallel
+    with backend_compiles() as serial:
+        engine.runner.warmup()
+        engine.step_runner.sampler.warmup(engine.config.max_num_seqs)
+    assert serial == [], f"warm-up compiled after the parallel pass: {serial}"
+
+
+def test_compile_in_parallel_raises_a_jobs_error():
+    from jaxpaged.device.runner import compile_in_parallel
+
+    def bad():
+        raise ValueError("job 2 failed")
+
+    with pytest.raises(ValueError, match="job 2 failed"):
+        compile_in_parallel([lambda: None, bad, lambda: None], num_threads=2)
+
+
+def test_the_persistent_compilation_cache_keeps_every_program():
+    """JAX keeps only programs that took >= 1 s to compile; most of a small model's took less, so a
+    warm start compiled them again. Building an engine turns the threshold down to 0."""
+    tiny_llm()
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+
+
 def test_n_fan_out_over_fewer_logits_rows_compiles_nothing_after_warm_up():
     """A cached prompt with n=2 or 3 samples 2-4 rows from one logits row: warm-up covers that shape
     (the logits are padded to the sample rows), so nothing compiles (it compiled `sample_padded`)."""

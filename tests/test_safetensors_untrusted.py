@@ -51,6 +51,8 @@ def test_a_valid_file_reads_with_its_bf16_tensor():
 @pytest.mark.parametrize("make, words", [
     (lambda h, d: b"\x01\x02", "fewer than its 8-byte header length"),
     (lambda h, d: _file(h, d, header_len=2**62), "header claims"),
+    # Past the file's end by one byte, far under the size cap: refused by the file's size, not read.
+    (lambda h, d: _file(h, d, header_len=len(json.dumps(h)) + len(d) + 1), "header claims"),
     (lambda h, d: struct.pack("<Q", 5) + b"{nope" + d, "not JSON"),
     (lambda h, d: _file({**h, "a": {**h["a"], "data_offsets": [0, 2**40]}}, d), "corrupt safetensors"),
     (lambda h, d: _file({**h, "b": {**h["b"], "shape": [2**31, 2**31]}}, d), "corrupt safetensors"),

@@ -142,6 +142,30 @@ def test_a_request_past_a_limit_is_a_400_before_any_work(limited, path, body, pa
     assert ok.status_code == 200, ok.text
 
 
+def test_a_stop_string_of_exactly_the_limit_is_served_and_one_character_more_is_refused(limited):
+    """--max-stop-string-length 8 here: 8 characters pass, 9 are a 400 naming `stop` (the other tests
+    sent 26 against 8, so an off-by-one passed)."""
+    base, _, _ = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    ok = httpx.post(base + "/v1/completions", json={**body, "stop": ["x" * 8, "y"]}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    refused = httpx.post(base + "/v1/completions", json={**body, "stop": "x" * 9}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop", refused.text
+    assert "--max-stop-string-length" in refused.json()["error"]["message"]
+
+
+def test_n_up_to_max_num_seqs_is_served_and_one_more_is_refused(limited):
+    """n fans out to n sequences of one step: at most max_num_seqs (4 here), a 400 naming `n` past it."""
+    base, _, engine = limited
+    assert engine.config.max_num_seqs == 4
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 1.0, "seed": 0}
+    ok = httpx.post(base + "/v1/completions", json={**body, "n": 4}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4, ok.text
+    refused = httpx.post(base + "/v1/completions", json={**body, "n": 5}, timeout=30)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "n" and refused.json()["error"]["code"] == 400
+
+
 def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_serving(limited):
     """--h11-max-incomplete-event-size and --h11-max-header-count, vLLM's flags (here 8 KiB and 16
     headers): 431 in OpenAI's shape; past h11's buffer across reads, uvicorn's own 400."""
@@ -157,6 +181,31 @@ def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_servi
     assert "--h11-max-header-count" in many.json()["error"]["message"]
     ok = httpx.post(base + "/v1/completions", json=body, headers={"x-some": "y" * 4_000, "x-h1": "1"}, timeout=60)
     assert ok.status_code == 200, ok.text
+    assert bridge.num_in_flight == 0
+
+
+def test_exactly_max_header_count_headers_are_served_and_one_more_is_a_431(limited):
+    """The boundary of --h11-max-header-count (16 here), counting every header the client itself sends
+    (Host, User-Agent, Content-Length, ...), not only the ones the test adds."""
+    base, bridge, engine = limited
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        def request_with(num_headers: int) -> httpx.Response:
+            request = client.build_request("POST", base + "/v1/completions", json=body)
+            for i in range(num_headers - len(request.headers)):  # filler up to exactly `num_headers`
+                request.headers[f"x-filler-{i}"] = "1"
+            assert len(request.headers.raw) == num_headers  # what goes on the wire
+            return client.send(request)
+
+        at_limit = request_with(16)
+        assert at_limit.status_code == 200, at_limit.text
+        past = request_with(17)
+        assert past.status_code == 431, past.text
+        error = past.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}  # OpenAI's error shape
+        assert error["code"] == 431 and error["type"] == "invalid_request_error" and error["param"] is None
+        assert "17 headers" in error["message"] and "at most 16" in error["message"]
+        assert "--h11-max-header-count" in error["message"]
     assert bridge.num_in_flight == 0
 
 

@@ -27,6 +27,10 @@ ENGINE_FLAGS = ["--page-size", "8", "--num-pages", "96", "--max-num-seqs", "4", 
                 "--max-model-len", "256"]
 
 
+def _num_files(directory) -> int:
+    return sum(len(files) for _, _, files in os.walk(directory))
+
+
 def _wait_healthy(base: str, proc: subprocess.Popen | None, timeout_s: float) -> list:
     """Polls /health until 200; returns what it answered before: (status, JSON body, Retry-After)."""
     deadline, before = time.monotonic() + timeout_s, []
@@ -69,14 +73,22 @@ def test_sigterm_drains_streams_in_flight_refuses_new_requests_and_exits_0(tmp_p
     model = write_tiny_checkpoint(str(tmp_path / "tiny"))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    # An empty compilation cache of its own: the server writes every program it compiles there (the
+    # persistent cache keeps each one, runner.enable_compilation_cache), so files that appear after
+    # /health said ready are programs that serving compiled.
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxpaged.serve", "--model", model, "--served-model-name", MODEL, "--port", str(port),
          "--shutdown-timeout", "60", "--log-level", "warning", *ENGINE_FLAGS],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+        env={**env, "JAX_COMPILATION_CACHE_DIR": str(cache)})
     try:
         starting = _wait_healthy(base, proc, timeout_s=300)
         # Readiness: listening before the engine is built and warm, and saying so.
         assert starting and all(h == (503, {"status": "starting"}, "5") for h in starting), starting
+        compiled_when_ready = _num_files(cache)
+        assert compiled_when_ready > 0
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         max_tokens = 230
         results = [{} for _ in range(4)]
@@ -101,6 +113,8 @@ def test_sigterm_drains_streams_in_flight_refuses_new_requests_and_exits_0(tmp_p
         for r in results:  # finished whole, not cut: the drain waited for them
             assert "error" not in r, r
             assert r["finish"] == "length" and r["num_tokens"] == max_tokens, r
+        # Ready meant compiled: the streams (prefill, decode, every batch size on the way) compiled nothing.
+        assert _num_files(cache) == compiled_when_ready, "the server compiled programs after /health said ready"
         assert max(r["last_chunk_at"] for r in results) > signalled  # they were still streaming
         assert proc.wait(60) == 0
     finally:

@@ -17,6 +17,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,51 @@ __all__ = ["ModelRunner", "StepInput", "default_buckets", "pack_step_input", "pr
 
 
 def enable_compilation_cache() -> str:
-    """Turns on JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxpaged/xla)."""
+    """Turns on JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxpaged/xla).
+
+    Every program is kept, however fast it compiled: JAX's default keeps only those that took 1 s
+    or more, and most step programs of a small model take less, so a warm start compiled them all
+    again. A threshold the user set (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, or jax.config) is
+    left as it is.
+    """
     cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser("~/.cache/jaxpaged/xla")
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
+    if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+            and jax.config.jax_persistent_cache_min_compile_time_secs == 1.0):  # JAX's default
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return jax.config.jax_compilation_cache_dir
+
+
+_MAX_COMPILE_THREADS = 8
+
+
+def compile_in_parallel(jobs, num_threads: int | None = None) -> None:
+    """Runs `jobs` on a thread pool: callables that each compile a program, by lowering it (nothing
+    runs) or by running it on inputs nothing else reads or donates.
+
+    XLA's compiler releases the GIL, so programs compile side by side (tracing and lowering, in
+    Python, still take turns); the first error is raised. `num_threads` defaults to the CPUs this
+    process may run on, at most `_MAX_COMPILE_THREADS` (each compile holds its program's HLO and
+    LLVM state in host memory). What warm-up calls afterwards finds compiled, in memory.
+    """
+    jobs = list(jobs)
+    num_threads = num_threads or min(len(os.sched_getaffinity(0)), _MAX_COMPILE_THREADS)
+    if num_threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(max_workers=min(num_threads, len(jobs)), thread_name_prefix="jaxpaged-compile") as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
+
+
+def _compile_traced(trace, *args, **kwargs) -> None:
+    trace(*args, **kwargs).lower().compile()
+
+
+def _compile_lowered(fn, *args, **kwargs) -> None:
+    fn.lower(*args, **kwargs).compile()  # donations are not consumed: nothing runs
 
 
 def apply_page_copies(
@@ -439,13 +480,15 @@ class ModelRunner:
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copies whole pages (all layers, K and V) `src -> dst`; call before the step that needs them."""
         for i in range(0, len(copies), self.max_num_copies):
-            chunk = np.asarray(copies[i : i + self.max_num_copies], np.int32).reshape(-1, 2)
-            src = np.zeros(self.max_num_copies, np.int32)
-            dst = np.full(self.max_num_copies, self.num_pages, np.int32)  # out of range: dropped
-            src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
-            if self.tp is not None:
-                src, dst = self._place_replicated((src, dst))
-            self.kv_pages = self._copy(self.kv_pages, src, dst)
+            self.kv_pages = self._copy(self.kv_pages, *self._copy_indices(copies[i : i + self.max_num_copies]))
+
+    def _copy_indices(self, copies: Sequence[tuple[int, int]]):
+        """(src, dst) of one page-copy call, padded to max_num_copies with dropped copies."""
+        chunk = np.asarray(copies, np.int32).reshape(-1, 2)
+        src = np.zeros(self.max_num_copies, np.int32)
+        dst = np.full(self.max_num_copies, self.num_pages, np.int32)  # out of range: dropped
+        src[: len(chunk)], dst[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+        return self._place_replicated((src, dst)) if self.tp is not None else (src, dst)
 
     def run(self, scheduler_output) -> Float[Array, "num_seqs vocab_size"]:
         """Copy-on-write copies, then the step: the whole device side of one `SchedulerOutput`."""
@@ -480,15 +523,26 @@ class ModelRunner:
             state_slots=np.zeros(num_seqs, np.int32) if self.hybrid else None, decode_only=decode_only,
         )
 
+    def warmup_step_inputs(self) -> list[StepInput]:
+        """One all-padding input per step program: every bucket, every decode bucket, and the
+        prompt-logprobs program of each bucket (decode buckets never need one)."""
+        return ([self.dummy_step_input(bucket) for bucket in self.buckets]
+                + [self.dummy_step_input(bucket, decode_only=True) for bucket in self.decode_buckets]
+                + [dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))
+                   for bucket in self.buckets])
+
+    def compile_jobs(self) -> list:
+        """One callable per step program that compiles it and runs nothing (`trace_step`), for
+        `compile_in_parallel` before `warmup`: the step programs' ahead-of-time compiles land in the
+        cache `execute` reads, so warmup's own calls then compile none of them."""
+        jobs = [functools.partial(_compile_traced, self.trace_step, step_input) for step_input in self.warmup_step_inputs()]
+        return [*jobs, functools.partial(_compile_lowered, self._copy, self.kv_pages, *self._copy_indices([]))]
+
     def warmup(self, *, host_transfers: bool = False) -> None:
         """Compiles the step for every bucket and decode bucket, the page copy, and (when the engine
         has host pages: swap, host tier) the host transfers, so serving never compiles."""
-        for bucket in self.buckets:
-            jax.block_until_ready(self.execute(self.dummy_step_input(bucket)))
-        for bucket in self.decode_buckets:
-            jax.block_until_ready(self.execute(self.dummy_step_input(bucket, decode_only=True)))
-        for bucket in self.buckets:  # the prompt-logprobs program of each (decode buckets never need one)
-            jax.block_until_ready(self.execute(dataclasses.replace(self.dummy_step_input(bucket), prompt_logprob_targets=np.full(bucket, -1, np.int32))))
+        for step_input in self.warmup_step_inputs():
+            jax.block_until_ready(self.execute(step_input))
         self.copy_pages([(0, self.num_pages)])  # a dropped copy: compiles, changes nothing
         if self.lora is not None:
             self.lora.warmup()  # the adapter slot write

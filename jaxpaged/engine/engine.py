@@ -36,7 +36,7 @@ import numpy as np
 from jaxpaged.config import EngineConfig, strict_json_schemas
 from jaxpaged.device.kv_cache import bytes_per_page, host_page_counts, split_swap_space
 from jaxpaged.device.kv_transfer import HostKVStore, HostStateStore
-from jaxpaged.device.runner import ModelRunner
+from jaxpaged.device.runner import ModelRunner, compile_in_parallel
 from jaxpaged.device.step_runner import StepResult, StepRunner
 from jaxpaged.engine.adapters import LoRAAdapters
 from jaxpaged.engine.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams, check_beam_request
@@ -312,7 +312,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- utilities
 
     def warmup(self) -> None:
-        """Compiles every step bucket and the sampler for each, so serving never compiles."""
+        """Compiles every step bucket and the sampler for each, so serving never compiles.
+
+        The step and sampler programs are first compiled side by side on threads (compile_in_parallel:
+        the steps lowered ahead of time, the sampler run on zeros), then every warm-up call runs once,
+        in order, and finds its program compiled; what the parallel pass missed the call compiles
+        itself, so the guarantee does not rest on it."""
+        compile_in_parallel(self.runner.compile_jobs() + self.step_runner.sampler.warmup_jobs(self.config.max_num_seqs))
         self.runner.warmup(host_transfers=self.host_kv.num_host_pages > 0)
         self.step_runner.sampler.warmup(self.config.max_num_seqs)
         for feature in self.features:

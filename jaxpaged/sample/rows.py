@@ -129,23 +129,44 @@ def beam_candidate_width(max_num_seqs: int, vocab_size: int) -> int:
     return min(next_pow2(2 * max_num_seqs), vocab_size)
 
 
-def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> None:
-    """Compiles the sampler and the beam top-k for every row count a step can have, so serving
-    never compiles."""
+def sampler_warmup_calls(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> list[tuple]:
+    """(jitted function, args, kwargs) of every sampler program a step can run: the sampler and the
+    beam top-k for every row count, with and without a grammar mask, the grammar's first draw and
+    redraw, and the fan-out padding. None donates an argument, so the calls may run in any order,
+    side by side (`sampler_warmup_jobs`)."""
     num_out = runner.num_prev_token_rows
+    calls = []
     for num_rows in sampler_row_counts(runner, max_num_seqs, extra):
         logits = runner.zeros_logits(num_rows)  # placed as real logits are: no recompile later
-        jax.block_until_ready(
-            beam_candidates(logits, num_candidates=beam_candidate_width(max_num_seqs, logits.shape[-1])))
+        padded = max(num_rows, num_out)
+        calls.append((beam_candidates, (logits,), {"num_candidates": beam_candidate_width(max_num_seqs, logits.shape[-1])}))
         rows = [RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9, seed=0, step=0)]
         arrays = make_sampling_arrays(rows, num_rows)
         # Both variants: without a grammar mask, and with one (a step with a structured-output row).
         all_allowed = np.full((num_rows, (logits.shape[1] + 31) // 32), -1, np.int32)
         for token_bitmask in (None, all_allowed):
-            tokens = sample_padded(logits, arrays, num_out=max(num_rows, num_out), token_bitmask=token_bitmask)[0]
-        jax.block_until_ready(sample_first_padded(logits, arrays, num_out=max(num_rows, num_out)))
-        rejected = np.zeros(num_rows, np.bool_)  # and the grammar's redraw of rejected rows (over host tokens)
-        jax.block_until_ready(resample_padded(logits, arrays, np.asarray(tokens), all_allowed, rejected,
-                                              num_out=max(num_rows, num_out)))
+            calls.append((sample_padded, (logits, arrays), {"num_out": padded, "token_bitmask": token_bitmask}))
+        calls.append((sample_first_padded, (logits, arrays), {"num_out": padded}))
+        tokens, rejected = np.zeros(padded, np.int32), np.zeros(num_rows, np.bool_)  # the redraw reads host tokens
+        calls.append((resample_padded, (logits, arrays, tokens, all_allowed, rejected), {"num_out": padded}))
     for small, big in fan_out_pairs(sampler_row_counts(runner, max_num_seqs, extra)):
-        jax.block_until_ready(pad_logit_rows(runner.zeros_logits(small), num_rows=big))
+        calls.append((pad_logit_rows, (runner.zeros_logits(small),), {"num_rows": big}))
+    return calls
+
+
+def sampler_warmup_jobs(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> list:
+    """One callable per call of `sampler_warmup_calls`: compiles its program and runs it once."""
+    return [functools.partial(run_call, fn, args, kwargs) for fn, args, kwargs in
+            sampler_warmup_calls(runner, max_num_seqs, extra)]
+
+
+def run_call(fn, args: tuple, kwargs: dict) -> None:
+    """fn(*args, **kwargs), waited for: its program compiled (or found compiled) and run."""
+    jax.block_until_ready(fn(*args, **kwargs))
+
+
+def warmup_sampler(runner, max_num_seqs: int, extra: tuple[int, ...] = ()) -> None:
+    """Compiles and runs the sampler and the beam top-k for every row count a step can have, so
+    serving never compiles."""
+    for job in sampler_warmup_jobs(runner, max_num_seqs, extra):
+        job()

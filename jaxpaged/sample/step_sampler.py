@@ -10,6 +10,7 @@ pays for the extended sampler; only a step where some row asks for logprobs copi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -19,7 +20,7 @@ from jaxpaged.planner.sequence import Sequence
 from jaxpaged.sample.penalties import TokenSlots, host_slot_rows, init_slot, make_penalty_arrays
 from jaxpaged.sample.rows import (
     beam_candidate_width, num_sample_rows, pad_logit_rows, resample_padded, row_spec, sample_first_padded, sample_padded,
-    sampler_row_counts, warmup_sampler)
+    run_call, sampler_row_counts, sampler_warmup_jobs)
 from jaxpaged.sample.sampler import LOGPROBS_MODES, RowSpec, beam_candidates, make_sampling_arrays, sample_ext
 
 _NO_PENALTY = (-1, 0.0, 0.0, 1.0)
@@ -166,20 +167,40 @@ class StepSampler:
         """Compiles every program a step's sampling can run: the plain sampler's variants and the beam
         top-k (rows.warmup_sampler), and sample_ext with and without penalties, for every row count
         (`extra`: more logits widths, a speculative verification's), and the slot write."""
-        warmup_sampler(self.runner, max_num_seqs, extra)
-        vocab_size = self.slots.vocab_size
-        self.slots.state = init_slot(self.slots.state, np.int32(0), *host_slot_rows(vocab_size, [0], [], None, None))
+        for job in self.warmup_jobs(max_num_seqs, extra):
+            job()
+
+    def warmup_jobs(self, max_num_seqs: int, extra: tuple[int, ...] = ()) -> list:
+        """`warmup` as callables that may run side by side, on threads (compile_in_parallel): one per
+        program that donates nothing, and one that writes the slot and runs the penalized sampler
+        (which donates the slot state) for every row count, in order."""
+        jobs = sampler_warmup_jobs(self.runner, max_num_seqs, extra)
+        for logits, arrays, penalties, mask, kwargs in self._sample_ext_warmup_args(max_num_seqs, extra):
+            if penalties is None:
+                jobs.append(functools.partial(run_call, sample_ext, (logits, arrays, None, None, mask), kwargs))
+        return [*jobs, functools.partial(self._warmup_penalized, max_num_seqs, extra)]
+
+    def _warmup_penalized(self, max_num_seqs: int, extra: tuple[int, ...]) -> None:
+        """The slot write, then sample_ext with penalties for every row count, threading the slot state."""
+        self.slots.state = init_slot(self.slots.state, np.int32(0), *host_slot_rows(self.slots.vocab_size, [0], [], None, None))
+        for logits, arrays, penalties, mask, kwargs in self._sample_ext_warmup_args(max_num_seqs, extra):
+            if penalties is not None:
+                tokens, logprobs, self.slots.state = sample_ext(logits, arrays, penalties, self.slots.state, mask, **kwargs)
+                jax.block_until_ready((tokens, logprobs))
+
+    def _sample_ext_warmup_args(self, max_num_seqs: int, extra: tuple[int, ...]) -> list[tuple]:
+        """sample_ext's (logits, arrays, penalties, mask, kwargs) for every row count, without and with
+        penalties (None: without); the slot state, threaded through the calls, is the caller's."""
+        calls = []
         for num_rows in sampler_row_counts(self.runner, max_num_seqs, extra):
             logits = self.runner.zeros_logits(num_rows)
             arrays = make_sampling_arrays([RowSpec(row_idx=0, temperature=1.0, top_k=2, top_p=0.9)], num_rows)
+            kwargs = {"logprobs_mode": self.logprobs_mode, "ordered": self.ordered,
+                      "num_out": max(num_rows, self.runner.num_prev_token_rows)}
             for penalized in (False, True):
                 penalties = make_penalty_arrays([], num_rows) if penalized else None
-                tokens, logprobs, state = sample_ext(
-                    logits, arrays, penalties, self.slots.state if penalized else None, self._all_allowed(num_rows),
-                    logprobs_mode=self.logprobs_mode, ordered=self.ordered, num_out=max(num_rows, self.runner.num_prev_token_rows))
-                if penalized:
-                    self.slots.state = state
-                jax.block_until_ready((tokens, logprobs))
+                calls.append((logits, arrays, penalties, self._all_allowed(num_rows), kwargs))
+        return calls
 
 
 def _redraw_rejected(logits, rows: list[RowSpec], arrays, tokens, step_mask, candidates=None):
