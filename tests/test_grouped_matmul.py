@@ -90,19 +90,37 @@ def test_grouped_experts_through_the_kernel_equals_ragged_dot(tokens, top_k, exp
 
 
 def test_the_gpu_path_chooses_the_kernel_and_the_cpu_path_ragged_dot(monkeypatch):
+    """experts_for by platform; a runner as on a GPU serves its MoE through the kernel (interpreted here):
+    two sequences' prefill (7 and 5 tokens), then 2 decode steps, logits equal the CPU runner's (ragged_dot)."""
+    from conftest import make_scheduler_output, make_seq
+
     assert moe.experts_for("cpu") is moe.grouped_experts
     cuda = moe.experts_for("cuda")
     assert cuda.func is moe.grouped_experts and cuda.keywords == {"matmul": moe.gpu_ragged_matmul}
     from jaxpaged.device.runner import ModelRunner
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=1, num_heads=2,
-                         num_kv_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+                         num_kv_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     params = init_params(config, jax.random.key(0))
-    kwargs = dict(num_pages=8, page_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16, buckets=(8,))
-    assert ModelRunner(config, params, **kwargs).expert_fn is moe.grouped_experts
+    kwargs = dict(num_pages=16, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=16,
+                  buckets=(16,))
+    plain = ModelRunner(config, params, **kwargs)
+    assert plain.expert_fn is moe.grouped_experts
     choose = runner_module.experts_for
     monkeypatch.setattr(runner_module, "experts_for", lambda platform: choose("cuda"))
-    assert ModelRunner(config, params, **kwargs).expert_fn.keywords["matmul"] is moe.gpu_ragged_matmul
+    kernel = ModelRunner(config, params, **kwargs)
+    assert kernel.expert_fn.keywords["matmul"] is moe.gpu_ragged_matmul
+    logits = {}
+    for name, runner in (("plain", plain), ("kernel", kernel)):
+        seqs = [make_seq([3, 14, 15, 9, 26, 5, 35], 0, [0, 1, 2]), make_seq([8, 9, 7, 9, 3], 0, [3, 4])]
+        rows = [np.asarray(runner.run(make_scheduler_output(seqs, [7, 5])))[:2]]
+        for _ in range(2):
+            for seq, row in zip(seqs, rows[-1]):
+                seq.num_computed_tokens = len(seq.token_ids)
+                seq.token_ids.append(int(np.argmax(row)))
+            rows.append(np.asarray(runner.run(make_scheduler_output(seqs, [1, 1])))[:2])
+        logits[name] = np.stack(rows)
+    np.testing.assert_allclose(logits["kernel"], logits["plain"], atol=1e-5 * np.abs(logits["plain"]).max(), rtol=0)
 
 
 def test_lowered_for_cuda_the_experts_are_triton_kernels_and_no_all_experts_dot():
