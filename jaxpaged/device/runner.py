@@ -32,7 +32,7 @@ from jaxpaged.models.gguf_blocks import BLOCK, cpu_matmul_kernels
 from jaxpaged.models.llama import AttentionFn, CausalLM
 from jaxpaged.models.qwen3_next import Qwen3NextLM, zeros_linear_state
 from jaxpaged.sample.logprobs import split_prompt_logprobs, with_every_token
-from jaxpaged.models.moe import apply_returning_routed_experts, grouped_experts
+from jaxpaged.models.moe import apply_returning_routed_experts, experts_for
 from jaxpaged.device.layer_params import canonical_layout, own_copy, serving_layout
 from jaxpaged.device.batch_invariant import check_batch_invariant
 from jaxpaged.device.kv_centres import calibrate_kv_centres
@@ -216,8 +216,10 @@ class ModelRunner:
                                 return_routed_experts=return_routed_experts, batch_invariant=batch_invariant)
             per_layer_weights = False  # its layers are unrolled already (models/qwen3_next.py)
         platform = next(iter(leaves[0].sharding.device_set)).platform if self.abstract else jax.devices()[0].platform
-        # MoE under a mesh: experts split over the tp axis (expert parallelism, models/moe.py).
-        expert_fn = self.tp.shard_experts(grouped_experts) if self.tp is not None else grouped_experts
+        # MoE: on a CUDA GPU the grouped matmul is a Pallas kernel (models/moe.py experts_for); under a mesh,
+        # experts split over the tp axis (expert parallelism, each device's share inside shard_map).
+        self.expert_fn = experts_for(platform)
+        expert_fn = self.tp.shard_experts(self.expert_fn) if self.tp is not None else self.expert_fn
         # ops/cpu/gguf_matmul.cc, dense_matmul.cc
         self.matmul_kernels = frozenset() if self.hybrid else cpu_matmul_kernels(params, platform, self.tp, model_config)
         if batch_invariant:

@@ -5,21 +5,27 @@
     y[t] = sum_j w[t, j] * down_e(gated(act, gate_e(x[t]), up_e(x[t]))),  e = e[t, j]
     (gpt-oss: each projection with its expert's bias, `gated` its clamped "swigluoai")
 
-No dense all-experts compute: the T*k (token, expert) pairs are sorted by expert, the tokens
-gathered in that order, and each projection is one `jax.lax.ragged_dot` over the sorted rows
-(group g = the rows routed to expert g). Work is O(T * k * D * F), not O(T * E * D * F).
+The T*k (token, expert) pairs are sorted by expert, the tokens gathered in that order, and each
+projection is one grouped matmul over the sorted rows (group g = the rows routed to expert g):
+`jax.lax.ragged_dot` on the CPU, whose work there is O(T * k * D * F). XLA:GPU lowers ragged_dot as a
+dense GEMM over every expert on masked copies of the rows, O(T * k * E * D * F); on a CUDA GPU
+(`experts_for`) the projections are ops/grouped_matmul.py's Pallas kernel instead, which computes only
+the routed rows and reads only the experts some row is routed to.
 
 Expert parallelism (`expert_fn`, device/sharding.py `TensorParallel.shard_experts`): each device
 holds E/ep experts; tokens are exchanged by all-to-all so that each device runs `grouped_experts` on
 the pairs routed to its experts only (device/expert_parallel.py).
 """
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from jaxpaged.ops import grouped_matmul as gm
 
 _init = nn.initializers.normal(stddev=0.02)
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
@@ -55,10 +61,12 @@ def grouped_experts(
     act: str,
     expert_offset: Int[Array, ""] | int = 0,
     biases: tuple[Float[Array, "E_local F"], Float[Array, "E_local F"], Float[Array, "E_local D"]] | None = None,
+    matmul: Callable = jax.lax.ragged_dot,
 ) -> Float[Array, "T D"]:
     """Sum over the pairs routed to experts [offset, offset + E_local) of weight * expert(x).
 
     `biases` (gpt-oss): (gate, up, down) biases of each expert, added after its projections.
+    `matmul`: the grouped matmul, ragged_dot's contract (`experts_for` picks it by platform).
 
     With offset 0 and every expert local this is the whole MoE MLP; under expert parallelism each
     device passes its slice of the weights and its offset, and the caller sums over devices.
@@ -72,22 +80,38 @@ def grouped_experts(
     sorted_key = key[order]
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = x[order // top_k]  # [T*k, D], token of pair p is p // k
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    gate = matmul(rows, w_gate, group_sizes)
+    up = matmul(rows, w_up, group_sizes)
     row_expert = jnp.minimum(sorted_key, num_local - 1)  # rows past the local groups are zeroed below
     if biases is not None:
         gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
     hidden = gated(act, gate, up).astype(x.dtype)
-    out = jax.lax.ragged_dot(hidden, w_down, group_sizes)  # [T*k, D]
+    out = matmul(hidden, w_down, group_sizes)  # [T*k, D]
     if biases is not None:
         out = out + biases[2][row_expert]
-    # Rows past the local groups are not computed by ragged_dot (may hold anything): zero them.
+    # Rows past the local groups are not computed by the grouped matmul (may hold anything): zero them.
     pair_weight = jnp.where(sorted_key < num_local, weights.reshape(-1)[order], 0.0)
     out = jnp.where((sorted_key < num_local)[:, None], out.astype(jnp.float32), 0.0) * pair_weight[:, None]
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[order // top_k].add(out).astype(x.dtype)
 
 
 ExpertFn = Callable[..., Float[Array, "T D"]]
+
+
+def gpu_ragged_matmul(rows, w, group_sizes):
+    """ragged_dot's contract by ops/grouped_matmul.py's Pallas kernel where it takes the shapes (K and N
+    multiples of 16), else ragged_dot."""
+    if gm.supports(rows.shape, w.shape):
+        return gm.grouped_matmul(rows, w, group_sizes)
+    return jax.lax.ragged_dot(rows, w, group_sizes)
+
+
+def experts_for(platform: str) -> ExpertFn:
+    """The expert function a runner on `platform` serves the MoE with: `grouped_experts` with the Pallas
+    grouped matmul on a CUDA GPU (where this JAX has Pallas's Triton backend), with ragged_dot elsewhere."""
+    if platform in ("cuda", "gpu") and gm.available():
+        return functools.partial(grouped_experts, matmul=gpu_ragged_matmul)
+    return grouped_experts
 
 
 def apply_returning_routed_experts(model: nn.Module, enabled: bool, params, *args):
