@@ -127,8 +127,8 @@ class EngineConfig:
     # model; not a vLLM value): every weight dequantized to `dtype` at load, for float weight updates. "fp8",
     # "compressed-tensors", "awq", "gptq": the checkpoint's own method, kept packed (jaxpaged/models/hf_quant.py).
     quantization: str | None = None
-    # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
-    # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
+    # A .gguf model's codes (quantization None or "gguf") on the CPU: "float32" multiplies the codes'
+    # float values by float32 activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
     # blocks of 32 and sums integer products (AVX512-VNNI), GGUF's own arithmetic, as vLLM's GGUF
     # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
     # float32's tokens.
