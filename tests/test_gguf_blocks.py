@@ -285,6 +285,30 @@ def test_a_gguf_model_serves_its_codes_by_default_as_vllm_does(float_outputs):
     _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
 
 
+def test_lora_adapters_run_over_the_codes_as_over_the_floats():
+    """An adapter adds x A^T B^T to the projection's output whatever multiplies the base weight: the
+    default (codes) engine serves the float engine's tokens under it, and the adapter changes them."""
+    from jaxpaged import LoRARequest
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(30):  # SmolLM2-135M: 30 layers, hidden 576, 3 KV heads of 64
+        for module, (fan_in, fan_out) in {"q_proj": (576, 576), "v_proj": (576, 192)}.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[prefix + ".lora_A.weight"] = (rng.standard_normal((4, fan_in)) * 0.05).astype(np.float32)
+            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((fan_out, 4)) * 0.05).astype(np.float32)
+    adapter = LoRARequest("noise", 1, lora_tensors=tensors,
+                          lora_config={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora_engine = dict(ENGINE, max_num_seqs=2, enable_lora=True, max_lora_rank=4)
+    codes, floats = LLM(**lora_engine), LLM(quantization="dequantize", **lora_engine)
+    assert gguf_blocks.has_kept_weights(codes.params) and not gguf_blocks.has_kept_weights(floats.params)
+    tokens = {name: [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, lora_request=adapter)]
+              for name, llm in (("codes", codes), ("floats", floats))}
+    assert tokens["codes"] == tokens["floats"]
+    assert tokens["codes"] != [o.outputs[0].token_ids for o in codes.generate(PROMPTS[:2], params)]
+
+
 def test_features_needing_float_weights_dequantize_a_gguf_and_say_why(tmp_path, caplog, monkeypatch):
     """Left None, quantization on a .gguf falls back to float weights where a feature asked for needs
     them (tensor parallelism, batch invariance), with a warning naming it; asked for, it is kept or refused."""
