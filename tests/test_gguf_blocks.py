@@ -334,6 +334,9 @@ def test_features_needing_float_weights_dequantize_a_gguf_and_say_why(tmp_path, 
         assert not caplog.records  # asked for: nothing to say
     with pytest.raises(ValueError, match="tensor_parallel_size=1.*quantization='dequantize'"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)  # asked for codes: refused, not changed
+    with pytest.raises(ValueError, match="quantization cannot be batch-invariant"):
+        EngineConfig(quantization="gguf", batch_invariant=True)
+    assert EngineConfig(quantization="dequantize", batch_invariant=True).batch_invariant  # what the fallback builds
     checkpoint = write_tiny_checkpoint(str(tmp_path))
     assert gguf_default(checkpoint, EngineConfig()).quantization is None  # not a .gguf: untouched
     with pytest.raises(ValueError, match="quantization='dequantize' dequantizes a .gguf model's blocks"):
