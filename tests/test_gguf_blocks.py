@@ -343,6 +343,32 @@ def test_features_needing_float_weights_dequantize_a_gguf_and_say_why(tmp_path, 
         gguf_default(checkpoint, EngineConfig(quantization="dequantize"))
 
 
+def test_a_gguf_runs_the_codes_it_has_by_default(tmp_path, caplog):
+    """None on a .gguf whose projections are all float32 runs dequantized (an info line says so; "gguf"
+    asked for by name is refused); with Q8_0 FFN projections it keeps those as codes, with the float
+    path's tokens."""
+    import logging
+
+    from test_gguf import tiny_hf_state_dict, write_tiny_gguf
+
+    tiny = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False)
+    prompt, greedy = [{"prompt_token_ids": [1, 5, 9, 3]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    floats, q8 = tmp_path / "f32.gguf", tmp_path / "q8_ffn.gguf"
+    write_tiny_gguf(floats, tiny_hf_state_dict(tie=True), tie=True, quantize_ffn=False, merges=True)
+    write_tiny_gguf(q8, tiny_hf_state_dict(tie=True), tie=True, quantize_ffn=True, merges=True)
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        llm = LLM(str(floats), **tiny)
+    assert llm.engine.config.quantization == "dequantize" and not gguf_blocks.has_kept_weights(llm.params)
+    assert "keeps no Q4_0 / Q4_1 / Q8_0 projections" in caplog.text
+    with pytest.raises(ValueError, match="has none"):
+        LLM(str(floats), quantization="gguf", **tiny)
+    llm = LLM(str(q8), **tiny)
+    assert llm.engine.config.quantization == "gguf"
+    assert gguf_blocks.kept_projections(llm.params) == ["gate_proj", "up_proj", "down_proj"]
+    want = LLM(str(q8), quantization="dequantize", **tiny).generate(prompt, greedy)[0].outputs[0].token_ids
+    assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
+
+
 def test_bad_settings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="quantization='bitsandbytes': jaxpaged supports"):
         EngineConfig(quantization="bitsandbytes")
