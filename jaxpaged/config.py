@@ -14,7 +14,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")  # the one definition (ops/kv_quant.py and the CLI read it)
 # Weights as given, a .gguf's block codes kept (models/gguf_blocks.py), or a Hugging Face checkpoint's own
 # quantization_config method (models/hf_quant.py; None reads it from the checkpoint, as vLLM does).
-QUANTIZATIONS = (None, "gguf", "fp8", "compressed-tensors", "awq", "gptq")
+QUANTIZATIONS = (None, "gguf", "fp8", "compressed-tensors", "awq", "gptq", "dequantize")
 FP8_ACTIVATIONS = ("float", "fp8")  # FP8 weights times float activations (W8A16) or FP8 ones (W8A8)
 # quantization="gguf": the activations the codes multiply, float32 or Q8_1 blocks (ops/gguf_panels.py)
 GGUF_ACTIVATIONS = ("float32", "q8_1")
@@ -119,14 +119,16 @@ class EngineConfig:
     override_generation_config: dict | None = None
     # The most logprobs a request may ask for (vLLM's engine argument; at most 20, the width compiled).
     max_logprobs: int = 20
-    # vLLM's engine argument. None: weights in `dtype`, or as a Hugging Face checkpoint's quantization_config
-    # keeps them. "gguf" (a .gguf model): layer projections
+    # vLLM's engine argument. None: as vLLM resolves it, a .gguf model's "gguf" (float weights where a
+    # feature needs them: tensor_parallel_size > 1, batch_invariant; a warning says so), a Hugging Face
+    # checkpoint's quantization_config method, else weights in `dtype`. "gguf" (a .gguf model): layer projections
     # stored as Q4_0 / Q4_1 / Q8_0 stay as their block codes (0.75 bytes per weight for Q4, 1.25 for Q8_0), dequantized
-    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py). "fp8",
+    # layer by layer in the step to gguf's own float values (jaxpaged/models/gguf_blocks.py). "dequantize" (a .gguf
+    # model; not a vLLM value): every weight dequantized to `dtype` at load, for float weight updates. "fp8",
     # "compressed-tensors", "awq", "gptq": the checkpoint's own method, kept packed (jaxpaged/models/hf_quant.py).
     quantization: str | None = None
-    # quantization="gguf" on the CPU: "float32" multiplies the codes' float values by float32
-    # activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
+    # A .gguf model's codes (quantization None or "gguf") on the CPU: "float32" multiplies the codes'
+    # float values by float32 activations (vLLM's float32 CPU engine's tokens); "q8_1" quantizes each activation row to Q8_1
     # blocks of 32 and sums integer products (AVX512-VNNI), GGUF's own arithmetic, as vLLM's GGUF
     # kernels run on a GPU and llama.cpp on a CPU: 2.0-2.7x the float32 kernel's matmul rate, not
     # float32's tokens.
@@ -174,12 +176,12 @@ class EngineConfig:
             raise ValueError(f"fp8_activations={self.fp8_activations!r} must be one of {FP8_ACTIVATIONS} or None")
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations={self.gguf_activations!r} must be one of {GGUF_ACTIVATIONS}")
-        if self.gguf_activations != "float32" and self.quantization != "gguf":
+        if self.gguf_activations != "float32" and self.quantization not in (None, "gguf"):
             raise ValueError(f"gguf_activations={self.gguf_activations!r} quantizes the activations GGUF codes "
-                             "multiply: it needs quantization='gguf' and a .gguf model")
+                             "multiply: it needs a .gguf model run as its codes (quantization None or 'gguf')")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' needs tensor_parallel_size=1 (GGUF blocks are not sharded yet); "
-                             "leave quantization None to shard float weights")
+                             "pass quantization='dequantize' (or None) to shard float weights")
         if self.per_layer_weights and self.enable_return_routed_experts:
             raise ValueError("enable_return_routed_experts reads the layer scan's routed ids: leave per_layer_weights None")
         if self.speculative_config is not None:
@@ -270,7 +272,7 @@ class EngineConfig:
     def check_batch_invariant(self) -> None:
         """The engine arguments batch_invariant=True refuses (the runner checks the model and the kernels)."""
         refused = {"speculative_config": self.speculative_config is not None,  # drafts change tokens by batch size
-                   "quantization": self.quantization is not None, "kv_cache_dtype": self.kv_cache_dtype != "auto",
+                   "quantization": self.quantization not in (None, "dequantize"), "kv_cache_dtype": self.kv_cache_dtype != "auto",
                    "tensor_parallel_size": self.tensor_parallel_size > 1, "dtype": self.dtype == "bfloat16",
                    "enable_return_routed_experts": self.enable_return_routed_experts}
         given = [name for name, bad in refused.items() if bad]
@@ -278,6 +280,12 @@ class EngineConfig:
             raise ValueError(f"batch_invariant=True (or VLLM_BATCH_INVARIANT=1) runs float32 weights and KV on one "
                              f"device per replica without speculation; {', '.join(given)} cannot be batch-invariant: "
                              "leave them at their defaults")
+
+    def batch_invariant_requested(self) -> bool:
+        """batch_invariant, None read from VLLM_BATCH_INVARIANT (vLLM's switch)."""
+        if self.batch_invariant is None:
+            return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+        return bool(self.batch_invariant)
 
     def resolved(self, *, on_gpu: bool, model_max_len: int) -> "EngineConfig":
         """The same config with every None default filled in for this platform and model."""
@@ -290,8 +298,7 @@ class EngineConfig:
                 f"lower max_model_len")
         max_num_seqs = self.max_num_seqs or default_max_num_seqs(on_gpu)
         max_num_batched_tokens = self.max_num_batched_tokens or max(max_num_seqs, 8192 if on_gpu else 256)
-        batch_invariant = (os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
-                           if self.batch_invariant is None else self.batch_invariant)
+        batch_invariant = self.batch_invariant_requested()
         return replace(  # (__post_init__ checks batch_invariant, VLLM_BATCH_INVARIANT's included)
             self,
             batch_invariant=batch_invariant,

@@ -183,7 +183,7 @@ def test_greedy_tokens_equal_jaxpaged_on_smollm2():
     """The bundled SmolLM2-135M: the benchmark's two systems agree token for token."""
     from jaxpaged import LLM
 
-    llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+    llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, quantization="dequantize")  # float params
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "def fibonacci(n):",
                  "Why is the sky blue?", "List three prime numbers."]
     prompts = [llm.tokenizer.encode(q) for q in questions]

@@ -99,18 +99,18 @@ def weight_sized_slices(hlo: str) -> list[str]:
 
 @pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
 def test_float_engine_with_the_kernel_serves_xlas_tokens(per_layer_weights, monkeypatch):
-    """The default float32 engine on the CPU multiplies its projections with the kernel, reading each
+    """The float32 engine on the CPU (a .gguf dequantized at load) multiplies its projections with the kernel, reading each
     layer's weight in the stack (no weight-sized slice copied); its greedy tokens and logprobs are
     those of the same engine with XLA's dots."""
     from jaxpaged import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, OTHER_KERNELS)
-    xla = LLM(per_layer_weights=per_layer_weights, **ENGINE)
+    xla = LLM(per_layer_weights=per_layer_weights, quantization="dequantize", **ENGINE)
     assert xla.engine.runner.matmul_kernels == frozenset()
     want = [o.outputs[0] for o in xla.generate(PROMPTS, greedy)]
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
-    llm = LLM(per_layer_weights=per_layer_weights, **ENGINE)
+    llm = LLM(per_layer_weights=per_layer_weights, quantization="dequantize", **ENGINE)
     runner = llm.engine.runner
     assert runner.matmul_kernels == frozenset({dm.NAME})
     hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()

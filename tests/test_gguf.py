@@ -81,8 +81,9 @@ TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_laye
 _HF_TO_GGUF = {hf: gg for gg, hf in jgguf._LAYER_NAMES.items()}
 
 
-def write_tiny_gguf(path, state_dict, *, tie: bool, quantize_ffn: bool):
-    """A llama GGUF from a Hugging Face state dict: renamed, Q/K rows permuted, FFN optionally Q8_0.
+def write_tiny_gguf(path, state_dict, *, tie: bool, quantize_ffn: bool, merges: bool = False):
+    """A llama GGUF from a Hugging Face state dict: renamed, Q/K rows permuted, FFN optionally Q8_0;
+    `merges`: a BPE merge list too, so that an engine can build its tokenizer.
 
     Also carries metadata of every value type, to exercise the header parser.
     """
@@ -100,9 +101,14 @@ def write_tiny_gguf(path, state_dict, *, tie: bool, quantize_ffn: bool):
     writer.add_float32("llama.rope.freq_base", 5000.0)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(TINY["vocab_size"])])
+    tokens = [f"t{i}" for i in range(TINY["vocab_size"])]
+    if merges:  # one merge, "t" + "1" = "t1" (token 1), whose parts take ids 3 and 4
+        tokens[3:5] = ["t", "1"]
+    writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    if merges:
+        writer.add_array("tokenizer.ggml.merges", ["t 1"])
     for kind, value in [("uint8", 7), ("int8", -7), ("uint16", 700), ("int16", -700), ("int32", -70000),
                         ("uint64", 2**40), ("int64", -(2**40)), ("float64", 0.125), ("bool", True)]:
         getattr(writer, f"add_{kind}")(f"test.{kind}", value)

@@ -1,7 +1,8 @@
-"""quantization="gguf": a GGUF's Q4_0 / Q4_1 / Q8_0 projections kept as codes (models/gguf_blocks.py).
+"""quantization="gguf" (a .gguf model's default, as in vLLM): a GGUF's Q4_0 / Q4_1 / Q8_0 projections
+kept as codes (models/gguf_blocks.py).
 
 The oracle is the float path: gguf's own float32 dequantization (`gguf.quants.dequantize`) for the
-codes, and the default engine (weights dequantized at load) for what an engine serves. The codes
+codes, and the engine with quantization="dequantize" (weights dequantized at load) for what an engine serves. The codes
 must give the same float32 weights bit for bit, so the engine's tokens must be the same.
 """
 
@@ -136,7 +137,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 @pytest.fixture(scope="module")
 def float_outputs():
-    llm = LLM(**ENGINE)
+    llm = LLM(quantization="dequantize", **ENGINE)
+    assert not gguf_blocks.has_kept_weights(llm.params) and "gguf_panels" not in llm.engine.runner.matmul_kernels
     return [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -198,7 +200,7 @@ def q8_1_scored(float_outputs):
         llm = LLM(quantization="gguf", gguf_activations="q8_1", **ENGINE)
         assert llm.engine.runner.matmul_kernels == {"q8_1"}
         sequences = [llm.tokenizer.encode(p) + list(o.token_ids) for p, o in zip(PROMPTS, float_outputs)]
-        return sequences, scored_logprobs(llm, sequences), scored_logprobs(LLM(**ENGINE), sequences)
+        return sequences, scored_logprobs(llm, sequences), scored_logprobs(LLM(quantization="dequantize", **ENGINE), sequences)
 
 
 @pytest.mark.parametrize("per_layer_weights", [False, True], ids=["scan", "per-layer"])
@@ -257,9 +259,114 @@ def test_bfloat16_engine_with_codes_serves_the_bfloat16_float_engines_tokens():
     """The codes dequantize in float32 and are cast to the engine dtype in the step; the float engine
     casts the float32 weights at load: the same bfloat16 weights."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(dtype="bfloat16", **ENGINE).generate(PROMPTS, params)]
+    want = [o.outputs[0].token_ids for o in LLM(dtype="bfloat16", quantization="dequantize", **ENGINE).generate(
+        PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in LLM(dtype="bfloat16", quantization="gguf", **ENGINE).generate(
         PROMPTS, params)] == want
+
+
+def test_a_gguf_model_serves_its_codes_by_default_as_vllm_does(float_outputs):
+    """quantization None on a .gguf resolves to "gguf" (vLLM's rule): the tree holds the codes, the step
+    program multiplies them (the CPU kernel on panels, or XLA slicing the uint8 codes), no float32
+    matrix is multiplied, and the greedy tokens are the float path's."""
+    llm = LLM(**ENGINE)
+    runner = llm.engine.runner
+    assert llm.engine.config.quantization == "gguf"
+    assert gguf_blocks.kept_projections(llm.params) == list(gguf_blocks.PROJECTIONS)
+    served_attn = runner.served_params["params"]["layers"]["attn"]
+    assert "q_proj" not in served_attn and ("q_proj_panels" in served_attn or "q_proj_codes" in served_attn)
+    hlo = runner.trace_step(runner.dummy_step_input(runner.decode_buckets[-1], decode_only=True)).lower().compile().as_text()
+    assert 'custom_call_target="jaxpaged_dense_matmul"' not in hlo
+    if gguf_panels.available():
+        assert "gguf_panels" in runner.matmul_kernels
+        assert hlo.count('custom_call_target="jaxpaged_gguf_panels"') == 7 + 1  # 7 projections (scanned) + the tied head
+    else:
+        assert any("= u8[" in line and "dynamic-slice" in line for line in hlo.splitlines())
+    _same_as_floats([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)], float_outputs)
+
+
+def test_lora_adapters_run_over_the_codes_as_over_the_floats():
+    """An adapter adds x A^T B^T to the projection's output whatever multiplies the base weight: the
+    default (codes) engine serves the float engine's tokens under it, and the adapter changes them."""
+    from jaxpaged import LoRARequest
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(30):  # SmolLM2-135M: 30 layers, hidden 576, 3 KV heads of 64
+        for module, (fan_in, fan_out) in {"q_proj": (576, 576), "v_proj": (576, 192)}.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[prefix + ".lora_A.weight"] = (rng.standard_normal((4, fan_in)) * 0.05).astype(np.float32)
+            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((fan_out, 4)) * 0.05).astype(np.float32)
+    adapter = LoRARequest("noise", 1, lora_tensors=tensors,
+                          lora_config={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora_engine = dict(ENGINE, max_num_seqs=2, enable_lora=True, max_lora_rank=4)
+    codes, floats = LLM(**lora_engine), LLM(quantization="dequantize", **lora_engine)
+    assert gguf_blocks.has_kept_weights(codes.params) and not gguf_blocks.has_kept_weights(floats.params)
+    tokens = {name: [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, lora_request=adapter)]
+              for name, llm in (("codes", codes), ("floats", floats))}
+    assert tokens["codes"] == tokens["floats"]
+    assert tokens["codes"] != [o.outputs[0].token_ids for o in codes.generate(PROMPTS[:2], params)]
+
+
+def test_features_needing_float_weights_dequantize_a_gguf_and_say_why(tmp_path, caplog, monkeypatch):
+    """Left None, quantization on a .gguf falls back to float weights where a feature asked for needs
+    them (tensor parallelism, batch invariance), with a warning naming it; asked for, it is kept or refused."""
+    import logging
+
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    from jaxpaged.engine.build import gguf_default
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="jaxpaged"):
+        assert gguf_default(None, EngineConfig()).quantization == "gguf"
+        assert not caplog.records
+        assert gguf_default(None, EngineConfig(tensor_parallel_size=2)).quantization == "dequantize"
+        assert "but tensor_parallel_size > 1 needs float weights" in caplog.text
+        caplog.clear()
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # vLLM's switch, as batch_invariant=True
+        assert gguf_default(None, EngineConfig()).quantization == "dequantize"
+        assert "but batch_invariant needs float weights" in caplog.text
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+        caplog.clear()
+        assert gguf_default(None, EngineConfig(quantization="dequantize")).quantization == "dequantize"
+        assert not caplog.records  # asked for: nothing to say
+    with pytest.raises(ValueError, match="tensor_parallel_size=1.*quantization='dequantize'"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)  # asked for codes: refused, not changed
+    with pytest.raises(ValueError, match="quantization cannot be batch-invariant"):
+        EngineConfig(quantization="gguf", batch_invariant=True)
+    assert EngineConfig(quantization="dequantize", batch_invariant=True).batch_invariant  # what the fallback builds
+    checkpoint = write_tiny_checkpoint(str(tmp_path))
+    assert gguf_default(checkpoint, EngineConfig()).quantization is None  # not a .gguf: untouched
+    with pytest.raises(ValueError, match="quantization='dequantize' dequantizes a .gguf model's blocks"):
+        gguf_default(checkpoint, EngineConfig(quantization="dequantize"))
+
+
+def test_a_gguf_runs_the_codes_it_has_by_default(tmp_path, caplog):
+    """None on a .gguf whose projections are all float32 runs dequantized (an info line says so; "gguf"
+    asked for by name is refused); with Q8_0 FFN projections it keeps those as codes, with the float
+    path's tokens."""
+    import logging
+
+    from test_gguf import tiny_hf_state_dict, write_tiny_gguf
+
+    tiny = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False)
+    prompt, greedy = [{"prompt_token_ids": [1, 5, 9, 3]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    floats, q8 = tmp_path / "f32.gguf", tmp_path / "q8_ffn.gguf"
+    write_tiny_gguf(floats, tiny_hf_state_dict(tie=True), tie=True, quantize_ffn=False, merges=True)
+    write_tiny_gguf(q8, tiny_hf_state_dict(tie=True), tie=True, quantize_ffn=True, merges=True)
+    with caplog.at_level(logging.INFO, logger="jaxpaged"):
+        llm = LLM(str(floats), **tiny)
+    assert llm.engine.config.quantization == "dequantize" and not gguf_blocks.has_kept_weights(llm.params)
+    assert "keeps no Q4_0 / Q4_1 / Q8_0 projections" in caplog.text
+    with pytest.raises(ValueError, match="has none"):
+        LLM(str(floats), quantization="gguf", **tiny)
+    llm = LLM(str(q8), **tiny)
+    assert llm.engine.config.quantization == "gguf"
+    assert gguf_blocks.kept_projections(llm.params) == ["gate_proj", "up_proj", "down_proj"]
+    want = LLM(str(q8), quantization="dequantize", **tiny).generate(prompt, greedy)[0].outputs[0].token_ids
+    assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):
@@ -274,8 +381,10 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     assert EngineConfig(**engine_args(build_parser().parse_args([]))).quantization is None
     assert EngineConfig(**engine_args(build_parser().parse_args(["-q", "gguf", "--gguf-activations", "q8_1"]))
                         ).gguf_activations == "q8_1"
-    with pytest.raises(ValueError, match="needs quantization='gguf'"):
-        EngineConfig(gguf_activations="q8_1")
+    assert EngineConfig(gguf_activations="q8_1").quantization is None  # a .gguf's codes by default
+    with pytest.raises(ValueError, match="needs a .gguf model run as its codes"):
+        EngineConfig(quantization="dequantize", gguf_activations="q8_1")
+    assert EngineConfig(**engine_args(build_parser().parse_args(["-q", "dequantize"]))).quantization == "dequantize"
     with pytest.raises(ValueError, match=r"must be one of \('float32', 'q8_1'\)"):
         EngineConfig(quantization="gguf", gguf_activations="int8")
     from tiny_checkpoint import write_tiny_checkpoint

@@ -176,7 +176,7 @@ def test_server_sizes_its_batch_from_the_kv_pool(monkeypatch):
     model_config = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                num_kv_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
     parts = (model_config, init_params(model_config, jax.random.key(0)), Tokenizer.from_gguf(default_model_path()))
-    monkeypatch.setattr(build, "load_model", lambda model, dtype, quantization=None: parts)
+    monkeypatch.setattr(build, "load_model", lambda model, dtype, quantization=None, **_: parts)
     small = dict(page_size=4, max_model_len=64, warmup=False, attention_backend="reference")
     # 16 pages of 4 tokens per sequence of max_model_len: a pool of 1 + 20 * 16 pages holds 20.
     engine = build.build_engine(None, EngineConfig(num_pages=321, **small), max_num_seqs_from_pool=True)

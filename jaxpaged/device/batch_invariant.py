@@ -105,7 +105,7 @@ def check_batch_invariant(config: ModelConfig, *, platform: str, matmul_kernels:
         refuse("attention soft-capping runs XLA's chunked path, whose sums depend on the step; not supported")
     if "dense_matmul" not in matmul_kernels:
         refuse("the dense_matmul CPU kernel must multiply every projection: float32 weights (no GGUF codes: "
-               "quantization=None), a C++ compiler, JAXPAGED_CPU_KERNELS allowing dense_matmul")
+               "quantization='dequantize' or None), a C++ compiler, JAXPAGED_CPU_KERNELS allowing dense_matmul")
     widths = {"hidden_size": config.hidden_size, "num_heads * head_dim": config.num_heads * config.head_dim,
               "num_kv_heads * head_dim": config.num_kv_heads * config.head_dim,
               "intermediate_size": config.intermediate_size, "head_dim": config.head_dim}

@@ -17,8 +17,9 @@ from jaxpaged.device.sharding import replica_meshes
 from jaxpaged.engine.data_parallel import DataParallelEngine
 from jaxpaged.engine.engine import LLMEngine
 from jaxpaged.engine.protocol import EngineClient
+from jaxpaged.models.gguf_blocks import has_kept_weights
 from jaxpaged.models.hf_quant import quantized_leaves
-from jaxpaged.models.loading import generation_config_file, generation_eos_ids, sampling_defaults
+from jaxpaged.models.loading import resolve_model, generation_config_file, generation_eos_ids, sampling_defaults
 from jaxpaged.models.weights import load_model
 from jaxpaged.planner.request import SamplingParams
 
@@ -47,7 +48,14 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
     eos_ids = generation_eos_ids(generation_file, None)
     dtype = config.dtype or ("bfloat16" if on_gpu() else "float32")
     auto_backend = config.attention_backend == "auto"
-    model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization)
+    chosen = config.quantization is not None
+    config = gguf_default(model, config)
+    model_config, params, tokenizer = load_model(model, dtype=dtype, quantization=config.quantization,
+                                                 require_kept=chosen)
+    if config.quantization == "gguf" and not has_kept_weights(params):  # None on a .gguf of no Q4_0 / Q4_1 / Q8_0
+        logger.info("%s keeps no Q4_0 / Q4_1 / Q8_0 projections: its weights run dequantized to %s",
+                    model or "the default model", dtype)
+        config = dataclasses.replace(config, quantization="dequantize")
     if config.tensor_parallel_size > 1 and quantized_leaves(params):  # packed leaves are not sharded yet
         raise ValueError(f"{model!r} keeps quantized weights ({quantized_leaves(params)[0]}, ...), which are not sharded "
                          "yet: use tensor_parallel_size=1 (data_parallel_size replicates them), or the unquantized model")
@@ -84,6 +92,27 @@ def build_engine(model: str | None, config: EngineConfig, *, max_num_seqs_from_p
         replica.generation_defaults = dict(defaults)
         replica.generation_eos_ids = eos_ids
     return engine
+
+
+def gguf_default(model: str | None, config: EngineConfig) -> EngineConfig:
+    """vLLM's rule: quantization None on a .gguf model means "gguf", its block codes served as they are
+    (models/gguf_blocks.py), except where a feature asked for needs float weights: then "dequantize",
+    with a warning naming the feature. "dequantize" on any other model is refused by name."""
+    is_gguf = resolve_model(model).kind == "gguf"
+    if config.quantization == "dequantize" and not is_gguf:
+        raise ValueError(f"quantization='dequantize' dequantizes a .gguf model's blocks, and {model!r} is not a .gguf "
+                         "file; leave quantization None")
+    if config.quantization is not None or not is_gguf:
+        return config
+    needs_float = {"tensor_parallel_size > 1": config.tensor_parallel_size > 1,  # GGUF blocks are not sharded yet
+                   "batch_invariant": config.batch_invariant_requested()}  # float32 dense kernels only
+    given = [name for name, needed in needs_float.items() if needed]
+    if given:
+        logger.warning("%s is a .gguf model, served as its block codes by default (quantization='gguf', as vLLM "
+                       "does), but %s needs float weights: dequantizing every weight at load instead (pass "
+                       "quantization='dequantize' to ask for that)", model or "the default model", " and ".join(given))
+        return dataclasses.replace(config, quantization="dequantize")
+    return dataclasses.replace(config, quantization="gguf")
 
 
 def checked_generation_defaults(defaults: dict) -> dict:

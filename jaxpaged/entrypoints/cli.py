@@ -86,14 +86,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quantized values plus a scale per token and KV head (about 2x the sequences of a bfloat16 "
                         "cache in the same memory)")
     e.add_argument("--quantization", "-q", choices=[q for q in QUANTIZATIONS if q], default=None,
-                   help="gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 projections as their block codes, dequantized "
-                        "layer by layer in each step to the same float values (0.75 bytes per weight read for Q4, 1.25 for Q8_0); "
+                   help="gguf (a .gguf model's default, as in vLLM): keep its Q4_0 / Q4_1 / Q8_0 projections as their block "
+                        "codes, dequantized layer by layer in each step to the same float values (0.75 bytes per weight "
+                        "read for Q4, 1.25 for Q8_0); dequantize: a .gguf's weights dequantized at load (float weight updates); "
                         "fp8, compressed-tensors, awq, gptq: a Hugging Face checkpoint's own method (read from its "
                         "quantization_config when left out)")
     e.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default=None,
                    help="FP8 checkpoints: float = W8A16 (the CPU's default), fp8 = W8A8 (the GPU's)")
     e.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="float32",
-                   help="with -q gguf on the CPU: float32 activations (float32's tokens), or q8_1: each activation "
+                   help="a .gguf model's codes on the CPU: float32 activations (float32's tokens), or q8_1: each activation "
                         "row quantized to Q8_1 blocks and integer products summed (GGUF's own arithmetic, as vLLM's "
                         "GGUF kernels on a GPU and llama.cpp; 2.0-2.7x the float32 matmul rate, not float32's tokens)")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")

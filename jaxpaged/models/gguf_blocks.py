@@ -256,9 +256,9 @@ def has_block_fp8(params) -> bool:
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
-REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf'), so new weights must come "
-                  "in that same tree (`llm.params`: *_codes, *_scales, *_mins); to load float weights (a "
-                  "trainer's, Hugging Face names) build the LLM with quantization=None")
+REFUSED_UPDATE = ("this engine keeps the GGUF file's block codes (quantization='gguf', a .gguf model's default as in "
+                  "vLLM), so new weights must come in that same tree (`llm.params`: *_codes, *_scales, *_mins); to "
+                  "load float weights (a trainer's, Hugging Face names) build the LLM with quantization='dequantize'")
 
 
 def linear(module, name: str, x, shape: tuple[int, ...], equation: str, dtype, init, *, matrix: bool = False,

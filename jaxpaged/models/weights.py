@@ -27,15 +27,18 @@ _FORMAT = "llama-scan-v1"  # bump when params_from_hf changes the parameter layo
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(model: str | None, dtype: str, quantization: str | None = None):
+def load_model(model: str | None, dtype: str, quantization: str | None = None, *, require_kept: bool = True):
     """Returns `(ModelConfig, params, Tokenizer)`; params are arrays in `dtype` (numpy or jax).
     quantization="gguf": a .gguf model's Q4_0 / Q4_1 / Q8_0 layer projections stay block codes
-    (models/gguf_blocks.py); other sources are refused."""
+    (models/gguf_blocks.py; a file with none is refused unless not `require_kept`: EngineConfig's None,
+    engine/build.py); other sources are refused. None or "dequantize": a .gguf dequantized to `dtype`."""
     files = loading.load_model_files(model, weights=False)
     keep_blocks = quantization == "gguf"
-    if keep_blocks and files.source.kind != "gguf":
-        raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks, but {files.source_id!r} is not a .gguf "
-                         "file; pass a .gguf model or leave quantization None")
+    if quantization in ("gguf", "dequantize") and files.source.kind != "gguf":
+        raise ValueError(f"quantization={quantization!r} is for a .gguf file's blocks, but {files.source_id!r} is "
+                         "not a .gguf file; pass a .gguf model or leave quantization None")
+    if quantization == "dequantize":
+        quantization = None
     hf_quantization = (files.hf_config.get("quantization_config") or None) if files.source.kind != "gguf" else None
     method = hf_quant.method_of(hf_quantization)
     if method == "mxfp4":  # gpt-oss's experts, dequantized as they load (models/mxfp4.py); hf_config checks the family
@@ -59,7 +62,7 @@ def load_model(model: str | None, dtype: str, quantization: str | None = None):
     params, _ = checkpoint.cached_params(files.source.weight_files(), jnp.dtype(dtype), convert,
                                          format_tag=_FORMAT + ("-gguf-blocks-v3" if keep_blocks else "")
                                          + (f"-{method}-v1" if method else ""))
-    if keep_blocks:
+    if keep_blocks and require_kept:
         check_kept(params, files.source_id)
     return config, params, files.tokenizer
 
@@ -71,7 +74,7 @@ def check_kept(params, source_id: str) -> None:
     if not kept:
         raise ValueError(f"quantization='gguf' keeps Q4_0 / Q4_1 / Q8_0 projections, and {source_id!r} has none "
                          "(its layers use other block types, e.g. K quants, which jaxpaged dequantizes at load); "
-                         "leave quantization None")
+                         "leave quantization None (it dequantizes such a file) or pass quantization='dequantize'")
     if len(kept) < len(gguf_blocks.PROJECTIONS):
         logger.warning("quantization='gguf': %s of %s stay float (a layer stores them in a block type other than "
                        "Q4_0 / Q4_1 / Q8_0)", [n for n in gguf_blocks.PROJECTIONS if n not in kept], source_id)

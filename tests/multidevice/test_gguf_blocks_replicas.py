@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def test_gguf_codes_on_two_replicas_serve_the_float_engines_tokens():
-    expected = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in LLM(quantization="dequantize", **ENGINE).generate(PROMPTS, GREEDY)]
     llm = LLM(quantization="gguf", data_parallel_size=2, **ENGINE)
     assert isinstance(llm.engine, DataParallelEngine)
     single = LLM(quantization="gguf", **ENGINE).engine.runner.matmul_kernels
