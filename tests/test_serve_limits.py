@@ -174,8 +174,11 @@ def test_headers_past_their_size_or_count_are_refused_and_the_server_keeps_servi
     big = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 10_000}, timeout=30)
     assert big.status_code == 431 and big.json()["error"]["code"] == 431, big.text
     assert "--h11-max-incomplete-event-size" in big.json()["error"]["message"]
-    huge = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 200_000}, timeout=30)
-    assert huge.status_code == 400  # h11 gave up buffering it (uvicorn answers)
+    try:  # h11 gave up buffering it: uvicorn answers 400 and closes, which may reset a client still sending
+        huge = httpx.post(base + "/v1/completions", json=body, headers={"x-big": "y" * 200_000}, timeout=30)
+        assert huge.status_code == 400, huge.text
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        pass  # refused before the request was read: the server keeps serving (checked below)
     many = httpx.post(base + "/v1/completions", json=body, headers={f"x-h{i}": "1" for i in range(20)}, timeout=30)
     assert many.status_code == 431 and many.json()["error"]["code"] == 431, many.text
     assert "--h11-max-header-count" in many.json()["error"]["message"]

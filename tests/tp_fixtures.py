@@ -34,7 +34,7 @@ class SilentTokenizer:
 
     incremental_detokenizer = detokenizer
 
-    def decode(self, token_ids):  # beam search's outputs
+    def decode(self, token_ids, **kwargs):  # beam search's outputs, logprobs' decoded tokens
         return ""
 
 

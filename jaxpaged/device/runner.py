@@ -75,11 +75,13 @@ def compile_in_parallel(jobs, num_threads: int | None = None) -> None:
     XLA's compiler releases the GIL, so programs compile side by side (tracing and lowering, in
     Python, still take turns); the first error is raised. `num_threads` defaults to the CPUs this
     process may run on, at most `_MAX_COMPILE_THREADS` (each compile holds its program's HLO and
-    LLVM state in host memory). What warm-up calls afterwards finds compiled, in memory.
+    LLVM state in host memory); one thread under several processes. What warm-up calls afterwards finds compiled, in memory.
     """
     jobs = list(jobs)
     num_threads = num_threads or min(len(os.sched_getaffinity(0)), _MAX_COMPILE_THREADS)
-    if num_threads <= 1 or len(jobs) <= 1:
+    # Several processes (jax.distributed) run each program in lockstep: a job that runs one (a sampler's
+    # on zeros) must start in the same order everywhere, so they run one after another in list order.
+    if num_threads <= 1 or len(jobs) <= 1 or jax.process_count() > 1:
         for job in jobs:
             job()
         return
