@@ -23,7 +23,8 @@ MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 JAX_SPEC="${JAX_SPEC:-jax[cpu]}"
 VENV="/opt/$(printf '%s' "$JAX_SPEC" | tr -c 'A-Za-z0-9.' '-' | sed 's/-*$//')"
 SUBSET=(tests/test_pallas_decode.py tests/test_pallas_ragged.py tests/test_mosaic_attention.py
-        tests/test_engine_variants.py tests/test_gpu_path.py tests/test_h100_static_gate.py)
+        tests/test_engine_variants.py tests/test_gpu_path.py tests/test_h100_static_gate.py
+        tests/test_w4a16_matmul.py tests/test_fp8_block_matmul.py tests/test_grouped_matmul.py)
 start=$(date +%s)
 
 if [[ ! -f "$CHROOT/.jaxpaged-chroot" ]]; then

@@ -155,6 +155,7 @@ def test_an_awq_checkpoint_served_through_the_kernel_gives_hf_greedy_tokens(tmp_
     """An engine on an AutoAWQ checkpoint (tests/quant_checkpoints.py) whose runner picks its matmul kernels
     as on a GPU: every layer projection through the kernel (interpreted here; the prefill's 16 rows too),
     greedy tokens equal Hugging Face float32's on the format's own dequantized weights."""
+    pytest.importorskip("torch")  # the checkpoint writers and HF oracle (the newest-JAX chroot has none)
     from quant_checkpoints import hf_greedy, hf_model, write_awq
 
     from jaxpaged import LLM, SamplingParams
@@ -175,6 +176,7 @@ def test_an_awq_checkpoint_served_through_the_kernel_gives_hf_greedy_tokens(tmp_
 def test_the_static_profiles_w4a16_tree_is_the_tree_an_awq_checkpoint_loads_as(tmp_path):
     """benchmarks/bench_h100_static --quantized profiles abstract W4A16 leaves (static_profile.step_profile
     quantized_shapes "w4a16"): the names, shapes and dtypes an AWQ checkpoint really loads as."""
+    pytest.importorskip("torch")  # the checkpoint writers and HF oracle (the newest-JAX chroot has none)
     from quant_checkpoints import write_awq
 
     from jaxpaged.models.llama import param_shapes
