@@ -24,100 +24,84 @@ import jax
 import numpy as np
 
 
-class HostKVStore:
-    def __init__(self, runner, num_host_pages: int) -> None:
+class _HostRows:
+    """Host copies of device rows along `axis` (pages: 3, state slots: 1), moved in the runner's fixed-size
+    batches: `gather` / `scatter` are the runner's jitted programs, `batch` their row count."""
+
+    axis: int
+
+    def __init__(self, runner, device_tree, num_rows: int, batch: int, gather, scatter) -> None:
         self.runner = runner
-        self.num_host_pages = num_host_pages
-        self.pages = jax.tree.map(
-            lambda leaf: np.zeros(leaf.shape[:3] + (num_host_pages,) + leaf.shape[4:], leaf.dtype), runner.kv_pages
+        self._batch, self._gather, self._scatter = batch, gather, scatter
+        self._rows = jax.tree.map(
+            lambda leaf: np.zeros(leaf.shape[:self.axis] + (num_rows,) + leaf.shape[self.axis + 1:], leaf.dtype),
+            device_tree,
         )
-        self.bytes_per_page = sum(
-            leaf.nbytes // max(1, num_host_pages) for leaf in jax.tree.leaves(self.pages)
-        ) if num_host_pages else 0
-        self._pending: list[tuple[list[int], object]] = []  # (host page ids, device pages on their way)
+        self._pending: list[tuple[list[int], object]] = []  # (host rows, device rows on their way)
         self.num_bytes_out = 0  # device -> host
         self.num_bytes_in = 0  # host -> device
 
+    def _at(self, index):
+        return (slice(None),) * self.axis + (index,)
+
+    def row_bytes(self) -> int:
+        return sum(leaf.nbytes // max(1, leaf.shape[self.axis]) for leaf in jax.tree.leaves(self._rows))
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._materialise()  # the previous step's copies have landed by now (or are about to)
-        batch = self.runner.max_num_transfer_pages
-        for i in range(0, len(pairs), batch):
-            chunk = pairs[i : i + batch]
-            pages = self.runner.gather_pages([page_id for page_id, _ in chunk])
-            for leaf in jax.tree.leaves(pages):
+        for i in range(0, len(pairs), self._batch):
+            chunk = pairs[i : i + self._batch]
+            rows = self._gather([device_id for device_id, _ in chunk])
+            for leaf in jax.tree.leaves(rows):
                 leaf.copy_to_host_async()
-            self._pending.append(([host_page_id for _, host_page_id in chunk], pages))
-            self.num_bytes_out += len(chunk) * self.bytes_per_page
+            self._pending.append(([host_id for _, host_id in chunk], rows))
+            self.num_bytes_out += len(chunk) * self.row_bytes()
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._materialise()
-        batch = self.runner.max_num_transfer_pages
-        for i in range(0, len(pairs), batch):
-            chunk = pairs[i : i + batch]
-            host_ids = np.zeros(batch, np.int64)
-            host_ids[: len(chunk)] = [host_page_id for host_page_id, _ in chunk]
-            # Fancy indexing copies: later writes into these host pages cannot race the transfer.
-            pages = jax.tree.map(lambda leaf: leaf[:, :, :, host_ids], self.pages)
-            self.runner.scatter_pages(pages, [page_id for _, page_id in chunk])
-            self.num_bytes_in += len(chunk) * self.bytes_per_page
+        for i in range(0, len(pairs), self._batch):
+            chunk = pairs[i : i + self._batch]
+            host_ids = np.zeros(self._batch, np.int64)
+            host_ids[: len(chunk)] = [host_id for host_id, _ in chunk]
+            # Fancy indexing copies: later writes into these host rows cannot race the transfer.
+            rows = jax.tree.map(lambda leaf: leaf[self._at(host_ids)], self._rows)
+            self._scatter(rows, [device_id for _, device_id in chunk])
+            self.num_bytes_in += len(chunk) * self.row_bytes()
 
     def _materialise(self) -> None:
-        for host_ids, pages in self._pending:
+        for host_ids, rows in self._pending:
             def write(host, dev, host_ids=host_ids):
-                host[:, :, :, host_ids] = np.asarray(dev)[:, :, :, : len(host_ids)]
+                host[self._at(host_ids)] = np.asarray(dev)[self._at(slice(0, len(host_ids)))]
 
-            jax.tree.map(write, self.pages, pages)
+            jax.tree.map(write, self._rows, rows)
         self._pending.clear()
 
 
-class HostStateStore:
-    """A hybrid model's swapped recurrent states: one numpy array per state leaf (conv, recurrent), the slot
-    axis (1) sized to host state slots 1..num_host_slots (0 unused), moved as `HostKVStore` moves pages:
+class HostKVStore(_HostRows):
+    axis = 3  # [num_layers, 2, num_kv_heads, pages, page_size, head_dim]
 
-        swap_out [(device slot, host slot)]   gather on device -> copy_to_host_async -> pending
-        swap_in  [(host slot, device slot)]   materialise pending; numpy rows -> scatter into the state
-    """
+    def __init__(self, runner, num_host_pages: int) -> None:
+        super().__init__(runner, runner.kv_pages, num_host_pages, runner.max_num_transfer_pages,
+                         runner.gather_pages, runner.scatter_pages)
+        self.num_host_pages = num_host_pages
+        self.bytes_per_page = self.row_bytes() if num_host_pages else 0
+
+    @property
+    def pages(self):
+        return self._rows
+
+
+class HostStateStore(_HostRows):
+    """A hybrid model's swapped recurrent states: one numpy array per state leaf (conv, recurrent), the slot
+    axis (1) sized to host state slots 1..num_host_slots (0 unused), moved as `HostKVStore` moves pages."""
+
+    axis = 1
 
     def __init__(self, runner, num_host_slots: int) -> None:
-        self.runner = runner
+        super().__init__(runner, runner.linear_state, num_host_slots + 1, runner.max_num_copies,
+                         runner.gather_states, runner.scatter_states)
         self.num_host_slots = num_host_slots
-        self.states = jax.tree.map(
-            lambda leaf: np.zeros(leaf.shape[:1] + (num_host_slots + 1,) + leaf.shape[2:], leaf.dtype),
-            runner.linear_state,
-        ) if num_host_slots else None
-        self._pending: list[tuple[list[int], object]] = []  # (host slots, device states on their way)
-        self.num_bytes_out = 0
-        self.num_bytes_in = 0
 
-    def _bytes_per_slot(self) -> int:
-        return sum(leaf.nbytes // leaf.shape[1] for leaf in jax.tree.leaves(self.states))
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._materialise()
-        batch = self.runner.max_num_copies
-        for i in range(0, len(pairs), batch):
-            chunk = pairs[i : i + batch]
-            states = self.runner.gather_states([slot for slot, _ in chunk])
-            for leaf in jax.tree.leaves(states):
-                leaf.copy_to_host_async()
-            self._pending.append(([host_slot for _, host_slot in chunk], states))
-            self.num_bytes_out += len(chunk) * self._bytes_per_slot()
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._materialise()
-        batch = self.runner.max_num_copies
-        for i in range(0, len(pairs), batch):
-            chunk = pairs[i : i + batch]
-            host_ids = np.zeros(batch, np.int64)
-            host_ids[: len(chunk)] = [host_slot for host_slot, _ in chunk]
-            states = jax.tree.map(lambda leaf: leaf[:, host_ids], self.states)  # a copy: later writes cannot race
-            self.runner.scatter_states(states, [slot for _, slot in chunk])
-            self.num_bytes_in += len(chunk) * self._bytes_per_slot()
-
-    def _materialise(self) -> None:
-        for host_ids, states in self._pending:
-            def write(host, dev, host_ids=host_ids):
-                host[:, host_ids] = np.asarray(dev)[:, : len(host_ids)]
-
-            jax.tree.map(write, self.states, states)
-        self._pending.clear()
+    @property
+    def states(self):
+        return self._rows
